@@ -1,0 +1,188 @@
+"""`skyrl-stepwise ablate [hydra overrides]`: step-wise vs merged vs whole-trajectory, exact vs retokenize.
+
+1. Replay: generate rollouts once per history mode (same seed, same prompts), build every mode's
+   samples from the *identical* rollouts, and time one policy update on each: differences are due to
+   the mode alone.
+2. Curves (ablation.train_steps > 0): a short RL run per mode from the same initial weights.
+Writes report.md, costs.png, curves.png into ablation.output_dir and logs them to wandb.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import dataclasses
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+
+def measure(fn) -> tuple[object, float, float]:
+    """(result, seconds, peak memory MiB above the start): CUDA allocator peak, else sampled process RSS."""
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        result = fn()
+        return result, time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / 2**20
+    proc, peak, stop = psutil.Process(), [0], threading.Event()
+    base = proc.memory_info().rss
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    try:
+        result = fn()
+    finally:
+        stop.set()
+        sampler.join()
+    return result, time.perf_counter() - start, max(peak[0] - base, 0) / 2**20
+
+
+class LocalPolicy:
+    """A single-process PolicyWorker behind the same `.call(method, *args)` as the Ray group."""
+
+    def __init__(self, trainer_cfg) -> None:
+        from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+        self.worker = PolicyWorker(replace(trainer_cfg, fsdp=replace(trainer_cfg.fsdp, world_size=1)))
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+
+def save_rollouts(output, path: Path) -> None:
+    """The replayed rollouts themselves, so every figure in the report can be recomputed from them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = dataclasses.asdict(output)
+    record["trajectory_ids"] = [dataclasses.asdict(t) for t in output.trajectory_ids]
+    path.write_text(json.dumps(record))
+
+
+def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm) -> list[dict]:
+    """Every mode's samples from the same rollouts, their token costs and one timed update each."""
+    from skyrl_stepwise.ablation.modes import SampleCost, build_samples
+    from skyrl_stepwise.trainer.advantages import compute_advantages
+    from skyrl_stepwise.trainer.batching import TrainBatch
+
+    rows = []
+    for mode in modes:
+        samples = build_samples(stepwise, mode)
+        batch = TrainBatch.from_output(samples, compute_advantages(samples, algorithm))
+        _, seconds, peak = measure(lambda: policy.call("train_step", batch))
+        m = samples.rollout_metrics
+        rows.append({"history": history, "mode": mode, **dataclasses.asdict(SampleCost.of(samples)),
+                     "train_step_s": seconds, "peak_mem_mib": peak,
+                     "merge_rate": m.get("generate/merge_rate", 0.0),
+                     "bridge_fallbacks": m.get("generate/bridge_fallbacks", 0),
+                     "retokenize_drift_steps": m.get("generate/retokenize_drift_steps", 0),
+                     "reward_mean": sum(samples.trajectory_rewards()) / max(len(set(samples.trajectory_ids)), 1)})
+    return rows
+
+
+async def _ablate(cfg, rows) -> Path:
+    import ray
+    from transformers import AutoTokenizer
+
+    from skyrl_stepwise.ablation.report import write_report
+    from skyrl_stepwise.envs.base import EnvRegistry
+    from skyrl_stepwise.envs.search import register_search_env
+    from skyrl_stepwise.envs.toy import KeywordEnv
+    from skyrl_stepwise.generator import StepwiseGenerator
+    from skyrl_stepwise.inference import create_engine
+    from skyrl_stepwise.inference.vllm_engine import ensure_ray
+    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config, expand
+    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.trainer.weight_sync import sync_weights
+
+    owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
+    ensure_ray()
+    out_dir = Path(cfg.ablation.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    registry = EnvRegistry()
+    register_search_env(registry, cfg.environment.search)
+    registry.register("keyword", KeywordEnv)
+    engine = create_engine(cfg.engine)
+    n = cfg.generator.n_samples_per_prompt
+    try:
+        policy = LocalPolicy(cfg.trainer)
+        cost_rows = []
+        for history in cfg.ablation.histories:
+            gen_cfg = replace(cfg.generator, history=history, step_wise_trajectories=True, merge_stepwise_output=False)
+            stepwise = await StepwiseGenerator(tokenizer, engine, registry, gen_cfg).generate(*expand(rows, n, "ablate"))
+            save_rollouts(stepwise, out_dir / f"rollouts_{history}.json")
+            cost_rows += replay_costs(stepwise, history, cfg.ablation.modes, policy, cfg.trainer.algorithm)
+
+        curves: dict[str, list[dict]] = {}
+        run_cfg = replace(cfg, total_steps=cfg.ablation.train_steps, eval_interval=0,
+                          trainer=replace(cfg.trainer, ckpt_interval=0, resume="none"))
+        for mode in cfg.ablation.modes if cfg.ablation.train_steps > 0 else []:
+            policy = LocalPolicy(cfg.trainer)  # every mode starts from the same initial weights
+            await sync_weights(policy, engine)
+            gen_cfg = replace(cfg.generator, step_wise_trajectories=mode != "trajectory",
+                              merge_stepwise_output=mode == "step_wise_merged")
+            tracker = Tracker(out_dir / mode, cfg.logging.project, f"{cfg.logging.run_name}-{mode}", "disabled", {})
+            trainer = RLTrainer(run_cfg, StepwiseGenerator(tokenizer, engine, registry, gen_cfg),
+                                StepwiseGenerator(tokenizer, engine, registry, eval_config(gen_cfg)), engine, policy,
+                                None, tracker, rows, [], tokenizer("probe", add_special_tokens=False)["input_ids"])
+            await trainer.fit()
+            tracker.finish()
+            curves[mode] = tracker.history
+    finally:
+        getattr(engine, "shutdown", lambda: None)()
+        if owns_ray:
+            ray.shutdown()
+
+    header = (f"model `{cfg.model_path}`, {len(rows)} prompts x {n} samples, max_turns {cfg.generator.max_turns}, "
+              f"engine {cfg.engine.backend} ({cfg.engine.dtype}); replay: identical rollouts per history mode.")
+    report = write_report(out_dir, cost_rows, curves, header)
+    (out_dir / "costs.json").write_text(json.dumps(cost_rows, indent=1))
+    _log_to_wandb(cfg, out_dir, cost_rows)
+    return report
+
+
+def _log_to_wandb(cfg, out_dir: Path, cost_rows: list[dict]) -> None:
+    """The table and plots as one wandb run (offline unless configured online with a key)."""
+    if cfg.logging.wandb_mode == "disabled":
+        return
+    import wandb
+
+    from skyrl_stepwise.trainer.tracking import Tracker
+
+    tracker = Tracker(out_dir, cfg.logging.project, f"{cfg.logging.run_name}-ablation", cfg.logging.wandb_mode, {})
+    columns = list(cost_rows[0])
+    images = {f"ablation/{p.stem}": wandb.Image(str(p)) for p in sorted(out_dir.glob("*.png"))}
+    tracker.wandb.log({"ablation/costs": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in cost_rows]),
+                       **images})
+    tracker.finish()
+
+
+def run(cfg) -> Path:
+    from skyrl_stepwise.train import prepared
+
+    with prepared(cfg) as (train_rows, _):
+        report = asyncio.run(_ablate(cfg, train_rows[: cfg.ablation.num_prompts]))
+    print(f"\n{report.read_text()}\nreport: {report.resolve()}", flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: `skyrl-stepwise ablate experiment=search_r1_tiny ablation.num_prompts=8`."""
+    from skyrl_stepwise.train import load_config
+
+    run(load_config(list(sys.argv[1:] if argv is None else argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

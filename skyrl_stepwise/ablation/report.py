@@ -1,0 +1,88 @@
+"""The ablation's outputs: a markdown table people can paste and PNG plots people would rather look at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COST_COLUMNS = [("samples", "samples / step"), ("forward_tokens", "forward tokens"),
+                ("padded_tokens", "padded tokens"), ("batch_padded_seq_len", "batch_padded_seq_len"),
+                ("trained_tokens", "trained tokens"), ("train_step_s", "train step (s)"),
+                ("peak_mem_mib", "peak mem (MiB)"), ("merge_rate", "merge rate"),
+                ("bridge_fallbacks", "bridge fallbacks"), ("retokenize_drift_steps", "retok. drift steps")]
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One row per (history, mode), plus each mode's forward tokens relative to step-wise."""
+    head = ["history", "mode"] + [title for _, title in COST_COLUMNS] + ["fwd tokens vs step_wise"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = {r["history"]: r["forward_tokens"] for r in rows if r["mode"] == "step_wise"}
+    for r in rows:
+        ratio = r["forward_tokens"] / base[r["history"]] if base.get(r["history"]) else float("nan")
+        cells = [r["history"], r["mode"]] + [_fmt(r.get(key, "")) for key, _ in COST_COLUMNS] + [f"{ratio:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_costs(rows: list[dict], path: Path) -> None:
+    """Bar charts, one panel per cost, bars per (history, mode)."""
+    keys = [k for k, _ in COST_COLUMNS[:7]]
+    titles = dict(COST_COLUMNS)
+    labels = [f"{r['mode']}\n({r['history']})" for r in rows]
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4.2))
+    colors = ["#4C72B0" if r["history"] == "exact" else "#DD8452" for r in rows]
+    for ax, key in zip(axes, keys):
+        ax.bar(range(len(rows)), [r.get(key, 0) or 0 for r in rows], color=colors)
+        ax.set_title(titles[key], fontsize=10)
+        ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=7, ha="right")
+    fig.suptitle("Same rollouts, three ways to train on them (blue: exact history, orange: retokenize)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
+    """Reward (= EM for Search-R1) and cost per training step, one line per mode."""
+    panels = [("reward/mean", "train reward (EM)"), ("reward/pass_at_n", "pass@n"),
+              ("generate/num_samples", "samples per step"), ("timing/train_s", "train time per step (s)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    for ax, (key, title) in zip(axes, panels):
+        for mode, steps in curves.items():
+            xs = [s["step"] for s in steps if key in s]
+            ax.plot(xs, [s[key] for s in steps if key in s], marker="o", label=mode)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out_dir: Path, rows: list[dict], curves: dict[str, list[dict]], header: str) -> Path:
+    """report.md + costs.png (+ curves.png when training curves were run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_costs(rows, out_dir / "costs.png")
+    parts = [f"# Step-wise ablation\n\n{header}\n", "## Cost of the same rollouts per mode\n",
+             markdown_table(rows), "\n![costs](costs.png)\n"]
+    if curves:
+        plot_curves(curves, out_dir / "curves.png")
+        parts += ["## Training curves\n", "| mode | step | reward | pass@n | samples | train s |", "|---|---|---|---|---|---|"]
+        for mode, steps in curves.items():
+            for s in steps:
+                parts.append(f"| {mode} | {s['step']} | {s.get('reward/mean', float('nan')):.3f} | "
+                             f"{s.get('reward/pass_at_n', float('nan')):.3f} | {s.get('generate/num_samples', 0)} | "
+                             f"{s.get('timing/train_s', float('nan')):.1f} |")
+        parts.append("\n![curves](curves.png)\n")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path

@@ -1,0 +1,35 @@
+"""`skyrl-stepwise <command>`: one entry point, each command owned by the module that does the work."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    ("model", "prepare"): ("skyrl_stepwise.models.prepare", "convert the embedded SmolLM2 GGUF to a HF folder"),
+    ("data", "prepare"): ("skyrl_stepwise.data.embedded", "build the embedded Search-R1 corpus and QA splits"),
+    ("retriever", "serve"): ("skyrl_stepwise.retrieval.server", "serve BM25/dense retrieval over HTTP"),
+    ("demo",): ("skyrl_stepwise.inference.demo", "generate for a few chat prompts with the vLLM engine"),
+    ("train",): ("skyrl_stepwise.train", "Hydra-configured step-wise RL training"),
+    ("ablate",): ("skyrl_stepwise.ablate", "step-wise vs merged vs whole-trajectory ablation"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: skyrl-stepwise <command> [args]", "", "commands:"]
+    lines += [f"  {' '.join(words):<18} {help_}" for words, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to `<module>.main(rest_of_argv)` so every command is also runnable as a module."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for words, (module, _) in COMMANDS.items():
+        if tuple(argv[: len(words)]) == words:
+            return importlib.import_module(module).main(argv[len(words):]) or 0
+    print(_usage(), file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The run's config tree, registered with Hydra as a structured config so a wrong key fails at startup.
+
+`conf/config.yaml` fills it; `conf/experiment/*.yaml` are recipes; command-line overrides go last.
+Cross-section rules (merge needs step-wise, engine length covers prompt + generation, ...) are checked
+by `RunConfig.validate`, each error naming the key path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from skyrl_stepwise.envs.search import SearchEnvConfig
+from skyrl_stepwise.generator.config import GeneratorConfig
+from skyrl_stepwise.inference.config import EngineConfig
+from skyrl_stepwise.trainer.config import TrainerConfig
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets; "embedded" means the offline Wikipedia Search-R1 set built on first use."""
+
+    train_path: str = "embedded"
+    val_path: str = "embedded"
+    train_batch_size: int = 4  # prompts per RL step (each sampled generator.n_samples_per_prompt times)
+    eval_batch_size: int = 8
+    max_eval_prompts: int = 16
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class RetrieverConfig:
+    """A local retrieval server started for the run (the embedded corpus by default)."""
+
+    start_local: bool = True
+    corpus: str = "embedded"  # or a corpus JSONL {"id", "contents"}
+    kind: str = "bm25"
+    port: int = 0  # 0: any free port on 127.0.0.1 (search_url is then filled in)
+
+
+@dataclass
+class EnvironmentConfig:
+    search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+
+
+@dataclass
+class LoggingConfig:
+    """Console always; wandb offline unless WANDB_API_KEY is set and mode is online."""
+
+    project: str = "skyrl_stepwise"
+    run_name: str = "run"
+    output_dir: str = "outputs/${logging.run_name}"
+    wandb_mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
+class AblationConfig:
+    """`skyrl-stepwise ablate`: replay the same rollouts through every mode, then optional short runs."""
+
+    modes: list[str] = field(default_factory=lambda: ["trajectory", "step_wise", "step_wise_merged"])
+    histories: list[str] = field(default_factory=lambda: ["exact", "retokenize"])
+    num_prompts: int = 4
+    train_steps: int = 2  # RL steps per mode for reward curves (exact history); 0: costs only
+    output_dir: str = "${logging.output_dir}/ablation"
+
+
+@dataclass
+class RunConfig:
+    model_path: str = "smollm2"  # "smollm2" (embedded), a local HF folder, or a hub id
+    total_steps: int = 4
+    eval_interval: int = 0  # RL steps between evals; 0: only at the end
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
+
+    def validate(self) -> None:
+        """Every rule that spans sections, with the key path in the message."""
+        self.generator.validate()
+        self.trainer.validate()
+        if self.total_steps <= 0:
+            raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
+        if self.data.train_batch_size <= 0:
+            raise ValueError(f"data.train_batch_size must be > 0, got {self.data.train_batch_size}")
+        if self.logging.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logging.wandb_mode must be offline, online or disabled, got {self.logging.wandb_mode!r}")
+        from skyrl_stepwise.ablation.modes import MODES
+
+        bad = [m for m in self.ablation.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"ablation.modes: {bad} not in {list(MODES)}")
+        bad = [h for h in self.ablation.histories if h not in ("exact", "retokenize")]
+        if bad:
+            raise ValueError(f"ablation.histories: {bad} not in ['exact', 'retokenize']")
+        needed = self.generator.max_input_length + self.generator.sampling.max_generate_length + 1
+        if self.engine.max_model_len < needed:
+            raise ValueError(f"engine.max_model_len={self.engine.max_model_len} is shorter than "
+                             f"generator.max_input_length + generator.sampling.max_generate_length + 1 = {needed}")
+        if abs(self.trainer.temperature - self.generator.sampling.temperature) > 1e-9 and \
+                self.generator.sampling.temperature > 0:
+            raise ValueError(f"trainer.temperature={self.trainer.temperature} must equal "
+                             f"generator.sampling.temperature={self.generator.sampling.temperature}: "
+                             "trainer logprobs must score the distribution the rollouts sampled from")
+
+
+def register_configs() -> None:
+    """Make `RunConfig` the schema of conf/config.yaml."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)

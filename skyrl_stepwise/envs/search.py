@@ -1,0 +1,159 @@
+"""The Search-R1 environment (env class "search"): `<search>` calls a retriever, `<answer>` ends with EM.
+
+Turn semantics follow SkyRL, not Search-R1: `max_turns` counts LLM turns (actions) in total, and the
+episode is done at the `max_turns`-th action even without an answer (so at most max_turns - 1 searches
+are executed; a `<search>` in the last turn is not run). Search-R1's `max_turns=N` instead means N
+search rounds plus one forced final generation, i.e. SkyRL/our `max_turns=N+1`.
+
+Each action is parsed like Search-R1 does: the FIRST `<search>...</search>` or `<answer>...</answer>`
+(regex `<(search|answer)>(.*?)</\\1>`), body stripped. Observations are Search-R1's text:
+`\\n\\n<information>Doc 1(Title: "T") text\\nDoc 2(...)...</information>\\n\\n`, returned as one
+`{"role": "user"}` message. In conversation mode the generator appends it as a user turn; in
+single-message mode it concatenates the message contents raw after the action, which reproduces
+Search-R1's token stream exactly. A retriever that is down, slow or returns garbage never raises:
+the observation says the search failed, `search_failures` counts it, and the episode goes on.
+
+The reward is exact match (SR1 normalization) of the answer the model gave in its actions; the
+prompt's own `<answer> Beijing </answer>` example is never seen here, so one match is enough.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
+from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check
+from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalClientConfig, RetrievalError
+from skyrl_stepwise.retrieval.index import Document, split_contents
+
+ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+# Search-R1's message, verbatim (search_r1/llm_agent/generation.py).
+INVALID_ACTION = ("\nMy previous action is invalid. If I want to search, I should put the query between "
+                  "<search> and </search>. If I want to give the final answer, I should put the answer "
+                  "between <answer> and </answer>. Let me try again.\n")
+
+
+@dataclass
+class SearchEnvConfig:
+    """Retriever endpoint, retry policy and observation text; defaults reproduce Search-R1's format."""
+
+    search_url: str = "http://127.0.0.1:8000/retrieve"
+    topk: int = 3
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    max_turns: int = 4  # used only when the generator does not pass extras["max_turns"]
+    observation_template: str = "\n\n<information>{results}</information>\n\n"
+    doc_template: str = "Doc {index}(Title: {title}) {text}\n"
+    failure_template: str = "\n\n<information>Search failed: {error}</information>\n\n"
+    invalid_action_message: str = INVALID_ACTION
+
+    def __post_init__(self) -> None:
+        """Fail at config time, not mid-rollout, on a template that uses unknown fields."""
+        checks = (("observation_template", self.observation_template, {"results": ""}),
+                  ("doc_template", self.doc_template, {"index": 1, "title": "", "text": ""}),
+                  ("failure_template", self.failure_template, {"error": ""}))
+        for name, template, fields in checks:
+            try:
+                template.format(**fields)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"SearchEnvConfig.{name} {template!r} must only use the fields "
+                                 f"{sorted(fields)}: {e!r}") from None
+        if self.topk < 1:
+            raise ValueError(f"SearchEnvConfig.topk must be >= 1, got {self.topk}")
+
+    def client_config(self) -> RetrievalClientConfig:
+        """The retry/timeout part of this config, in the client's own terms."""
+        return RetrievalClientConfig(url=self.search_url, timeout_s=self.timeout_s,
+                                     max_retries=self.max_retries, backoff_s=self.backoff_s)
+
+
+def parse_action(text: str) -> tuple[str, str] | None:
+    """("search" | "answer", stripped body) of the first tag pair in the action, or None if invalid."""
+    m = ACTION_RE.search(text)
+    return (m.group(1), m.group(2).strip()) if m else None
+
+
+def format_documents(docs: list[Document], template: str) -> str:
+    """Search-R1's `_passages2string`: title = first line of contents (quotes kept), text = the rest."""
+    parts = []
+    for i, doc in enumerate(docs, 1):
+        title, text = split_contents(doc["contents"])
+        parts.append(template.format(index=i, title=title, text=text))
+    return "".join(parts)
+
+
+def ground_truth_targets(extras: dict[str, Any]) -> list[str]:
+    """The golden answers from `extras["reward_spec"]["ground_truth"]["target"]`, as a list of strings."""
+    try:
+        target = extras["reward_spec"]["ground_truth"]["target"]
+    except (KeyError, TypeError):
+        raise KeyError("search env needs extras['reward_spec']['ground_truth']['target'] (the golden answers); "
+                       f"got extras keys {sorted(extras)}") from None
+    targets = [target] if isinstance(target, str) else [str(t) for t in target]
+    if not targets:
+        raise ValueError("extras['reward_spec']['ground_truth']['target'] is empty")
+    return targets
+
+
+class SearchEnv:
+    """One Search-R1 episode; a fresh instance per trajectory, the retrieval client shared."""
+
+    def __init__(self, cfg: SearchEnvConfig | None = None, client: RetrievalClient | None = None) -> None:
+        self.cfg = cfg or SearchEnvConfig()
+        self.client = client or RetrievalClient(self.cfg.client_config())
+        self.targets: list[str] = []
+        self.max_turns = self.cfg.max_turns
+        self.turns = 0
+        self.actions: list[str] = []
+
+    async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
+        """Keep the golden answers and the generator's max_turns; the prompt passes through unchanged."""
+        self.targets = ground_truth_targets(extras)
+        self.max_turns = int(extras.get("max_turns", self.cfg.max_turns))
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        self.turns, self.actions = 0, []
+        return list(prompt_messages)
+
+    async def step(self, action_text: str) -> StepResult:
+        """Answer -> graded and done; search -> retrieved docs (or a failure note); else SR1's invalid message."""
+        self.turns += 1
+        self.actions.append(action_text)
+        action = parse_action(action_text)
+        metrics = {"invalid_actions": float(action is None), "search_calls": 0.0, "search_failures": 0.0,
+                   "retrieval_seconds": 0.0}
+
+        if (action is not None and action[0] == "answer") or self.turns >= self.max_turns:
+            answer = action[1] if action is not None and action[0] == "answer" else last_answer("".join(self.actions))
+            reward = exact_match_score(answer, self.targets)
+            metrics.update(em=reward, answered=float(answer is not None),
+                           subem=float(answer is not None and subem_check(answer, self.targets)))
+            return StepResult(observations=[], reward=reward, done=True, metrics=metrics)
+
+        if action is None:
+            text = self.cfg.invalid_action_message
+        else:
+            metrics["search_calls"] = 1.0
+            t0 = time.perf_counter()
+            try:
+                docs = (await self.client.search([action[1]], self.cfg.topk))[0]
+                text = self.cfg.observation_template.format(
+                    results=format_documents(docs, self.cfg.doc_template).strip())
+            except (RetrievalError, httpx.HTTPError) as e:  # a broken retriever must not end the episode
+                metrics["search_failures"] = 1.0
+                text = self.cfg.failure_template.format(error=(str(e) or type(e).__name__)[:300])
+            metrics["retrieval_seconds"] = time.perf_counter() - t0
+        return StepResult(observations=[{"role": "user", "content": text}], reward=0.0, done=False, metrics=metrics)
+
+
+def register_search_env(registry: EnvRegistry, cfg: SearchEnvConfig | None = None, name: str = "search") -> None:
+    """Register "search" with one retrieval client (one connection pool) shared by all its episodes."""
+    cfg = cfg or SearchEnvConfig()
+    client = RetrievalClient(cfg.client_config())
+    registry.register(name, lambda: SearchEnv(cfg, client))

@@ -1,0 +1,200 @@
+"""One trajectory, one async loop: generate, act in the env, extend the history, go again.
+
+History is kept as token ids. The next prompt is `prompt + sampled (+ appended EOS) + bridge`,
+checked against what the chat template renders; where the template cannot be extended exactly we
+re-render the full history, which starts a new step chain, and count it. The length check always
+runs on the prompt that is about to be sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from skyrl_stepwise.envs.base import Env, Message
+from skyrl_stepwise.generator.chat_bridge import ChatTemplateBridge
+from skyrl_stepwise.generator.config import GeneratorConfig
+from skyrl_stepwise.generator.output import TrajectoryID
+from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepSample:
+    """One model turn: the prompt it saw and exactly the ids it produced (plus a masked EOS)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    reward: float
+    stop_reason: str
+
+
+@dataclass
+class TrajectoryStats:
+    """Per-trajectory counters that become `rollout_metrics`."""
+
+    bridge_fallbacks: int = 0
+    retokenize_drift_steps: int = 0
+    first_divergence: list[int] = field(default_factory=list)
+    env_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    env_errors: int = 0
+    prompt_too_long: bool = False
+    env_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrajectoryResult:
+    trajectory_id: TrajectoryID
+    steps: list[StepSample]
+    stats: TrajectoryStats
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (len of the shorter if one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _turn_seed(base_seed: int | None, trajectory_id: TrajectoryID, turn: int) -> int | None:
+    """A reproducible per-(trajectory, turn) seed, so reruns with a fixed seed sample the same ids."""
+    if base_seed is None:
+        return None
+    return zlib.crc32(f"{base_seed}:{trajectory_id.key()}:{turn}".encode()) & 0x7FFFFFFF
+
+
+class AgentLoop:
+    """Runs trajectories against one engine and one chat template; stateless across trajectories."""
+
+    def __init__(self, tokenizer, engine: InferenceEngine, cfg: GeneratorConfig) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.template = ChatTemplateBridge(tokenizer)
+        self.eos_id = self.template.eos_id
+
+    def _sampling(self, trajectory_id: TrajectoryID, turn: int) -> SamplingParams:
+        s = self.cfg.sampling
+        return SamplingParams(max_tokens=s.max_generate_length, temperature=s.temperature, top_p=s.top_p,
+                              top_k=s.top_k, stop=tuple(s.stop), logprobs=s.logprobs,
+                              seed=_turn_seed(s.seed, trajectory_id, turn))
+
+    async def run(self, env: Env, prompt_messages: list[Message], extras: dict,
+                  trajectory_id: TrajectoryID) -> TrajectoryResult:
+        """Roll out one trajectory; never emits a step whose prompt exceeds max_input_length."""
+        cfg, tpl = self.cfg, self.template
+        stats = TrajectoryStats()
+        messages = await env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns})
+        history: list[Message] = list(messages)  # text view, for template checks and `retokenize`
+        prompt_ids = tpl.prompt_ids(history)
+        prompt_text = tpl.render(history, add_generation_prompt=True)  # text of prompt_ids (exact mode)
+        single_message_text = ""  # single-message mode: the one growing assistant message
+        steps: list[StepSample] = []
+        ended_by_length = False
+
+        for turn in range(cfg.max_turns):
+            if len(prompt_ids) > cfg.max_input_length:
+                ended_by_length = True
+                stats.prompt_too_long = not steps
+                break
+            t0 = time.perf_counter()
+            result = await self.engine.generate(prompt_ids, self._sampling(trajectory_id, turn),
+                                                session_id=trajectory_id.key())
+            stats.engine_seconds += time.perf_counter() - t0
+            sampled = list(result.token_ids)
+            logprobs = list(result.logprobs) if result.logprobs is not None else [0.0] * len(sampled)
+            model_eos = bool(sampled) and sampled[-1] == self.eos_id
+            action_ids = sampled[:-1] if model_eos else sampled
+            action_text = tpl.decode(action_ids)
+
+            t0 = time.perf_counter()
+            try:
+                step = await env.step(action_text)
+                reward, done, observations = step.reward, step.done, step.observations
+                for k, v in step.metrics.items():
+                    stats.env_metrics[k] = stats.env_metrics.get(k, 0.0) + float(v)
+            except Exception:  # one broken env must not sink a batch of rollouts
+                logger.exception("env.step failed for trajectory %s turn %d; ending it", trajectory_id, turn)
+                stats.env_errors += 1
+                reward, done, observations = 0.0, True, []
+            stats.env_seconds += time.perf_counter() - t0
+
+            last_turn = done or result.finish_reason == "abort" or turn == cfg.max_turns - 1
+            response, mask = list(sampled), [1] * len(sampled)
+            if not model_eos and self._needs_eos(last_turn, result.finish_reason):
+                response.append(self.eos_id)  # appended after the fact: never a training target
+                mask.append(0)
+                logprobs.append(0.0)
+            steps.append(StepSample(prompt_ids, response, mask, logprobs, float(reward), result.finish_reason))
+            if last_turn:
+                break
+
+            if cfg.use_conversation_multi_turn:
+                history.append({"role": "assistant", "content": action_text})
+                history.extend(observations)
+                prompt_ids, prompt_text = self._next_conversation_prompt(
+                    prompt_ids, prompt_text, response, observations, history, stats)
+            else:
+                observation_text = "".join(m["content"] for m in observations)
+                single_message_text += action_text + observation_text
+                exact = prompt_ids + action_ids + tpl.encode(observation_text)
+                if cfg.history == "retokenize":
+                    first_prompt = tpl.render(list(messages), add_generation_prompt=True)
+                    retok = tpl.encode(first_prompt + single_message_text)
+                    self._count_drift(retok, exact, stats)
+                    exact = retok
+                prompt_ids = exact
+
+        end_session = getattr(self.engine, "end_session", None)  # a pool forgets the sticky route
+        if end_session is not None:
+            end_session(trajectory_id.key())
+        if ended_by_length and steps:
+            last = steps[-1]
+            last.stop_reason = "length"
+            if not last.response_ids or last.response_ids[-1] != self.eos_id:
+                last.response_ids.append(self.eos_id)
+                last.loss_mask.append(0)
+                last.logprobs.append(0.0)
+        return TrajectoryResult(trajectory_id, steps, stats)
+
+    def _needs_eos(self, last_turn: bool, finish_reason: str) -> bool:
+        """A finished trajectory always ends on EOS; a chat turn needs one to close the message."""
+        if last_turn:
+            return True
+        if not self.cfg.use_conversation_multi_turn:
+            return False  # single-message mode: the assistant message continues after the observation
+        return finish_reason != "stop" or self.cfg.append_eos_after_stop_str
+
+    def _next_conversation_prompt(self, prompt_ids, prompt_text, response, observations, history, stats):
+        """Extend the exact ids by the template bridge; re-render the full history where that is not exact."""
+        tpl = self.template
+        rendered = tpl.render(history, add_generation_prompt=True)
+        bridge = tpl.bridge(observations)
+        exact_ids = exact_text = None
+        if bridge.ids is not None:
+            exact_text = prompt_text + tpl.decode(response) + tpl.decode(bridge.ids)
+            if exact_text == rendered:
+                exact_ids = prompt_ids + response + bridge.ids
+        if self.cfg.history == "retokenize":
+            retok = tpl.encode(rendered)
+            if exact_ids is not None:
+                self._count_drift(retok, exact_ids, stats)
+            return retok, rendered
+        if exact_ids is None:
+            stats.bridge_fallbacks += 1
+            logger.debug("chat template cannot be extended exactly (%s); re-rendering the full history",
+                         bridge.reason or "rendered text differs from the exact history")
+            return tpl.encode(rendered), rendered
+        return exact_ids, exact_text
+
+    @staticmethod
+    def _count_drift(retokenized: list[int], exact: list[int], stats: TrajectoryStats) -> None:
+        if retokenized != exact:
+            stats.retokenize_drift_steps += 1
+            stats.first_divergence.append(_first_divergence(retokenized, exact))

@@ -1,0 +1,49 @@
+"""Typed generator config; key names follow SkyRL's `generator.*` so its users feel at home."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GeneratorSamplingConfig:
+    """Per-turn sampling; `max_generate_length` is per turn, not per trajectory."""
+
+    max_generate_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = True
+    seed: int | None = None
+
+
+@dataclass
+class GeneratorConfig:
+    """How trajectories are rolled out and turned into samples."""
+
+    max_turns: int = 4
+    max_input_length: int = 2048
+    sampling: GeneratorSamplingConfig = field(default_factory=GeneratorSamplingConfig)
+    n_samples_per_prompt: int = 1
+    use_conversation_multi_turn: bool = True
+    step_wise_trajectories: bool = True
+    merge_stepwise_output: bool = False
+    # "exact": next prompt = prompt + sampled ids (+ appended EOS) + template bridge ids.
+    # "retokenize": apply the chat template to the text history every turn (the common behaviour).
+    history: str = "exact"
+    append_eos_after_stop_str: bool = True
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        """Reject combinations that would silently train on the wrong thing, naming the key."""
+        if self.history not in ("exact", "retokenize"):
+            raise ValueError(f"generator.history must be 'exact' or 'retokenize', got {self.history!r}")
+        if self.merge_stepwise_output and not self.step_wise_trajectories:
+            raise ValueError("generator.merge_stepwise_output=true requires generator.step_wise_trajectories=true")
+        for key, value in (("generator.max_turns", self.max_turns),
+                           ("generator.max_input_length", self.max_input_length),
+                           ("generator.sampling.max_generate_length", self.sampling.max_generate_length),
+                           ("generator.n_samples_per_prompt", self.n_samples_per_prompt)):
+            if value <= 0:
+                raise ValueError(f"{key} must be > 0, got {value}")

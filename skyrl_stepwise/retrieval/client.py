@@ -1,0 +1,101 @@
+"""Async client for a Search-R1-style `/retrieve` endpoint, with a timeout and bounded retries.
+
+Search-R1's own client (`requests.post`, no timeout, no retry) hangs a whole rollout batch when the
+retriever stalls; here transient failures (connection errors, timeouts, 5xx) are retried with
+exponential backoff and anything else fails fast with a `RetrievalError` the caller can report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+
+from skyrl_stepwise.retrieval.index import Document
+
+
+class RetrievalError(RuntimeError):
+    """The retriever could not answer (down, too slow, 4xx/5xx, or a malformed response)."""
+
+
+@dataclass
+class RetrievalClientConfig:
+    """Where the retriever is and how long to wait for it; retries only cover transient failures."""
+
+    url: str = "http://127.0.0.1:8000/retrieve"
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    backoff_s: float = 0.5  # sleep backoff_s * 2**attempt between tries
+    max_connections: int = 64
+
+
+def parse_response(payload: object, n_queries: int) -> list[list[Document]]:
+    """Accept `{"result": [[{"document": d, "score": s} | d, ...], ...]}` and return documents per query."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("result"), list):
+        raise RetrievalError(f"retriever response has no 'result' list: {str(payload)[:200]!r}")
+    result = payload["result"]
+    if len(result) != n_queries:
+        raise RetrievalError(f"retriever returned {len(result)} result lists for {n_queries} queries")
+    docs: list[list[Document]] = []
+    for row in result:
+        if not isinstance(row, list):
+            raise RetrievalError(f"retriever result entry is not a list: {str(row)[:200]!r}")
+        out = []
+        for item in row:
+            doc = item.get("document", item) if isinstance(item, dict) else None
+            if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
+                raise RetrievalError(f"retrieved item has no 'contents' string: {str(item)[:200]!r}")
+            out.append(doc)
+        docs.append(out)
+    return docs
+
+
+class RetrievalClient:
+    """One pooled httpx client per event loop, shared by every env that holds this object."""
+
+    def __init__(self, cfg: RetrievalClientConfig | None = None) -> None:
+        self.cfg = cfg or RetrievalClientConfig()
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        # An httpx client is bound to the loop it first ran on; a trainer that calls asyncio.run per
+        # batch gets a fresh one instead of "Event loop is closed".
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop:
+            limits = httpx.Limits(max_connections=self.cfg.max_connections,
+                                  max_keepalive_connections=self.cfg.max_connections)
+            self._client = httpx.AsyncClient(timeout=self.cfg.timeout_s, limits=limits)
+            self._loop = loop
+        return self._client
+
+    async def search(self, queries: list[str], topk: int) -> list[list[Document]]:
+        """Top-k documents for each query; raises RetrievalError once retries are spent."""
+        payload = {"queries": list(queries), "topk": topk, "return_scores": True}
+        last_error = "no attempt made"
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
+            try:
+                response = await self._http().post(self.cfg.url, json=payload)
+            except httpx.TransportError as e:  # refused, reset, timed out: worth another try
+                last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                continue
+            if response.status_code >= 500:
+                last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+                continue
+            if response.status_code != 200:  # a 4xx will not get better by asking again
+                raise RetrievalError(f"HTTP {response.status_code} from {self.cfg.url}: {response.text[:300]}")
+            try:
+                body = response.json()
+            except ValueError:
+                raise RetrievalError(f"retriever returned non-JSON: {response.text[:200]!r}") from None
+            return parse_response(body, len(queries))
+        raise RetrievalError(f"retriever at {self.cfg.url} failed after {self.cfg.max_retries + 1} tries: {last_error}")
+
+    async def aclose(self) -> None:
+        """Close the pooled connections (only meaningful on the loop that opened them)."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

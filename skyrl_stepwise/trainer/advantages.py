@@ -1,0 +1,63 @@
+"""Outcome advantages for step-wise samples: one number per trajectory, broadcast to all its steps.
+
+A trajectory's score is the sum of the rewards of all its samples (step-wise, merged or whole: the same
+total). Scores are compared within a prompt group (same instance_id) by GRPO or RLOO; the resulting
+advantage is then written on every loss-masked token of every sample of that trajectory, so an early
+step is credited with the outcome it led to and the per-token advantages do not depend on how the
+trajectory was cut into samples.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
+from skyrl_stepwise.trainer.config import ADVANTAGE_ESTIMATORS, AlgorithmConfig
+
+
+def trajectory_scores(output: GeneratorOutput) -> dict[TrajectoryID, float]:
+    """Sum every sample's rewards into its trajectory, because the outcome is spread over its steps."""
+    if output.trajectory_ids is None:
+        raise ValueError("compute_advantages needs GeneratorOutput.trajectory_ids (got None): advantages are "
+                         "computed per trajectory and grouped by instance_id")
+    scores: dict[TrajectoryID, float] = defaultdict(float)
+    for tid, reward in zip(output.trajectory_ids, output.trajectory_rewards()):
+        scores[tid] += reward
+    return dict(scores)
+
+
+def group_advantages(scores: dict[TrajectoryID, float], estimator: str = "grpo", norm_adv_by_std: bool = True,
+                     eps: float = 1e-6) -> dict[TrajectoryID, float]:
+    """Baseline each trajectory against the others sampled for the same prompt.
+
+    grpo: (score - group mean) / (group std + eps), std unbiased as in verl/SkyRL; rloo: score minus the
+    mean of the other trajectories. A group of one has no baseline and keeps its raw score (as in verl).
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algorithm.advantage_estimator: {estimator!r} cannot be broadcast step-wise; "
+                         f"use grpo or rloo")
+    groups: dict[str, list[TrajectoryID]] = defaultdict(list)
+    for tid in scores:
+        groups[tid.instance_id].append(tid)
+    advantages: dict[TrajectoryID, float] = {}
+    for tids in groups.values():
+        r = torch.tensor([scores[t] for t in tids], dtype=torch.float64)
+        n = len(tids)
+        if n == 1:
+            adv = r
+        elif estimator == "grpo":
+            adv = r - r.mean()
+            if norm_adv_by_std:
+                adv = adv / (r.std() + eps)
+        else:  # rloo: r_i - mean_{j != i} r_j
+            adv = (r - (r.sum() - r) / (n - 1))
+        advantages.update(zip(tids, adv.tolist()))
+    return advantages
+
+
+def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:
+    """Per-token advantages parallel to response_ids: the trajectory's advantage times the sample's loss mask."""
+    adv = group_advantages(trajectory_scores(output), cfg.advantage_estimator, cfg.norm_adv_by_std)
+    return [[adv[tid] * m for m in mask] for tid, mask in zip(output.trajectory_ids, output.loss_masks)]

@@ -1,0 +1,260 @@
+"""From samples to model inputs: prompt-grouped mini-batches, rank shards, and packed micro-batches.
+
+Mini-batches are cut by prompt (instance_id), so the number of optimizer steps per batch is fixed by the
+number of prompts, not by how many turns the agent took. Inside a mini-batch, samples are packed
+(prompt + response concatenated) into rows of at most `micro_batch_tokens` tokens, with position_ids
+restarting at 0 for every sample. transformers turns restarting position_ids into a block-diagonal causal
+mask (sdpa/eager) or varlen attention (flash-attn) as long as the model is called with no attention_mask
+and use_cache=False; with the cache on it silently attends across samples (measured, transformers 5.19),
+hence `forward_logprobs` always passes use_cache=False.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from skyrl_stepwise.generator.output import GeneratorOutput
+
+
+@dataclass
+class TrainBatch:
+    """Per-sample token lists for the worker; every per-token list is parallel to response_ids.
+
+    old_logprobs=None means on-policy (the update's own detached logprobs are used, ratio = 1);
+    ref_logprobs/rollout_logprobs are needed only when the KL loss / TIS are on.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    loss_masks: list[list[int]]
+    instance_ids: list[str]
+    advantages: list[list[float]] | None = None
+    old_logprobs: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    rollout_logprobs: list[list[float]] | None = None
+
+    @classmethod
+    def from_output(cls, output: GeneratorOutput, advantages: list[list[float]] | None = None,
+                    old_logprobs: list[list[float]] | None = None,
+                    ref_logprobs: list[list[float]] | None = None) -> TrainBatch:
+        """Take the generator's samples as they are; advantages/logprobs come from the trainer's own passes."""
+        output.validate()
+        if output.trajectory_ids is None:
+            raise ValueError("TrainBatch.from_output needs GeneratorOutput.trajectory_ids (got None): "
+                             "mini-batches are grouped by instance_id")
+        batch = cls(prompt_ids=output.prompt_token_ids, response_ids=output.response_ids,
+                    loss_masks=output.loss_masks, instance_ids=[t.instance_id for t in output.trajectory_ids],
+                    advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                    rollout_logprobs=output.rollout_logprobs)
+        batch.validate()
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def validate(self) -> None:
+        """Name the field and sample whose lengths disagree; a silent misalignment trains on wrong tokens."""
+        n = len(self)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"TrainBatch.{f.name} has {len(value)} entries, prompt_ids has {n}")
+        for i in range(n):
+            if not self.prompt_ids[i]:
+                raise ValueError(f"TrainBatch sample {i} has an empty prompt: the first response token needs a "
+                                 f"token before it to be predicted from")
+            r = len(self.response_ids[i])
+            for name in ("loss_masks", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
+                value = getattr(self, name)
+                if value is not None and len(value[i]) != r:
+                    raise ValueError(f"TrainBatch sample {i}: {r} response ids but {len(value[i])} {name}")
+
+    def select(self, indices: list[int]) -> TrainBatch:
+        """The sub-batch of these samples, in this order (for mini-batches and rank shards)."""
+        return TrainBatch(**{f.name: None if getattr(self, f.name) is None
+                             else [getattr(self, f.name)[i] for i in indices] for f in fields(self)})
+
+    def seq_lens(self) -> list[int]:
+        """Packed length of each sample: prompt + response."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+    def num_loss_tokens(self) -> int:
+        """Loss-masked tokens: the denominator of the token-mean loss."""
+        return sum(sum(m) for m in self.loss_masks)
+
+
+def prompt_mini_batches(instance_ids: list[str], prompts_per_mini_batch: int) -> list[list[int]]:
+    """Sample indices of each mini-batch: `prompts_per_mini_batch` whole prompt groups, in first-seen order.
+
+    All samples of a prompt (every step of every repetition) land in the same mini-batch, so the
+    optimizer step count depends only on the number of prompts.
+    """
+    if prompts_per_mini_batch <= 0:
+        raise ValueError(f"trainer.policy_mini_batch_size must be > 0, got {prompts_per_mini_batch}")
+    groups: dict[str, list[int]] = {}
+    for i, iid in enumerate(instance_ids):
+        groups.setdefault(iid, []).append(i)
+    order = list(groups.values())
+    return [[i for g in order[k:k + prompts_per_mini_batch] for i in g]
+            for k in range(0, len(order), prompts_per_mini_batch)]
+
+
+def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split indices into `parts` lists of near-equal token totals (greedy, longest first; deterministic).
+
+    Used to shard a mini-batch over ranks; every rank computes the same split from the same batch.
+    """
+    loads = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min(range(parts), key=lambda k: (loads[k], k))
+        out[k].append(i)
+        loads[k] += lengths[i]
+    return [sorted(p) for p in out]
+
+
+def pack_indices(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """First-fit-decreasing bins of at most `max_tokens` tokens; a longer sample gets a bin of its own."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for k, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[k].append(i)
+                loads[k] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+@dataclass
+class PackedMicroBatch:
+    """One packed row plus flat per-response-token tensors, in sample order.
+
+    Logits at `logit_index[j]` predict `targets[j]`; `response_lens` splits the flat tensors back per sample.
+    """
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logit_index: torch.Tensor  # [R]
+    targets: torch.Tensor  # [R]
+    sample_indices: list[int]
+    response_lens: list[int]
+    loss_mask: torch.Tensor  # [R] float
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Row length: what this micro-batch costs the model."""
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> PackedMicroBatch:
+        """Move every tensor, keep the bookkeeping."""
+        return PackedMicroBatch(**{f.name: v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor)
+                                   else v for f in fields(self)})
+
+    def split(self, flat: torch.Tensor) -> list[list[float]]:
+        """Per-sample lists from a flat [R] tensor."""
+        return [t.tolist() for t in flat.detach().float().cpu().split(self.response_lens)]
+
+
+def pack_micro_batch(batch: TrainBatch, indices: list[int]) -> PackedMicroBatch:
+    """Concatenate these samples into one row; an empty `indices` gives a 1-token row with nothing to train.
+
+    The empty row exists because FSDP ranks must run the same number of forward/backward passes: a rank
+    with fewer micro-batches runs empty ones.
+    """
+    ids: list[int] = []
+    pos: list[int] = []
+    logit_index: list[int] = []
+    targets: list[int] = []
+    for i in indices:
+        prompt, resp = batch.prompt_ids[i], batch.response_ids[i]
+        start = len(ids) + len(prompt)
+        logit_index += range(start - 1, start - 1 + len(resp))
+        targets += resp
+        ids += prompt + resp
+        pos += range(len(prompt) + len(resp))
+    if not ids:
+        ids, pos = [0], [0]
+
+    def flat(name: str, dtype=torch.float32) -> torch.Tensor | None:
+        value = getattr(batch, name)
+        return None if value is None else torch.tensor([x for i in indices for x in value[i]], dtype=dtype)
+
+    return PackedMicroBatch(
+        input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+        logit_index=torch.tensor(logit_index, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
+        sample_indices=list(indices), response_lens=[len(batch.response_ids[i]) for i in indices],
+        loss_mask=flat("loss_masks"), advantages=flat("advantages"), old_logprobs=flat("old_logprobs"),
+        ref_logprobs=flat("ref_logprobs"), rollout_logprobs=flat("rollout_logprobs"))
+
+
+def rank_micro_batches(batch: TrainBatch, rank: int, world_size: int, max_tokens: int) -> list[list[int]]:
+    """This rank's micro-batches (batch indices): a token-balanced rank shard, packed by token budget."""
+    lens = batch.seq_lens()
+    shard = balanced_partition(lens, world_size)[rank]
+    return [[shard[j] for j in b] for b in pack_indices([lens[i] for i in shard], max_tokens)]
+
+
+def packing_stats(batch: TrainBatch, micro_batches: list[list[int]]) -> dict[str, float]:
+    """Packing efficiency vs a padded batch (prompts left-padded, responses right-padded), for logging.
+
+    pad_ratio = tokens run through the model / real tokens (1.0 means no padding at all);
+    padded_batch_pad_ratio is what a left-padded [n, batch_padded_seq_len] batch would cost instead.
+    """
+    lens = batch.seq_lens()
+    real = sum(lens)
+    packed = sum(max(1, sum(lens[i] for i in mb)) for mb in micro_batches)
+    padded_len = (max(map(len, batch.prompt_ids), default=0) + max(map(len, batch.response_ids), default=0))
+    return {
+        "train/real_tokens": real,
+        "train/packed_tokens": packed,
+        "train/num_micro_batches": len(micro_batches),
+        "train/pad_ratio": packed / max(real, 1),
+        "train/batch_padded_seq_len": padded_len,
+        "train/padded_batch_tokens": padded_len * len(batch),
+        "train/padded_batch_pad_ratio": padded_len * len(batch) / max(real, 1),
+    }
+
+
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    with_entropy: bool = False, chunk_rows: int = 1024
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each target under [R, V] logits (fp32), optionally the entropy (no grad).
+
+    logsumexp + gather per chunk of rows instead of a full log_softmax: only [chunk, V] fp32 temporaries
+    exist at once; entropy is a metric, so its softmax is never kept for backward.
+    """
+    logps, ents = [], []
+    for s in range(0, logits.shape[0], chunk_rows):
+        x = logits[s:s + chunk_rows].float()
+        if temperature != 1.0:
+            x = x / temperature
+        lse = torch.logsumexp(x, dim=-1)
+        logps.append(x.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
+    empty = logits.new_zeros(0, dtype=torch.float32)
+    logp = torch.cat(logps) if logps else empty + logits.sum() * 0  # keep the graph for an empty row
+    return logp, (torch.cat(ents) if ents else empty) if with_entropy else None
+
+
+def forward_logprobs(model: torch.nn.Module, mb: PackedMicroBatch, temperature: float = 1.0,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run one packed row and return the logprobs (and entropy) of its response tokens, flat [R].
+
+    Only the R positions that predict response tokens go through the LM head (logits_to_keep), so the
+    [T, V] logits of prompt and observation positions are never built.
+    """
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                logits_to_keep=mb.logit_index)
+    return gather_logprobs(out.logits[0], mb.targets, temperature, with_entropy)

@@ -1,0 +1,146 @@
+"""Typed trainer config: plain dataclasses with defaults, so Hydra can use them as structured configs.
+
+Key names follow SkyRL / verl (`algorithm.eps_clip_low`, `kl_loss_coef`, `policy_mini_batch_size`, ...).
+Every `validate` names the full key path of the bad value, e.g. `trainer.algorithm.advantage_estimator`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
+LOSS_REDUCTIONS = ("token_mean",)
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+@dataclass
+class AlgorithmConfig:
+    """What is optimised: outcome advantages broadcast to every step, PPO clip, truncated IS, KL."""
+
+    advantage_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.28
+    # Dual-clip PPO: caps the loss of negative-advantage tokens at dual_clip_c * |A|; None disables it.
+    dual_clip_c: float | None = None
+    # Token-level truncated importance sampling against the inference engine's logprobs: the weight
+    # exp(old - rollout) is clipped at this value and detached. None or 0 disables it.
+    tis_ratio_clip_high: float | None = 2.0
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    # Sum of per-token losses / number of loss-masked tokens in the whole mini-batch (all ranks), so
+    # splitting a trajectory into steps or merging steps never changes the loss.
+    loss_reduction: str = "token_mean"
+
+    def validate(self, prefix: str = "trainer.algorithm") -> None:
+        """Reject settings that would silently optimise something else than intended."""
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"{prefix}.advantage_estimator: {self.advantage_estimator!r} cannot be broadcast "
+                             f"step-wise; use grpo or rloo")
+        if self.kl_loss_type not in KL_LOSS_TYPES:
+            raise ValueError(f"{prefix}.kl_loss_type: {self.kl_loss_type!r} is not one of {KL_LOSS_TYPES}")
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"{prefix}.loss_reduction: {self.loss_reduction!r} is not supported; only token_mean "
+                             f"keeps the loss identical for step-wise and merged samples")
+        for key in ("eps_clip_low", "eps_clip_high", "kl_loss_coef"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{prefix}.{key} must be >= 0, got {getattr(self, key)}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
+            raise ValueError(f"{prefix}.dual_clip_c must be > 1 (or null to disable), got {self.dual_clip_c}")
+        if self.tis_ratio_clip_high is not None and self.tis_ratio_clip_high < 0:
+            raise ValueError(f"{prefix}.tis_ratio_clip_high must be > 0 (or null/0 to disable), "
+                             f"got {self.tis_ratio_clip_high}")
+
+    @property
+    def use_tis(self) -> bool:
+        """TIS is on unless the clip is null or 0 (both spellings mean 'off' in peer configs)."""
+        return bool(self.tis_ratio_clip_high)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW + a transformers LR schedule; defaults are the Search-R1 GRPO recipe's."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    num_warmup_steps: int = 0
+    scheduler: str = "constant_with_warmup"
+    # Only schedules that decay need it (linear, cosine); -1 = unknown.
+    num_training_steps: int = -1
+
+    def validate(self, prefix: str = "trainer.optim") -> None:
+        """Catch typos and impossible values before a model is loaded."""
+        if self.lr <= 0:
+            raise ValueError(f"{prefix}.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"{prefix}.betas must be two values in [0, 1), got {list(self.betas)}")
+        if self.max_grad_norm <= 0:
+            raise ValueError(f"{prefix}.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.num_warmup_steps < 0:
+            raise ValueError(f"{prefix}.num_warmup_steps must be >= 0, got {self.num_warmup_steps}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"{prefix}.scheduler: {self.scheduler!r} is not one of {SCHEDULERS}")
+        if self.scheduler in ("linear", "cosine") and self.num_training_steps <= 0:
+            raise ValueError(f"{prefix}.num_training_steps must be > 0 for scheduler {self.scheduler!r}, "
+                             f"got {self.num_training_steps}")
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 sharding; the backend follows the hardware (nccl on GPU, gloo on CPU) unless forced."""
+
+    world_size: int = 1
+    backend: str = "auto"  # auto | nccl | gloo
+    # bf16 compute with fp32 master weights and fp32 gradient reduction, where the hardware has bf16.
+    mixed_precision: bool = True
+    gradient_checkpointing: bool = False
+    reshard_after_forward: bool = True
+
+    def validate(self, prefix: str = "trainer.fsdp") -> None:
+        """World size and backend are the usual sources of a hang at start-up; check them first."""
+        if self.world_size < 1:
+            raise ValueError(f"{prefix}.world_size must be >= 1, got {self.world_size}")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"{prefix}.backend must be auto, nccl or gloo, got {self.backend!r}")
+
+
+@dataclass
+class TrainerConfig:
+    """Everything the policy worker needs; the RL loop adds epochs, eval and logging on top."""
+
+    model_path: str = "smollm2"  # a folder, a hub id, or "smollm2" for the embedded model
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # Prompts (instance_id groups) per optimizer step, so the number of steps does not depend on turns.
+    policy_mini_batch_size: int = 4
+    # Token budget of one packed micro-batch row (per rank); a longer sample gets a row of its own.
+    micro_batch_tokens: int = 4096
+    # The sampling temperature: logits are divided by it so trainer logprobs match the rollout's.
+    temperature: float = 1.0
+    seed: int = 42
+    ckpt_dir: str = "ckpts"
+    ckpt_interval: int = 10  # optimizer steps between checkpoints; 0 disables
+    max_ckpts_to_keep: int = 2  # -1 keeps all
+    resume: str = "auto"  # auto (latest complete checkpoint, if any) | none | a step_N folder
+
+    def validate(self, prefix: str = "trainer") -> None:
+        """Validate this config and its parts, naming the full key path of the first bad value."""
+        self.algorithm.validate(f"{prefix}.algorithm")
+        self.optim.validate(f"{prefix}.optim")
+        self.fsdp.validate(f"{prefix}.fsdp")
+        for key in ("policy_mini_batch_size", "micro_batch_tokens"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{prefix}.{key} must be > 0, got {getattr(self, key)}")
+        if self.temperature <= 0:
+            raise ValueError(f"{prefix}.temperature must be > 0, got {self.temperature}")
+        if self.ckpt_interval < 0:
+            raise ValueError(f"{prefix}.ckpt_interval must be >= 0 (0 disables), got {self.ckpt_interval}")
+        if self.max_ckpts_to_keep == 0 or self.max_ckpts_to_keep < -1:
+            raise ValueError(f"{prefix}.max_ckpts_to_keep must be >= 1 or -1 (keep all), "
+                             f"got {self.max_ckpts_to_keep}")

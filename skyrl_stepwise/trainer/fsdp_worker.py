@@ -1,0 +1,216 @@
+"""One FSDP2 rank of the policy (or reference) model: logprobs, PPO train steps, weights, checkpoints.
+
+The worker reads its rank from the usual env vars (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK), so the
+same class runs as one Ray actor per rank or under torch.multiprocessing.spawn. Every public method is a
+collective: all ranks call it with the same whole batch, each rank takes its own token-balanced shard, and
+the results are reduced/gathered so every rank returns the same answer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from skyrl_stepwise.trainer import checkpoint
+from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forward_logprobs, pack_micro_batch,
+                                             packing_stats, rank_micro_batches)
+from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, TrainerConfig
+from skyrl_stepwise.trainer.losses import policy_loss
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(fsdp: FSDPConfig) -> tuple[int, int, torch.device]:
+    """Join (or reuse) the process group from env vars; nccl for GPUs, gloo for CPUs (and CPU collectives).
+
+    A single process needs no env vars: it gets a private 1-rank group.
+    """
+    use_cuda = torch.cuda.is_available() and fsdp.backend != "gloo"
+    if fsdp.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("trainer.fsdp.backend=nccl but no CUDA device is visible; use auto or gloo")
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())),
+                               ("RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"PolicyWorker needs env vars {missing} to join a {os.environ['WORLD_SIZE']}-rank "
+                               f"process group (set them per rank / per Ray actor)")
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+    world = dist.get_world_size()
+    if world != fsdp.world_size:
+        raise ValueError(f"trainer.fsdp.world_size is {fsdp.world_size} but the process group has {world} ranks "
+                         f"(WORLD_SIZE={os.environ.get('WORLD_SIZE')})")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    return dist.get_rank(), world, device
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """CPUs run bf16 in torch everywhere; GPUs only from Ampere on."""
+    return device.type == "cpu" or torch.cuda.is_bf16_supported()
+
+
+def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device) -> torch.nn.Module:
+    """fully_shard each decoder layer (the classes HF lists in `_no_split_modules`), then the root."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if fsdp.mixed_precision and bf16_supported(device) else MixedPrecisionPolicy()
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} lists no decoder layer classes in _no_split_modules; "
+                         f"cannot shard it per layer")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+    return model
+
+
+def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Forward one packed row and return its share of the mini-batch token-mean loss (see losses.py).
+
+    Without old_logprobs the update is on-policy: the detached current logprobs are the old ones
+    (ratio 1), which saves a forward pass when each batch is a single mini-batch.
+    """
+    if mb.advantages is None:
+        raise ValueError("train_step needs TrainBatch.advantages (got None): compute them with compute_advantages")
+    logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True)
+    old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+    return policy_loss(logprobs, old, mb.advantages, mb.loss_mask, cfg, num_tokens,
+                       rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy)
+
+
+class PolicyWorker:
+    """A causal LM sharded with FSDP2 on this rank; `trainable=False` makes a reference model (no optimizer)."""
+
+    def __init__(self, cfg: TrainerConfig, trainable: bool = True):
+        from transformers import AutoModelForCausalLM, get_scheduler
+
+        from skyrl_stepwise.models import resolve_model_path
+
+        cfg.validate()
+        self.cfg = cfg
+        self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32)
+        model.config.use_cache = False
+        if cfg.fsdp.gradient_checkpointing and trainable:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = shard_model(model, cfg.fsdp, self.device)
+        self.optimizer = self.scheduler = None
+        if trainable:
+            o = cfg.optim
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                               weight_decay=o.weight_decay)
+            self.scheduler = get_scheduler(o.scheduler, self.optimizer, num_warmup_steps=o.num_warmup_steps,
+                                           num_training_steps=o.num_training_steps if o.num_training_steps > 0
+                                           else None)
+        else:
+            self.model.requires_grad_(False)
+
+    def _micro_batches(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
+        """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
+        every rank to run the same number of passes), and every rank's, for stats. No communication:
+        every rank derives every shard from the same batch."""
+        per_rank = [rank_micro_batches(batch, r, self.world_size, self.cfg.micro_batch_tokens)
+                    for r in range(self.world_size)]
+        n = max(1, max(len(m) for m in per_rank))
+        per_rank = [m + [[] for _ in range(n - len(m))] for m in per_rank]
+        return per_rank[self.rank], per_rank
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Logprobs of every response token of every sample (old or reference logprobs), on every rank."""
+        batch.validate()
+        self.model.eval()
+        mine, _ = self._micro_batches(batch)
+        local: dict[int, list[float]] = {}
+        for idx in mine:
+            mb = pack_micro_batch(batch, idx).to(self.device)
+            logprobs, _ = forward_logprobs(self.model, mb, self.cfg.temperature)
+            local.update(zip(idx, mb.split(logprobs)))
+        gathered: list[dict[int, list[float]]] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, local)
+        merged = {i: lp for part in gathered for i, lp in part.items()}
+        return [merged[i] for i in range(len(batch))]
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on one mini-batch: token-mean loss over all its loss-masked tokens on all ranks.
+
+        FSDP averages gradients over ranks, so each rank's loss (its token sum / the global token count) is
+        scaled by world_size before backward; the result is exactly the gradient of the global token mean.
+        A step whose gradient norm is not finite is skipped (train/skipped_step = 1).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step called on a PolicyWorker built with trainable=False")
+        start = time.perf_counter()
+        batch.validate()
+        self.model.train()
+        mine, per_rank = self._micro_batches(batch)
+        num_tokens = batch.num_loss_tokens()
+        totals: dict[str, float] = defaultdict(float)
+        for idx in mine:
+            mb = pack_micro_batch(batch, idx).to(self.device)
+            loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, num_tokens, self.cfg.temperature)
+            (loss * self.world_size).backward()
+            for k, v in metrics.items():
+                totals[k] += v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+
+        keys = sorted(totals)
+        summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(summed)
+        out = dict(zip(keys, summed.tolist()))
+        out.update(packing_stats(batch, [mb for m in per_rank for mb in m]))
+        out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skipped),
+                    "train/loss_tokens": num_tokens, "train/step_time_s": time.perf_counter() - start})
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) fp32 weights on CPU under their HF names, for weight sync; collective.
+
+        Rank 0 receives every tensor; the other ranks get an empty dict (cpu_offload keeps memory bounded).
+        """
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_checkpoint(self, step: int, trainer_state: dict | None = None) -> Path:
+        """Atomic checkpoint of model, optimizer, scheduler, RNG and trainer_state (see checkpoint.py)."""
+        return checkpoint.save_checkpoint(self.cfg.ckpt_dir, step, self.model, self.optimizer, self.scheduler,
+                                          trainer_state, self.cfg.max_ckpts_to_keep)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Restore a complete checkpoint in place; returns its trainer_state (with `step`)."""
+        return checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+
+    def shutdown(self) -> None:
+        """Leave the process group (the last call of a Ray actor or spawned rank)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

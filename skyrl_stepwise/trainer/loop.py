@@ -1,0 +1,177 @@
+"""The RL loop, single controller, readable top to bottom:
+
+prompts -> generator (step-wise samples, optionally merged) -> reference logprobs -> trajectory
+advantages broadcast to steps -> PPO updates by prompt mini-batch -> weight sync to the engines (with a
+logprob probe) -> eval -> atomic checkpoint. The data position is a function of the step, so resuming
+from a checkpoint continues with exactly the prompts that were next.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+from skyrl_stepwise.data.dataset import PromptRow
+from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
+from skyrl_stepwise.inference.base import InferenceEngine
+from skyrl_stepwise.trainer.advantages import compute_advantages
+from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
+from skyrl_stepwise.trainer.checkpoint import resolve_resume
+from skyrl_stepwise.trainer.weight_sync import probe_logprobs, sync_weights
+
+
+@dataclass
+class PromptLoader:
+    """Deterministic, resumable batches: batch i is a pure function of (rows, seed, i)."""
+
+    rows: list[PromptRow]
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("the training dataset has no rows")
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def batch(self, index: int) -> list[PromptRow]:
+        n = len(self.rows)
+        positions = range(index * self.batch_size, (index + 1) * self.batch_size)
+        return [self.rows[self._order(p // n)[p % n]] for p in positions]
+
+
+def expand(rows: list[PromptRow], n_samples: int, tag: str) -> tuple[list, list, list, list[TrajectoryID]]:
+    """One entry per trajectory: each prompt n times, trajectory ids grouping the repetitions."""
+    prompts, classes, extras, ids = [], [], [], []
+    for k, row in enumerate(rows):
+        instance = f"{tag}/{row.instance_id or k}/{k}"  # a prompt drawn twice in a batch is two groups
+        for rep in range(n_samples):
+            prompts.append(row.prompt)
+            classes.append(row.env_class)
+            extras.append(row.env_extras())
+            ids.append(TrajectoryID(instance, rep))
+    return prompts, classes, extras, ids
+
+
+def reward_metrics(output: GeneratorOutput, prefix: str) -> dict[str, float]:
+    """Mean trajectory reward and pass@n (a prompt counts if any of its samples scored)."""
+    per_traj: dict[TrajectoryID, float] = defaultdict(float)
+    for tid, reward in zip(output.trajectory_ids, output.trajectory_rewards()):
+        per_traj[tid] += reward
+    per_prompt: dict[str, list[float]] = defaultdict(list)
+    for tid, reward in per_traj.items():
+        per_prompt[tid.instance_id].append(reward)
+    n = max(len(per_traj), 1)
+    return {f"{prefix}/mean": sum(per_traj.values()) / n,
+            f"{prefix}/pass_at_n": sum(max(r) > 0 for r in per_prompt.values()) / max(len(per_prompt), 1)}
+
+
+class Timer(dict):
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[f"timing/{name}_s"] = self.get(f"timing/{name}_s", 0.0) + time.perf_counter() - start
+
+
+class RLTrainer:
+    """Owns the step; every component is passed in, so tests and the ablation can swap any of them."""
+
+    def __init__(self, cfg, generator: StepwiseGenerator, eval_generator: StepwiseGenerator,
+                 engine: InferenceEngine, policy, reference, tracker, train_rows: list[PromptRow],
+                 val_rows: list[PromptRow], probe_ids: list[int]) -> None:
+        self.cfg = cfg
+        self.generator, self.eval_generator, self.engine = generator, eval_generator, engine
+        self.policy, self.reference, self.tracker = policy, reference, tracker
+        self.loader = PromptLoader(train_rows, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        self.val_rows = val_rows[: cfg.data.max_eval_prompts]
+        self.probe_ids = probe_ids
+        self.step = 0
+
+    async def fit(self) -> dict[str, float]:
+        """Resume if asked, then train to total_steps; returns the last step's metrics."""
+        resume_from = resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.ckpt_dir)
+        if resume_from is not None:
+            self.step = int(self.policy.call("load_checkpoint", str(resume_from))["step"])
+            print(f"resumed from {resume_from} at step {self.step}", flush=True)
+            await sync_weights(self.policy, self.engine)
+        metrics: dict[str, float] = {}
+        while self.step < self.cfg.total_steps:
+            prompts = [row.instance_id for row in self.loader.batch(self.step)]
+            metrics = await self.train_step()
+            self.step += 1
+            if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0 or self.step == self.cfg.total_steps:
+                metrics.update(await self.evaluate())
+            self.tracker.log(metrics, self.step, {"prompts": prompts})
+            ckpt = self.cfg.trainer.ckpt_interval
+            if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
+                self.policy.call("save_checkpoint", self.step, {"step": self.step})
+        return metrics
+
+    async def train_step(self) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        start = time.perf_counter()
+        rows = self.loader.batch(self.step)
+        with timer.phase("generate"):
+            output = await self.generator.generate(*expand(rows, cfg.generator.n_samples_per_prompt,
+                                                             f"train{self.step}"))
+        metrics = dict(output.rollout_metrics)
+        metrics.update(reward_metrics(output, "reward"))
+
+        advantages = compute_advantages(output, cfg.trainer.algorithm)
+        batch = TrainBatch.from_output(output, advantages)
+        if cfg.trainer.algorithm.use_kl_loss:
+            with timer.phase("ref_logprobs"):
+                batch.ref_logprobs = self.reference.call("compute_logprobs", batch)
+        mini_batches = prompt_mini_batches(batch.instance_ids, cfg.trainer.policy_mini_batch_size)
+        if len(mini_batches) > 1:  # later mini-batches are off-policy: score them before any update
+            with timer.phase("old_logprobs"):
+                batch.old_logprobs = self.policy.call("compute_logprobs", batch)
+        train = defaultdict(float)
+        with timer.phase("train"):
+            for indices in mini_batches:
+                for k, v in self.policy.call("train_step", batch.select(indices)).items():
+                    train[k] += v / len(mini_batches)
+        metrics.update(train)
+
+        with timer.phase("weight_sync"):
+            await sync_weights(self.policy, self.engine)
+            probe = await probe_logprobs(self.policy, self.engine, self.probe_ids)
+        metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
+                        "sync/probe_logprob_mean_diff": probe.mean_abs_diff})
+
+        metrics.update(timer)
+        elapsed = time.perf_counter() - start
+        generated = sum(sum(m) for m in output.loss_masks)
+        metrics.update({"timing/step_s": elapsed,
+                        "throughput/generated_tokens_per_s": generated / max(timer["timing/generate_s"], 1e-9),
+                        "throughput/train_tokens_per_s": train.get("train/real_tokens", 0.0)
+                        / max(timer.get("timing/train_s", 0.0), 1e-9)})
+        return metrics
+
+    async def evaluate(self) -> dict[str, float]:
+        """Greedy rollouts on the validation prompts: reward (EM for Search-R1) and pass@1."""
+        if not self.val_rows:
+            return {}
+        start = time.perf_counter()
+        output = await self.eval_generator.generate(*expand(self.val_rows, 1, f"eval{self.step}"))
+        metrics = reward_metrics(output, "eval/reward")
+        metrics["timing/eval_s"] = time.perf_counter() - start
+        return metrics
+
+
+def eval_config(generator_cfg):
+    """Greedy, one sample per prompt, no merging needed: eval only reads rewards."""
+    return replace(generator_cfg, n_samples_per_prompt=1, merge_stepwise_output=False, show_progress=False,
+                   sampling=replace(generator_cfg.sampling, temperature=0.0))

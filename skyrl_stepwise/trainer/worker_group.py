@@ -1,0 +1,60 @@
+"""The policy's FSDP2 ranks as Ray actors: one actor per rank, every call broadcast to all of them.
+
+Every PolicyWorker method is a collective, so the group calls it on all ranks with the same
+arguments (put once in the object store) and returns rank 0's answer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from skyrl_stepwise.trainer.config import TrainerConfig
+
+
+@ray.remote(num_cpus=0)
+class _PolicyRank:
+    """Holds one PolicyWorker; env vars tell torch.distributed which rank it is."""
+
+    def address(self) -> tuple[str, int]:
+        from skyrl_stepwise.trainer.fsdp_worker import _free_port
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def start(self, cfg: TrainerConfig, rank: int, master: tuple[str, int], threads: int, trainable: bool) -> bool:
+        from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
+                          LOCAL_RANK=str(rank % max(1, torch.cuda.device_count())) if torch.cuda.is_available() else "0",
+                          WORLD_SIZE=str(cfg.fsdp.world_size))
+        torch.set_num_threads(threads)
+        self.worker = PolicyWorker(cfg, trainable)
+        return True
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+
+class PolicyGroup:
+    """`group.call("train_step", batch)` runs on every rank and returns rank 0's result."""
+
+    def __init__(self, cfg: TrainerConfig, trainable: bool = True) -> None:
+        world = cfg.fsdp.world_size
+        gpus = 1 if torch.cuda.is_available() and cfg.fsdp.backend != "gloo" else 0
+        self.ranks = [_PolicyRank.options(num_gpus=gpus).remote() for _ in range(world)]
+        master = ray.get(self.ranks[0].address.remote())
+        threads = max(1, (os.cpu_count() or 1) // world)
+        ray.get([r.start.remote(cfg, i, master, threads, trainable) for i, r in enumerate(self.ranks)])
+
+    def call(self, method: str, *args):
+        refs = [ray.put(a) for a in args]  # one copy in the object store, shared by all ranks
+        return ray.get([r.call.remote(method, *refs) for r in self.ranks])[0]
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([r.call.remote("shutdown") for r in self.ranks])
+        finally:
+            for r in self.ranks:
+                ray.kill(r)

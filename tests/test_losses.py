@@ -1,0 +1,98 @@
+"""PPO loss: clipping, dual clip, truncated IS, KL, and the mini-batch token-mean reduction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from skyrl_stepwise.trainer.config import AlgorithmConfig
+from skyrl_stepwise.trainer.losses import kl_penalty, policy_loss
+
+PLAIN = AlgorithmConfig(use_kl_loss=False, tis_ratio_clip_high=None)
+
+
+def _loss(logprobs, old, adv, mask, cfg=PLAIN, n=None, **kw):
+    lp = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
+    loss, metrics = policy_loss(lp, torch.tensor(old, dtype=torch.float64), torch.tensor(adv, dtype=torch.float64),
+                                torch.tensor(mask, dtype=torch.float64), cfg, n if n is not None else sum(mask),
+                                **{k: torch.tensor(v, dtype=torch.float64) for k, v in kw.items()})
+    loss.backward()
+    return loss.item(), lp.grad.tolist(), metrics
+
+
+def test_ppo_clip_values_and_gradients():
+    # ratios: 1.5 (A>0, clipped at 1.28), 0.5 (A<0, clipped at 0.8), 1.1 (A>0, inside), masked token
+    r = [1.5, 0.5, 1.1, 3.0]
+    old = [-1.0, -2.0, -0.5, -1.0]
+    lp = [o + math.log(x) for o, x in zip(old, r)]
+    adv, mask = [2.0, -1.0, 1.0, 5.0], [1, 1, 1, 0]
+    loss, grad, m = _loss(lp, old, adv, mask)
+    expected = (-2.0 * 1.28 + 1.0 * 0.8 + -1.0 * 1.1) / 3
+    assert loss == pytest.approx(expected)
+    # clipped tokens get no gradient; the live one gets -A * ratio / N; the masked one nothing
+    assert grad == pytest.approx([0.0, 0.0, -1.0 * 1.1 / 3, 0.0])
+    assert m["policy/clip_frac"] == pytest.approx(2 / 3)
+    assert m["policy/loss"] == pytest.approx(expected)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    cfg = AlgorithmConfig(use_kl_loss=False, tis_ratio_clip_high=None, dual_clip_c=3.0)
+    loss, grad, _ = _loss([math.log(10.0)], [0.0], [-1.0], [1], cfg=cfg)
+    assert loss == pytest.approx(3.0) and grad == [0.0]
+    loss_no_dual, _, _ = _loss([math.log(10.0)], [0.0], [-1.0], [1])
+    assert loss_no_dual == pytest.approx(10.0)
+
+
+def test_truncated_is_weights_are_clipped_detached_and_ignore_masked_placeholders():
+    cfg = AlgorithmConfig(use_kl_loss=False, tis_ratio_clip_high=2.0)
+    old = [-1.0, -1.0, -60.0]
+    rollout = [-1.5, -3.0, 0.0]  # weights e^0.5, e^2 -> 2.0; the masked token's placeholder would be e^-60
+    loss, grad, m = _loss(old, old, [1.0, 1.0, 1.0], [1, 1, 0], cfg=cfg, rollout_logprobs=rollout)
+    w = [math.exp(0.5), 2.0]
+    assert loss == pytest.approx(-(w[0] + w[1]) / 2)
+    assert grad == pytest.approx([-w[0] / 2, -w[1] / 2, 0.0])  # the weight scales, but is not differentiated
+    assert m["policy/tis_clip_frac"] == pytest.approx(0.5)
+    assert m["policy/tis_weight"] == pytest.approx(sum(w) / 2)
+    # a placeholder that would overflow exp() must not poison the loss
+    loss, grad, _ = _loss([-1.0, -1.0], [-1.0, 200.0], [1.0, 1.0], [1, 0], cfg=cfg, rollout_logprobs=[-1.0, -500.0])
+    assert math.isfinite(loss) and all(map(math.isfinite, grad))
+
+
+def test_low_var_kl_loss():
+    cfg = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.5, tis_ratio_clip_high=None)
+    lp, ref = [-1.0, -2.0], [-1.5, -2.0]
+    loss, _, m = _loss(lp, lp, [0.0, 0.0], [1, 1], cfg=cfg, ref_logprobs=ref)
+    k3 = math.exp(-0.5) + 0.5 - 1  # exp(ref - lp) - (ref - lp) - 1
+    assert m["policy/kl_loss"] == pytest.approx(k3 / 2)
+    assert loss == pytest.approx(0.5 * k3 / 2)
+    x = torch.randn(1000, dtype=torch.float64)
+    assert (kl_penalty(x, x + torch.randn(1000, dtype=torch.float64)) >= 0).all()
+    assert kl_penalty(x, x).abs().max() == 0
+
+
+def test_token_mean_over_the_mini_batch_not_per_micro_batch():
+    g = torch.Generator().manual_seed(0)
+    n = 50
+    lp, old = torch.randn(n, generator=g) - 2, torch.randn(n, generator=g) - 2
+    adv = torch.randn(n, generator=g)
+    mask = (torch.rand(n, generator=g) > 0.3).double()
+    cfg = PLAIN
+    full, _, _ = _loss(lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), cfg=cfg)
+    total = int(mask.sum())
+    # two uneven micro-batches, each divided by the mini-batch token count, sum to the same loss
+    parts = [_loss(lp[s].tolist(), old[s].tolist(), adv[s].tolist(), mask[s].tolist(), cfg=cfg, n=total)[0]
+             for s in (slice(0, 7), slice(7, n))]
+    assert sum(parts) == pytest.approx(full)
+    # whereas averaging per micro-batch would weight the short one's tokens up
+    per_mb = [_loss(lp[s].tolist(), old[s].tolist(), adv[s].tolist(), mask[s].tolist(), cfg=cfg)[0]
+              for s in (slice(0, 7), slice(7, n))]
+    assert sum(per_mb) / 2 != pytest.approx(full)
+
+
+def test_missing_inputs_name_the_config_key():
+    with pytest.raises(ValueError, match="tis_ratio_clip_high"):
+        _loss([-1.0], [-1.0], [1.0], [1], cfg=AlgorithmConfig(use_kl_loss=False))
+    with pytest.raises(ValueError, match="use_kl_loss"):
+        _loss([-1.0], [-1.0], [1.0], [1], cfg=AlgorithmConfig(tis_ratio_clip_high=0))

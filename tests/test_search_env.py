@@ -1,0 +1,227 @@
+"""Search env against a real retrieval server (uvicorn on 127.0.0.1), plus EM normalization and failure paths."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from skyrl_stepwise.envs.base import EnvRegistry
+from skyrl_stepwise.envs.rewards import em_check, last_answer, normalize_answer, subem_check
+from skyrl_stepwise.envs.search import INVALID_ACTION, SearchEnv, SearchEnvConfig, parse_action, register_search_env
+from skyrl_stepwise.retrieval.index import load_or_build
+from skyrl_stepwise.retrieval.server import BackgroundServer, create_app
+from test_retrieval_server import small_corpus
+
+EXTRAS = {"reward_spec": {"ground_truth": {"target": ["Asia"]}}}
+PROMPT = [{"role": "user",
+           "content": "Answer ... For example, <answer> Beijing </answer>. Question: largest continent?"}]
+
+
+@pytest.fixture(scope="module")
+def retriever(tmp_path_factory):
+    root = tmp_path_factory.mktemp("search_env")
+    return load_or_build(small_corpus(root / "corpus.jsonl"), root / "idx", show_progress=False, backend="numpy")
+
+
+@pytest.fixture(scope="module")
+def server(retriever):
+    with BackgroundServer(create_app(retriever)) as srv:
+        yield srv
+
+
+def fast_cfg(url: str, **kw) -> SearchEnvConfig:
+    return SearchEnvConfig(search_url=f"{url}/retrieve", timeout_s=kw.pop("timeout_s", 5.0),
+                           max_retries=kw.pop("max_retries", 1), backoff_s=0.01, **kw)
+
+
+@pytest.mark.parametrize("pred, gold, em", [
+    ("The Beatles", "beatles", True),
+    ("  Paris!! ", "paris", True),
+    ("U.S.A.", "usa", True),
+    ("an apple", "Apple", True),
+    ("Cupertino, California", "cupertino california", True),
+    ("Theatre", "atre", False),  # articles only as whole words
+    ("Paris, France", "Paris", False),
+    ("1631", "1631.", True),
+    ("Queen", ["Queen (band)", "Queen"], True),
+])
+def test_em_normalization(pred, gold, em):
+    assert em_check(pred, gold) is em
+
+
+def test_normalize_and_subem():
+    assert normalize_answer("The  Eiffel\tTower, in PARIS.") == "eiffel tower in paris"
+    assert subem_check("it is Paris, France", ["paris"]) and not em_check("it is Paris, France", ["paris"])
+    assert last_answer("<answer> a </answer> then <answer>\nB\n</answer>") == "B"
+    assert last_answer("no tags") is None
+
+
+def test_parse_action_takes_first_tag_like_search_r1():
+    assert parse_action("<think>x</think><search> q1 </search><answer>a</answer>") == ("search", "q1")
+    assert parse_action("<answer>\n Asia </answer><search>q</search>") == ("answer", "Asia")
+    assert parse_action("<search>unclosed") is None
+    assert parse_action("<search>a</answer>") is None  # mismatched pair
+
+
+@pytest.mark.integration
+async def test_search_then_answer(server):
+    env = SearchEnv(fast_cfg(server.url))
+    assert await env.reset(PROMPT, {**EXTRAS, "max_turns": 4}) == PROMPT
+    step = await env.step("<think>I should look it up.</think>\n<search> largest continent by land area </search>")
+    assert not step.done and step.reward == 0.0
+    (obs,) = step.observations
+    assert obs["role"] == "user"
+    text = obs["content"]
+    assert text.startswith('\n\n<information>Doc 1(Title: "Asia") Asia is the largest continent')
+    assert text.endswith("</information>\n\n") and text.count("\nDoc ") == 2  # topk=3, SR1 layout
+    assert step.metrics["search_calls"] == 1 and step.metrics["search_failures"] == 0
+    assert step.metrics["retrieval_seconds"] > 0
+
+    final = await env.step("<think>Doc 1 says so.</think><answer> Asia </answer>")
+    assert final.done and final.reward == 1.0 and final.observations == []
+    assert final.metrics["em"] == 1.0 and final.metrics["answered"] == 1.0
+
+
+@pytest.mark.integration
+async def test_prompt_example_is_not_the_models_answer(server):
+    """The prompt's `<answer> Beijing </answer>` must not count: the env only ever sees actions."""
+    env = SearchEnv(fast_cfg(server.url))
+    await env.reset(PROMPT, {"reward_spec": {"ground_truth": {"target": ["Beijing"]}}, "max_turns": 2})
+    step = await env.step("<answer>Paris</answer>")
+    assert step.done and step.reward == 0.0
+    await env.reset(PROMPT, {"reward_spec": {"ground_truth": {"target": ["Beijing"]}}, "max_turns": 1})
+    step = await env.step("I think the answer is Beijing but I won't tag it.")
+    assert step.done and step.reward == 0.0 and step.metrics["answered"] == 0.0
+
+
+@pytest.mark.integration
+async def test_invalid_action_gets_search_r1_message(server):
+    env = SearchEnv(fast_cfg(server.url))
+    await env.reset(PROMPT, {**EXTRAS, "max_turns": 3})
+    step = await env.step("Let me think about continents.")
+    assert not step.done and step.observations == [{"role": "user", "content": INVALID_ACTION}]
+    assert step.metrics["invalid_actions"] == 1 and step.metrics["search_calls"] == 0
+
+
+@pytest.mark.integration
+async def test_max_turns_counts_llm_turns_and_skips_the_last_search(server):
+    """SkyRL semantics: max_turns=2 -> one executed search, done at the second action without an answer."""
+    env = SearchEnv(fast_cfg(server.url))
+    await env.reset(PROMPT, {**EXTRAS, "max_turns": 2})
+    first = await env.step("<search>continent</search>")
+    assert not first.done and first.metrics["search_calls"] == 1
+    last = await env.step("<search>largest continent</search>")
+    assert last.done and last.reward == 0.0 and last.observations == [] and last.metrics["search_calls"] == 0
+
+
+@pytest.mark.integration
+async def test_answer_in_last_turn_after_search_tag_is_graded(server):
+    env = SearchEnv(fast_cfg(server.url))
+    await env.reset(PROMPT, {**EXTRAS, "max_turns": 1})
+    step = await env.step("<search>continent</search> ... <answer>asia</answer>")
+    assert step.done and step.reward == 1.0
+
+
+async def test_missing_ground_truth_names_the_key():
+    with pytest.raises(KeyError, match=r"reward_spec'\]\['ground_truth'\]\['target'\]"):
+        await SearchEnv().reset(PROMPT, {"reward_spec": {"style": "rule"}})
+
+
+def test_bad_template_is_rejected_at_config_time():
+    with pytest.raises(ValueError, match="doc_template"):
+        SearchEnvConfig(doc_template="Doc {idx}: {text}")
+
+
+@pytest.mark.integration
+async def test_retriever_killed_mid_episode(retriever):
+    srv = BackgroundServer(create_app(retriever)).start()
+    env = SearchEnv(fast_cfg(srv.url, timeout_s=2.0))
+    await env.reset(PROMPT, {**EXTRAS, "max_turns": 4})
+    ok = await env.step("<search>Asia</search>")
+    assert ok.metrics["search_failures"] == 0
+    await asyncio.to_thread(srv.stop)
+    failed = await env.step("<search>Asia again</search>")
+    assert not failed.done and failed.metrics["search_failures"] == 1 and failed.metrics["search_calls"] == 1
+    assert failed.observations[0]["content"].startswith("\n\n<information>Search failed: ")
+    assert "failed after 2 tries" in failed.observations[0]["content"]
+    final = await env.step("<answer>Asia</answer>")  # the episode carries on and is still graded
+    assert final.done and final.reward == 1.0
+
+
+@pytest.fixture(scope="module")
+def broken_server():
+    """A real HTTP server that misbehaves in the ways a retriever can: garbage, 5xx, wrong JSON, too slow."""
+    app, hits = FastAPI(), {"error": 0}
+
+    @app.post("/garbage")
+    def garbage():
+        return PlainTextResponse("<html>oops</html>")
+
+    @app.post("/error")
+    def error():
+        hits["error"] += 1
+        return PlainTextResponse("internal error", status_code=500)
+
+    @app.post("/wrong-shape")
+    def wrong_shape():
+        return JSONResponse({"result": [["just a string"]]})
+
+    @app.post("/slow")
+    def slow():
+        time.sleep(1.0)
+        return JSONResponse({"result": [[]]})
+
+    with BackgroundServer(app) as srv:
+        yield srv, hits
+
+
+@pytest.mark.parametrize("route, needle", [
+    ("garbage", "non-JSON"),
+    ("error", "HTTP 500"),
+    ("wrong-shape", "no 'contents'"),
+    ("slow", "Timeout"),
+])
+@pytest.mark.integration
+async def test_misbehaving_retriever_is_a_counted_failure(broken_server, route, needle):
+    srv, hits = broken_server
+    before = hits["error"]
+    env = SearchEnv(SearchEnvConfig(search_url=f"{srv.url}/{route}", timeout_s=0.2, max_retries=2, backoff_s=0.01))
+    await env.reset(PROMPT, {**EXTRAS, "max_turns": 3})
+    step = await env.step("<search>anything</search>")
+    assert not step.done and step.metrics["search_failures"] == 1
+    assert needle in step.observations[0]["content"]
+    if route == "error":
+        assert hits["error"] - before == 3  # 5xx is retried: 1 try + max_retries
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("conversation", [False, True])
+async def test_generator_rollout_with_search_env(server, tokenizer, conversation):
+    """Scripted actions through the real generator + tokenizer: the observation lands exactly as SR1 writes it."""
+    from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+    from skyrl_stepwise.inference.scripted import ScriptedEngine
+
+    actions = ["<think>look it up</think><search> largest continent </search>", "<answer> Asia </answer>"]
+    def script(prompt, session, i):
+        return tokenizer.encode(actions[i], add_special_tokens=False) + [tokenizer.eos_token_id]
+    registry = EnvRegistry()
+    register_search_env(registry, fast_cfg(server.url))
+    cfg = GeneratorConfig(max_turns=4, max_input_length=8192, use_conversation_multi_turn=conversation,
+                          sampling=GeneratorSamplingConfig(max_generate_length=64, stop=["</search>", "</answer>"]),
+                          show_progress=False)
+    engine = ScriptedEngine(script, tokenizer)
+    out = await StepwiseGenerator(tokenizer, engine, registry, cfg).generate(
+        [PROMPT], ["search"], [EXTRAS], [TrajectoryID("q0", 0)])
+    second_prompt = tokenizer.decode(engine.calls[1][1])
+    sr1_text = '</search>\n\n<information>Doc 1(Title: "Asia") Asia is the largest continent'
+    if conversation:
+        assert "<information>Doc 1(Title: \"Asia\")" in second_prompt and sr1_text not in second_prompt
+    else:
+        assert sr1_text in second_prompt  # single-message mode: appended raw, right after the action
+    assert out.rollout_metrics["environment/em"] == 1.0
+    assert out.rollout_metrics["environment/search_calls"] == 1.0
+    assert sum(r[-1] for r in out.rewards if r) == 1.0
