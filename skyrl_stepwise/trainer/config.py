@@ -12,6 +12,7 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
 LOSS_REDUCTIONS = ("token_mean",)
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
@@ -121,6 +122,10 @@ class TrainerConfig:
     policy_mini_batch_size: int = 4
     # Token budget of one packed micro-batch row (per rank); a longer sample gets a row of its own.
     micro_batch_tokens: int = 4096
+    # Attention kernel for packed rows. sdpa builds a dense [T, T] block-diagonal mask per packed row (fine on
+    # CPU and short rows); flex_attention / flash_attention_* skip the masked blocks, which is what long packed
+    # rows on GPUs need (benchmarks/fsdp_throughput.py measures the difference).
+    attn_implementation: str = "sdpa"
     # The sampling temperature: logits are divided by it so trainer logprobs match the rollout's.
     temperature: float = 1.0
     seed: int = 42
@@ -137,6 +142,9 @@ class TrainerConfig:
         for key in ("policy_mini_batch_size", "micro_batch_tokens"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{prefix}.{key} must be > 0, got {getattr(self, key)}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"{prefix}.attn_implementation: {self.attn_implementation!r} is not one of "
+                             f"{ATTN_IMPLEMENTATIONS}")
         if self.temperature <= 0:
             raise ValueError(f"{prefix}.temperature must be > 0, got {self.temperature}")
         if self.ckpt_interval < 0:

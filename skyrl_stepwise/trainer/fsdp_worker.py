@@ -111,7 +111,8 @@ class PolicyWorker:
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
+                                                     attn_implementation=cfg.attn_implementation)
         model.config.use_cache = False
         if cfg.fsdp.gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
