@@ -21,10 +21,18 @@ from skyrl_stepwise.models.prepare import resolve_model_path
 
 
 def ensure_ray() -> None:
-    """Start a small local Ray if nobody did: few prestarted workers, no dashboard (2-core boxes)."""
+    """Join the cluster named by RAY_ADDRESS (multi-node runs), else start a small local Ray.
+
+    The local one has few prestarted workers and no dashboard, which is what a 2-core box can afford;
+    a cluster brings its own resources, so nothing is capped there.
+    """
     import ray
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:
         ray.init(num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
 
 
