@@ -52,8 +52,9 @@ def plot_costs(rows: list[dict], path: Path) -> None:
 
 
 def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
-    """Reward (= EM for Search-R1) and cost per training step, one line per mode."""
-    panels = [("reward/mean", "train reward (EM)"), ("reward/pass_at_n", "pass@n"),
+    """Reward, EM and cost per training step, one line per mode: whether a mode learns, and what it pays."""
+    panels = [("reward/mean", "train reward"), ("environment/em", "exact match (search prompts)"),
+              ("reward/pass_at_n", "pass@n"),
               ("generate/num_samples", "samples per step"), ("timing/train_s", "train time per step (s)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
     for ax, (key, title) in zip(axes, panels):

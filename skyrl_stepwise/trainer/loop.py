@@ -105,6 +105,7 @@ class RLTrainer:
         if resume_from is not None:
             self.step = int(self.policy.call("load_checkpoint", str(resume_from))["step"])
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
+            self.tracker.rewind(self.step)
             await sync_weights(self.policy, self.engine)
         metrics: dict[str, float] = {}
         while self.step < self.cfg.total_steps:

@@ -14,9 +14,14 @@ from pathlib import Path
 
 logger = logging.getLogger("skyrl_stepwise")
 
-_SECRET = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
-CONSOLE_KEYS = ("reward/mean", "reward/pass_at_n", "train/loss", "train/kl", "train/clip_frac", "train/grad_norm",
-                "generate/num_samples", "generate/batch_padded_seq_len", "timing/step_s")
+# a credential-like word as a whole `_`-separated part of the key: drops `hf_token`, `wandb_api_key`,
+# keeps `micro_batch_tokens`
+_SECRET = re.compile(r"(^|_)(api_?key|token|secret|password)($|_)", re.IGNORECASE)
+# label on the console line -> metric key
+CONSOLE_KEYS = {"reward": "reward/mean", "pass@n": "reward/pass_at_n", "eval_reward": "eval/reward/mean",
+                "loss": "policy/loss", "kl": "policy/kl_loss", "clip_frac": "policy/clip_frac",
+                "entropy": "policy/entropy", "grad_norm": "train/grad_norm", "samples": "generate/num_samples",
+                "padded_len": "generate/batch_padded_seq_len", "step_s": "timing/step_s"}
 
 
 def scrub(config: dict) -> dict:
@@ -42,6 +47,18 @@ class Tracker:
             self.wandb = wandb.init(project=project, name=run_name, dir=str(self.dir), config=scrub(config),
                                     mode="online" if online else "offline", reinit="finish_previous")
 
+    def rewind(self, step: int) -> None:
+        """Drop records after `step` (a run killed between logging a step and checkpointing it), so a resumed
+        run's metrics.jsonl has every step exactly once."""
+        self.jsonl.close()
+        path = self.dir / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        self.jsonl = open(path, "a")
+        self.history = [r for r in self.history if r["step"] <= step]
+
     def log(self, metrics: dict[str, float], step: int, records: dict | None = None) -> None:
         """`records` (e.g. which prompts the step used) go to metrics.jsonl only, not to wandb."""
         self.history.append({"step": step, **metrics})
@@ -49,7 +66,7 @@ class Tracker:
         self.jsonl.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        shown = " ".join(f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+        shown = " ".join(f"{label}={metrics[k]:.4g}" for label, k in CONSOLE_KEYS.items() if k in metrics)
         print(f"step {step}: {shown}", flush=True)
 
     def finish(self) -> None:

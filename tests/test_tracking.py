@@ -1,0 +1,29 @@
+"""The tracker: no credential reaches a log, and a resumed run's metrics.jsonl lists every step once."""
+
+from __future__ import annotations
+
+import json
+
+from skyrl_stepwise.trainer.tracking import Tracker, scrub
+
+
+def test_scrub_drops_credentials_and_keeps_token_counts():
+    config = {"hf_token": "x", "logging": {"wandb_api_key": "y", "project": "p"}, "password": "z",
+              "trainer": {"micro_batch_tokens": 4096, "secret_sauce": 1}, "max_tokens": 8}
+    assert scrub(config) == {"logging": {"project": "p"}, "trainer": {"micro_batch_tokens": 4096}, "max_tokens": 8}
+
+
+def test_rewind_drops_steps_logged_after_the_checkpoint(tmp_path, capsys):
+    tracker = Tracker(tmp_path, "p", "r", "disabled", {})
+    for step in (1, 2, 3):
+        tracker.log({"reward/mean": float(step)}, step, {"prompts": [f"q{step}"]})
+    tracker.finish()
+    # the run was killed after logging step 3 but before checkpointing it; it resumes from step 2
+    resumed = Tracker(tmp_path, "p", "r", "disabled", {})
+    resumed.rewind(2)
+    resumed.log({"reward/mean": 30.0}, 3)
+    resumed.finish()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert records[0]["prompts"] == ["q1"]
+    assert "step 3: reward=30" in capsys.readouterr().out
