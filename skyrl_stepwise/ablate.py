@@ -10,13 +10,25 @@ Writes report.md, costs.png, curves.png into ablation.output_dir and logs them t
 from __future__ import annotations
 
 import asyncio
-import json
+import ctypes
 import dataclasses
+import gc
+import json
 import sys
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+
+
+def release_freed_memory() -> None:
+    """Give freed heap pages back to the OS, so the RSS a measurement starts from is live memory and not what
+    glibc kept from the previous mode's update (without it the first mode measured pays for all the rest)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS then includes memory kept from earlier updates
+        pass
 
 
 def measure(fn) -> tuple[object, float, float]:
@@ -30,6 +42,7 @@ def measure(fn) -> tuple[object, float, float]:
         start = time.perf_counter()
         result = fn()
         return result, time.perf_counter() - start, (torch.cuda.max_memory_allocated() - base) / 2**20
+    release_freed_memory()
     proc, peak, stop = psutil.Process(), [0], threading.Event()
     base = proc.memory_info().rss
 

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 COST_COLUMNS = [("samples", "samples / step"), ("forward_tokens", "forward tokens"),
                 ("padded_tokens", "padded tokens"), ("batch_padded_seq_len", "batch_padded_seq_len"),
@@ -57,12 +58,16 @@ def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
               ("reward/pass_at_n", "pass@n"),
               ("generate/num_samples", "samples per step"), ("timing/train_s", "train time per step (s)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    styles = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-.")]  # modes often coincide: keep each visible
     for ax, (key, title) in zip(axes, panels):
-        for mode, steps in curves.items():
+        for k, (mode, steps) in enumerate(curves.items()):
             xs = [s["step"] for s in steps if key in s]
-            ax.plot(xs, [s[key] for s in steps if key in s], marker="o", label=mode)
+            marker, line = styles[k % len(styles)]
+            ax.plot(xs, [s[key] for s in steps if key in s], marker=marker, linestyle=line, label=mode,
+                    markersize=8 - 2 * (k % 3), alpha=0.85)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
