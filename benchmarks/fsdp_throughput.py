@@ -108,14 +108,17 @@ def model_flops(batch, micro_batches, n_params_dense: int, layers: int, hidden: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(MODELS))
-    parser.add_argument("--trajectories", type=int, default=32)
+    # defaults: the GPU measurement on a GPU; a CPU smoke run (minutes, not hours) elsewhere, e.g. `make bench`
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--model", default="qwen2.5-1.5b" if cuda else "smollm2-135m", choices=sorted(MODELS))
+    parser.add_argument("--trajectories", type=int, default=32 if cuda else 4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=160)
     parser.add_argument("--obs-len", type=int, default=384)
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per mode (after 1 warm-up)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384 if cuda else 1024)
+    parser.add_argument("--steps", type=int, default=3 if cuda else 1,
+                        help="timed optimizer steps per mode (after 1 warm-up)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--attn", default="sdpa", help="trainer.attn_implementation: sdpa | flex_attention | ...")
     args = parser.parse_args()
@@ -123,7 +126,6 @@ def main() -> None:
     from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
     from skyrl_stepwise.trainer.batching import rank_micro_batches
 
-    cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in device_name), None)
     with tempfile.TemporaryDirectory() as folder:

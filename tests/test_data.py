@@ -136,3 +136,14 @@ def test_load_prompt_dataset_names_bad_columns_and_rows(tmp_path):
     (tmp_path / "not.parquet").write_text("hello")
     with pytest.raises(ValueError, match="not a readable parquet file"):
         load_prompt_dataset(tmp_path / "not.parquet")
+
+
+def test_rows_whose_extra_info_is_always_empty_round_trip(tmp_path):
+    """Parquet cannot store a struct with no fields: a toy dataset with `extra_info: {}` must still be writable."""
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "env_class": "keyword", "data_source": "toy",
+             "reward_spec": {"ground_truth": {"target": ["blue"]}}, "extra_info": {}, "instance_id": f"c{i}"}
+            for i in range(2)]
+    write_parquet(rows, tmp_path / "toy.parquet")
+    loaded = load_prompt_dataset(tmp_path / "toy.parquet")
+    assert [(r.instance_id, r.extra_info, r.reward_spec) for r in loaded] == \
+        [("c0", {}, {"ground_truth": {"target": ["blue"]}}), ("c1", {}, {"ground_truth": {"target": ["blue"]}})]

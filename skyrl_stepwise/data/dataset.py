@@ -116,6 +116,16 @@ def load_prompt_dataset(path: str | Path) -> list[PromptRow]:
     return out
 
 
+def _table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Rows as an Arrow table; a column of only empty dicts (e.g. `extra_info: {}` everywhere) is an Arrow
+    struct with no fields, which parquet cannot store, so it is written as nulls (read back as `{}`)."""
+    table = pa.Table.from_pylist(rows)
+    for i, column in enumerate(table.schema):
+        if pa.types.is_struct(column.type) and column.type.num_fields == 0:
+            table = table.set_column(i, pa.field(column.name, pa.null()), pa.nulls(len(table)))
+    return table
+
+
 def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> None:
     """Write rows atomically (temp file + rename) so a reader never sees half a file."""
     path = Path(path)
@@ -123,7 +133,7 @@ def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        pq.write_table(_table(rows), tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
