@@ -118,7 +118,8 @@ def run(cfg) -> dict:
             print(f"  {key:40s} {metrics[key]:.4g}")
     if metrics.get("train/grad_norm") == 0.0:
         print("note: in the last step every prompt group's trajectories scored the same (with SmolLM2-135M on "
-              "Search-R1: all 0), so every GRPO advantage was 0 and the update left the weights as they were. "
+              "Search-R1: all 0), so every GRPO advantage was 0 and the step had no policy gradient (only AdamW's "
+              "weight decay and momentum moved the weights). "
               "`python benchmarks/reward_learning.py` trains on a task this model can learn.", flush=True)
     return metrics
 
