@@ -18,6 +18,8 @@ def test_rewind_drops_steps_logged_after_the_checkpoint(tmp_path, capsys):
     for step in (1, 2, 3):
         tracker.log({"reward/mean": float(step)}, step, {"prompts": [f"q{step}"]})
     tracker.finish()
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # and killed while writing step 4's record
+        f.write('{"step": 4, "reward/me')
     # the run was killed after logging step 3 but before checkpointing it; it resumes from step 2
     resumed = Tracker(tmp_path, "p", "r", "disabled", {})
     resumed.rewind(2)

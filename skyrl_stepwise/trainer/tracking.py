@@ -24,6 +24,14 @@ CONSOLE_KEYS = {"reward": "reward/mean", "pass@n": "reward/pass_at_n", "eval_rew
                 "padded_len": "generate/batch_padded_seq_len", "step_s": "timing/step_s"}
 
 
+def _step_of(line: str) -> float:
+    """The step a metrics.jsonl line records; a line cut short by a kill mid-write belongs to no kept step."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 def scrub(config: dict) -> dict:
     """Drop anything named like a credential before it is written anywhere."""
     return {k: scrub(v) if isinstance(v, dict) else v for k, v in config.items() if not _SECRET.search(str(k))}
@@ -52,7 +60,7 @@ class Tracker:
         run's metrics.jsonl has every step exactly once."""
         self.jsonl.close()
         path = self.dir / "metrics.jsonl"
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [line for line in path.read_text().splitlines() if _step_of(line) <= step]
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
