@@ -6,14 +6,19 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from skyrl_stepwise.data.embedded import corpus_rows, load_articles
-from skyrl_stepwise.retrieval.index import BM25Retriever, load_or_build
+from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalClientConfig, RetrievalError
+from skyrl_stepwise.retrieval.index import BM25Retriever, Hit, load_or_build
+from skyrl_stepwise.retrieval.server import BackgroundServer, ServerLimits, create_app
 
 pytestmark = pytest.mark.integration
 N_DOCS = 300
@@ -50,7 +55,7 @@ def server(corpus, tmp_path_factory):
     index_dir = tmp_path_factory.mktemp("indexes")
     cmd = [sys.executable, "-m", "skyrl_stepwise.cli", "retriever", "serve", "--corpus", str(corpus),
            "--index-dir", str(index_dir), "--port", str(port), "--topk", "3", "--max-queries", "8",
-           "--max-query-chars", "200", "--max-topk", "10"]
+           "--max-query-chars", "200", "--max-topk", "10", "--max-body-bytes", "4096"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -125,12 +130,127 @@ def test_skyrl_single_query_shape(server):
     ({"queries": "not a list"}, 422, "queries"),
     ({"queries": ["q"], "top_k": 3}, 422, "top_k"),
     ('{"queries": ["unterminated"', 422, "json"),
+    ({"queries": ["q" * 150] * 30}, 413, "bytes; at most max_body_bytes=4096"),  # checked before the 422s
 ])
 def test_bad_requests_get_clear_4xx(server, body, status, needle):
     url, _ = server
     r = post(url, body)
     assert r.status_code == status
     assert needle.lower() in r.text.lower()
+
+
+def test_chunked_body_over_limit_is_413(server):
+    """No Content-Length to check up front: the bytes are counted as they arrive."""
+    url, _ = server
+    body = json.dumps({"queries": ["q" * 150] * 30}).encode()
+    r = httpx.post(f"{url}/retrieve", content=iter([body[:2000], body[2000:]]),
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert "content-length" not in r.request.headers and r.request.headers["transfer-encoding"] == "chunked"
+    assert r.status_code == 413 and "at most max_body_bytes=4096" in r.json()["detail"]
+
+
+def test_body_just_under_limit_is_served(server):
+    url, _ = server
+    body = '{"queries": ["Liverpool"], "topk": 1}'
+    r = post(url, body[:-1] + " " * (4096 - len(body)) + "}")  # exactly 4096 bytes
+    assert len(r.request.content) == 4096 and r.status_code == 200
+    assert r.json()["result"][0][0]["contents"].startswith('"Liverpool"\n')
+
+
+class BlockingRetriever:
+    """Holds every search until `release` is set, so a test controls exactly how many requests are in flight."""
+
+    kind = "blocking"
+    docs = [{"id": "0", "contents": '"T"\nx'}]
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        self.entered.set()
+        assert self.release.wait(10), "test never released the search"
+        return [[Hit(self.docs[0], 1.0)] for _ in queries]
+
+
+def test_concurrency_limit_answers_429_and_spares_health():
+    retriever = BlockingRetriever()
+    limits = ServerLimits(max_concurrent_requests=1, retry_after_s=3)
+    with BackgroundServer(create_app(retriever, limits)) as srv:
+        held: dict = {}
+        first = threading.Thread(target=lambda: held.update(r=post(srv.url, {"query": "a"})))
+        first.start()
+        try:
+            assert retriever.entered.wait(5)  # the one slot is now taken
+            busy = post(srv.url, {"query": "b"})
+            assert busy.status_code == 429 and busy.headers["retry-after"] == "3"
+            assert "max_concurrent_requests=1" in busy.json()["detail"]
+            assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200  # never limited
+        finally:
+            retriever.release.set()
+            first.join(10)
+        assert held["r"].status_code == 200
+        assert post(srv.url, {"query": "bad", "topk": 0}).status_code == 422  # the slot was given back ...
+        assert post(srv.url, {"query": "c"}).status_code == 200  # ... also by a request that failed
+
+
+OK_BODY = {"result": [[{"document": {"id": "1", "contents": '"Asia"\ntext'}, "score": 1.0}]]}
+
+
+@pytest.fixture
+def scripted_server():
+    """Answers each POST /retrieve with the next scripted (status, headers), then 200; records every call."""
+    script: list[tuple[int, dict]] = []
+    calls: list[float] = []
+    app = FastAPI()
+
+    @app.post("/retrieve")
+    def retrieve():
+        calls.append(time.monotonic())
+        status, headers = script.pop(0) if script else (200, {})
+        if status == 200:
+            return JSONResponse(OK_BODY)
+        return JSONResponse({"detail": f"scripted {status}"}, status, headers=headers)
+
+    with BackgroundServer(app) as srv:
+        yield f"{srv.url}/retrieve", script, calls
+
+
+async def test_client_retries_429_honouring_retry_after(scripted_server):
+    """Retry-After 0 overrides a 5 s backoff; a 429 with no header falls back to the backoff."""
+    url, script, calls = scripted_server
+    script += [(429, {"Retry-After": "0"}), (429, {"Retry-After": "0"})]
+    client = RetrievalClient(RetrievalClientConfig(url=url, timeout_s=5, max_retries=2, backoff_s=5.0))
+    start = time.monotonic()
+    assert (await client.search(["largest continent"], 1))[0][0]["contents"].startswith('"Asia"')
+    assert len(calls) == 3 and time.monotonic() - start < 2  # no 5 s + 10 s backoff was slept
+    script += [(429, {})]
+    client.cfg.backoff_s = 0.3
+    await client.search(["q"], 1)
+    assert len(calls) == 5 and calls[4] - calls[3] >= 0.3
+    await client.aclose()
+
+
+async def test_client_caps_retry_after_and_gives_up(scripted_server):
+    url, script, calls = scripted_server
+    script += [(429, {"Retry-After": "3600"})] * 3
+    client = RetrievalClient(RetrievalClientConfig(url=url, timeout_s=5, max_retries=2, backoff_s=5.0,
+                                                   max_retry_after_s=0.1))
+    start = time.monotonic()
+    with pytest.raises(RetrievalError, match=r"failed after 3 tries: HTTP 429: .*scripted 429"):
+        await client.search(["q"], 1)
+    assert len(calls) == 3 and 0.2 <= time.monotonic() - start < 2  # two capped waits, not an hour
+    await client.aclose()
+
+
+@pytest.mark.parametrize("status", [400, 404, 413])
+async def test_client_other_4xx_fail_fast(scripted_server, status):
+    url, script, calls = scripted_server
+    script.append((status, {"Retry-After": "0"}))
+    client = RetrievalClient(RetrievalClientConfig(url=url, timeout_s=5, max_retries=3, backoff_s=0.01))
+    with pytest.raises(RetrievalError, match=f"HTTP {status} from "):
+        await client.search(["q"], 1)
+    assert len(calls) == 1  # not retried
+    await client.aclose()
 
 
 def test_server_backend_agrees_with_numpy_scoring(server, corpus, tmp_path):

@@ -1,13 +1,17 @@
 """Async client for a Search-R1-style `/retrieve` endpoint, with a timeout and bounded retries.
 
 Search-R1's own client (`requests.post`, no timeout, no retry) hangs a whole rollout batch when the
-retriever stalls; here transient failures (connection errors, timeouts, 5xx) are retried with
-exponential backoff and anything else fails fast with a `RetrievalError` the caller can report.
+retriever stalls; here transient failures (connection errors, timeouts, 5xx, and 429 from a busy server)
+are retried with exponential backoff -- after a 429, for as long as its `Retry-After` asks, within a cap --
+and anything else fails fast with a `RetrievalError` the caller can report.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -27,7 +31,29 @@ class RetrievalClientConfig:
     timeout_s: float = 30.0
     max_retries: int = 3
     backoff_s: float = 0.5  # sleep backoff_s * 2**attempt between tries
-    max_connections: int = 64
+    max_retry_after_s: float = 10.0  # a 429's Retry-After is honoured up to this many seconds
+    max_connections: int = 32  # = the server's default max_concurrent_requests: one client alone never gets 429
+
+
+def retry_after_s(response: httpx.Response) -> float | None:
+    """Seconds a 429's `Retry-After` asks for (delta-seconds or HTTP-date), or None when absent or unreadable.
+
+    None means "no advice": the caller falls back to its own backoff rather than hammering the server.
+    """
+    value = response.headers.get("retry-after", "").strip()
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # "-0000": RFC 9110 dates are GMT anyway
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, when.timestamp() - time.time())
 
 
 def parse_response(payload: object, n_queries: int) -> list[list[Document]]:
@@ -70,22 +96,35 @@ class RetrievalClient:
             self._loop = loop
         return self._client
 
+    def _delay(self, attempt: int, advised_s: float | None) -> float:
+        """Wait before try `attempt` (1-based retry): the server's Retry-After when given, capped so a
+        misconfigured server cannot park a rollout for minutes; otherwise exponential backoff."""
+        if advised_s is not None:
+            return min(advised_s, self.cfg.max_retry_after_s)
+        return self.cfg.backoff_s * 2 ** (attempt - 1)
+
     async def search(self, queries: list[str], topk: int) -> list[list[Document]]:
         """Top-k documents for each query; raises RetrievalError once retries are spent."""
         payload = {"queries": list(queries), "topk": topk, "return_scores": True}
         last_error = "no attempt made"
+        advised_s: float | None = None  # Retry-After of the last 429, if any
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self.cfg.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(self._delay(attempt, advised_s))
+            advised_s = None
             try:
                 response = await self._http().post(self.cfg.url, json=payload)
             except httpx.TransportError as e:  # refused, reset, timed out: worth another try
                 last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 continue
+            if response.status_code == 429:  # the server shed load; it will answer once a slot frees up
+                advised_s = retry_after_s(response)
+                last_error = f"HTTP 429: {response.text[:200]}"
+                continue
             if response.status_code >= 500:
                 last_error = f"HTTP {response.status_code}: {response.text[:200]}"
                 continue
-            if response.status_code != 200:  # a 4xx will not get better by asking again
+            if response.status_code != 200:  # any other 4xx will not get better by asking again
                 raise RetrievalError(f"HTTP {response.status_code} from {self.cfg.url}: {response.text[:300]}")
             try:
                 body = response.json()

@@ -3,7 +3,10 @@
 Search-R1 sends `{"queries": [...], "topk": 3, "return_scores": true}`, SkyRL sends `{"query": "..."}`;
 both get `{"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}` (one list per query).
 With `return_scores: false` each list holds bare documents (Search-R1's server crashes on that path).
-Limits on queries per request, query length and topk answer 422 with a message naming the field.
+Limits on queries per request, query length and topk answer 422 with a message naming the field;
+a body over `max_body_bytes` answers 413 before any JSON is parsed, and a request beyond
+`max_concurrent_requests` in flight answers 429 with `Retry-After` at once rather than queueing.
+/health is exempt from both, so probes still see a busy server as alive.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from pathlib import Path
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skyrl_stepwise.retrieval.index import RETRIEVERS, Retriever, load_or_build
 
@@ -32,6 +38,73 @@ class ServerLimits:
     max_topk: int = 50
     max_queries: int = 512
     max_query_chars: int = 2048
+    max_body_bytes: int = 4 * 1024 * 1024  # 512 queries x 2048 chars of JSON is ~1.1 MB; 4 MiB leaves room
+    max_concurrent_requests: int = 32  # below anyio's 40 worker threads, so admitted requests never queue
+    retry_after_s: int = 1  # what a 429 tells the client to wait
+
+
+UNLIMITED_PATHS = frozenset({"/health"})  # liveness probes must answer even when the retriever is saturated
+
+
+class BodySizeLimit:
+    """Answer 413 for a body over `max_bytes`, so one oversized request cannot make the server buffer it.
+
+    A declared Content-Length is checked before the app runs; a chunked body (no Content-Length) is counted
+    as the app reads it and cut off with HTTPException(413), which FastAPI re-raises from its body reader
+    and turns into the 413 response, still before any JSON is parsed.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, exempt: frozenset[str] = UNLIMITED_PATHS) -> None:
+        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt
+
+    def _too_large(self, what: str) -> str:
+        return f"{what}; at most max_body_bytes={self.max_bytes}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            too_large = JSONResponse({"detail": self._too_large(f"request body is {declared} bytes")}, 413)
+            return await too_large(scope, receive, send)
+        seen = 0
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise HTTPException(413, self._too_large(f"request body passed {seen} bytes"))
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+class ConcurrencyLimit:
+    """Answer 429 + Retry-After once `max_requests` are in flight, so overload sheds load instead of queueing.
+
+    uvicorn's own `limit_concurrency` would also refuse /health (with 503, which clients treat as an error);
+    this counts only limited paths. The counter lives on the event loop thread, so no lock is needed.
+    """
+
+    def __init__(self, app: ASGIApp, max_requests: int, retry_after_s: int,
+                 exempt: frozenset[str] = UNLIMITED_PATHS) -> None:
+        self.app, self.max_requests, self.retry_after_s, self.exempt = app, max_requests, retry_after_s, exempt
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.max_requests:
+            detail = (f"server busy: {self.in_flight} requests in flight, max_concurrent_requests="
+                      f"{self.max_requests}; retry after {self.retry_after_s} s")
+            busy = JSONResponse({"detail": detail}, 429, headers={"Retry-After": str(self.retry_after_s)})
+            return await busy(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 class RetrieveRequest(BaseModel):
@@ -67,11 +140,17 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None) -> Fast
     """Build the app around an already-loaded retriever, so tests and benchmarks can serve any index."""
     limits = limits or ServerLimits()
     app = FastAPI(title="skyrl_stepwise retriever")
+    # The last added middleware runs first: a request over the concurrency limit is refused before its body
+    # is read, and an admitted one holds its slot while the body streams in, so memory stays bounded too.
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(ConcurrencyLimit, max_requests=limits.max_concurrent_requests,
+                       retry_after_s=limits.retry_after_s)
 
     @app.get("/health")
     def health() -> dict:
         return {"status": "ok", "retriever": retriever.kind, "num_docs": len(retriever.docs),
-                "max_queries": limits.max_queries, "max_topk": limits.max_topk}
+                "max_queries": limits.max_queries, "max_topk": limits.max_topk,
+                "max_body_bytes": limits.max_body_bytes, "max_concurrent_requests": limits.max_concurrent_requests}
 
     @app.post("/retrieve")
     def retrieve(req: RetrieveRequest) -> dict:
@@ -156,10 +235,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-topk", type=int, default=ServerLimits.max_topk)
     p.add_argument("--max-queries", type=int, default=ServerLimits.max_queries, help="queries per request")
     p.add_argument("--max-query-chars", type=int, default=ServerLimits.max_query_chars)
+    p.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
+                   help="larger request bodies get 413 before they are parsed")
+    p.add_argument("--max-concurrent-requests", type=int, default=ServerLimits.max_concurrent_requests,
+                   help="requests in flight; more get 429 with Retry-After at once (/health is never limited)")
+    p.add_argument("--retry-after-s", type=int, default=ServerLimits.retry_after_s,
+                   help="the Retry-After a 429 carries")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     if not 1 <= args.topk <= args.max_topk:
         p.error(f"--topk must be between 1 and --max-topk ({args.max_topk}), got {args.topk}")
+    for flag, value, least in (("--max-body-bytes", args.max_body_bytes, 1),
+                               ("--max-concurrent-requests", args.max_concurrent_requests, 1),
+                               ("--retry-after-s", args.retry_after_s, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, got {value}")
     return args
 
 
@@ -171,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     corpus = args.corpus or default_corpus()
     retriever = load_or_build(corpus, args.index_dir or default_index_dir(), args.retriever,
                               backend=args.bm25_backend)
-    limits = ServerLimits(args.topk, args.max_topk, args.max_queries, args.max_query_chars)
+    limits = ServerLimits(default_topk=args.topk, max_topk=args.max_topk, max_queries=args.max_queries,
+                          max_query_chars=args.max_query_chars, max_body_bytes=args.max_body_bytes,
+                          max_concurrent_requests=args.max_concurrent_requests, retry_after_s=args.retry_after_s)
     print(f"serving {retriever.kind} over {len(retriever.docs)} docs from {corpus} at "
           f"http://{args.host}:{args.port}/retrieve (pid {os.getpid()})", flush=True)
     uvicorn.run(create_app(retriever, limits), host=args.host, port=args.port, log_level=args.log_level)
