@@ -78,6 +78,47 @@ def test_gather_logprobs_matches_log_softmax():
         torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gather_logprobs_values_and_gradients_match_log_softmax(dtype, temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 101, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, 101, (37,), generator=g)
+    weights = torch.randn(37, generator=g)  # an upstream gradient that differs per token
+    x, ref_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    lp, _ = gather_logprobs(x, targets, temperature, chunk_rows=8)
+    ref = torch.log_softmax(ref_x.float() / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (lp * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert lp.dtype == torch.float32 and x.grad.dtype == dtype
+    torch.testing.assert_close(lp, ref)
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    # a rank whose micro-batch has no response token still runs a backward through the model
+    empty = torch.zeros(0, 101, dtype=dtype, requires_grad=True)
+    lp, ent = gather_logprobs(empty, targets[:0], temperature, with_entropy=True)
+    lp.sum().backward()
+    assert lp.shape == ent.shape == (0,) and empty.grad.shape == (0, 101)
+
+
+def test_gather_logprobs_keeps_no_fp32_logits_for_backward():
+    """Autograd must not keep an fp32 copy of the [R, V] logits: at R=8k, V=150k that is 5 GB per micro-batch."""
+    r, v = 64, 1000
+    logits = torch.randn(r, v).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, v, (r,))
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # each storage counted once
+        return t
+
+    for temperature in (1.0, 0.7):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, _ = gather_logprobs(logits, targets, temperature, with_entropy=True, chunk_rows=16)
+        assert sum(saved.values()) < r * v * 2.5  # the bf16 input (r * v * 2) and [R] vectors only
+        lp.sum().backward()
+
+
 @pytest.mark.integration
 def test_packed_logprobs_equal_unpacked(model_path):
     """Samples packed into one row (position_ids restarting) must not see each other: same logprobs as alone."""

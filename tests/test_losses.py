@@ -96,3 +96,20 @@ def test_missing_inputs_name_the_config_key():
         _loss([-1.0], [-1.0], [1.0], [1], cfg=AlgorithmConfig(use_kl_loss=False))
     with pytest.raises(ValueError, match="use_kl_loss"):
         _loss([-1.0], [-1.0], [1.0], [1], cfg=AlgorithmConfig(tis_ratio_clip_high=0))
+
+
+def test_low_var_kl_survives_an_extreme_token():
+    """ref - logp > ~88 used to overflow exp() in fp32: inf loss, nan gradient, the whole step skipped."""
+    lp = torch.tensor([-1.0, -2.0, -100.0, -300.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -2.0, -0.5, 0.0])  # the last two: ref far above the policy (or a placeholder)
+    kl = kl_penalty(lp, ref)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(lp.grad).all()
+    assert kl[2:].tolist() == [10.0, 10.0]  # the final clamp as in verl
+    torch.testing.assert_close(kl[:2], torch.tensor([math.exp(-0.5) + 0.5 - 1, 0.0]))  # normal tokens unchanged
+    # and through the (fp64) loss, live or masked: finite, and the normal token's gradient is the usual one
+    cfg = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.5, tis_ratio_clip_high=None)
+    for mask in ([1, 1], [1, 0]):
+        loss, grad, _ = _loss([-1.0, -1000.0], [-1.0, -1000.0], [0.0, 0.0], mask, cfg=cfg, ref_logprobs=[-1.5, 0.0])
+        assert math.isfinite(loss) and all(map(math.isfinite, grad))
+        assert grad[0] == pytest.approx(0.5 * (1 - math.exp(-0.5)) / sum(mask))

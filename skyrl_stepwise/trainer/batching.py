@@ -225,27 +225,58 @@ def packing_stats(batch: TrainBatch, micro_batches: list[list[int]]) -> dict[str
     }
 
 
+class _TargetLogprob(torch.autograd.Function):
+    """log_softmax(logits / T)[target] in fp32, chunk by chunk, saving only the logits and the [R] logsumexp.
+
+    Plain autograd would keep every chunk's fp32 copy of the logits for backward (the full [R, V] in fp32);
+    backward recomputes each chunk's softmax instead: d logp / d logits = (onehot(target) - softmax) / T.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk_rows):
+        logps, lses, ents = [], [], []
+        for s in range(0, logits.shape[0], chunk_rows):
+            x = logits[s:s + chunk_rows].float() / temperature
+            lse = torch.logsumexp(x, dim=-1)
+            logps.append(x.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse)
+            lses.append(lse)
+            if with_entropy:
+                ents.append(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
+
+        def cat(xs):  # an empty row still gets its own [0] tensors: a graph to backward through
+            return torch.cat(xs) if xs else logits.new_zeros(0, dtype=torch.float32)
+
+        ctx.save_for_backward(logits, targets, cat(lses))
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ent = cat(ents)
+        ctx.mark_non_differentiable(ent)
+        return cat(logps), ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, _grad_ent):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        t, n = ctx.temperature, ctx.chunk_rows
+        for s in range(0, logits.shape[0], n):
+            d = (logits[s:s + n].float() / t - lse[s:s + n, None]).exp()  # softmax
+            d.scatter_add_(-1, targets[s:s + n, None], d.new_full((d.shape[0], 1), -1.0))  # softmax - onehot
+            grad[s:s + n] = d.mul_(grad_logp[s:s + n, None] / -t)
+        return grad, None, None, None, None
+
+
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                     with_entropy: bool = False, chunk_rows: int = 1024
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each target under [R, V] logits (fp32), optionally the entropy (no grad).
 
-    logsumexp + gather per chunk of rows instead of a full log_softmax: only [chunk, V] fp32 temporaries
-    exist at once; entropy is a metric, so its softmax is never kept for backward.
+    logsumexp + gather per chunk of rows instead of a full log_softmax, in a custom autograd function: only
+    [chunk, V] fp32 temporaries exist at once, in forward and in backward, and only the logits themselves
+    (in their own dtype) and an [R] logsumexp are kept for backward. Entropy is a metric: no gradient.
+    An empty row still returns a graph-connected [0] tensor, so a rank with no response token can backward.
     """
-    logps, ents = [], []
-    for s in range(0, logits.shape[0], chunk_rows):
-        x = logits[s:s + chunk_rows].float()
-        if temperature != 1.0:
-            x = x / temperature
-        lse = torch.logsumexp(x, dim=-1)
-        logps.append(x.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
-    empty = logits.new_zeros(0, dtype=torch.float32)
-    logp = torch.cat(logps) if logps else empty + logits.sum() * 0  # keep the graph for an empty row
-    return logp, (torch.cat(ents) if ents else empty) if with_entropy else None
+    logp, ent = _TargetLogprob.apply(logits, targets, float(temperature), with_entropy, chunk_rows)
+    return logp, ent if with_entropy else None
 
 
 def forward_logprobs(model: torch.nn.Module, mb: PackedMicroBatch, temperature: float = 1.0,

@@ -14,13 +14,18 @@ from skyrl_stepwise.trainer.config import AlgorithmConfig
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
-    """Per-token KL estimate to the reference; low_var_kl (k3) is unbiased, >= 0 and low variance."""
+    """Per-token KL estimate to the reference; low_var_kl (k3) is unbiased, >= 0 and low variance.
+
+    k3 clamps its log-ratio before the exp() (at +-20, as verl): a token the policy has pushed far below
+    the reference (or a masked placeholder) would otherwise give exp() = inf, a nan gradient even after the
+    final clamp, and a skipped step.
+    """
     if kind == "k1":
         return logprobs - ref_logprobs
     if kind == "k2":
         return 0.5 * (logprobs - ref_logprobs).square()
     if kind == "low_var_kl":
-        log_ratio = ref_logprobs - logprobs
+        log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
         return (log_ratio.exp() - log_ratio - 1).clamp(-10.0, 10.0)  # clamp as in verl: rare huge ratios
     raise ValueError(f"algorithm.kl_loss_type: {kind!r} is not one of low_var_kl, k1, k2")
 
