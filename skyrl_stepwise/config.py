@@ -100,6 +100,11 @@ class RunConfig:
         if self.engine.max_model_len < needed:
             raise ValueError(f"engine.max_model_len={self.engine.max_model_len} is shorter than "
                              f"generator.max_input_length + generator.sampling.max_generate_length + 1 = {needed}")
+        if self.trainer.algorithm.use_tis and not self.generator.sampling.logprobs:
+            raise ValueError(f"trainer.algorithm.tis_ratio_clip_high={self.trainer.algorithm.tis_ratio_clip_high} "
+                             "(truncated IS) weights tokens by exp(trainer - rollout logprob), but "
+                             "generator.sampling.logprobs=false returns no rollout logprobs; set "
+                             "generator.sampling.logprobs=true or trainer.algorithm.tis_ratio_clip_high=null")
         if abs(self.trainer.temperature - self.generator.sampling.temperature) > 1e-9 and \
                 self.generator.sampling.temperature > 0:
             raise ValueError(f"trainer.temperature={self.trainer.temperature} must equal "

@@ -104,9 +104,12 @@ def test_pruning_and_resume_resolution(tmp_path):
     model, _, _ = _setup()
     assert find_latest_complete(tmp_path / "missing") is None
     assert resolve_resume("auto", tmp_path) is None
-    for step in (1, 2, 3):
-        save_checkpoint(tmp_path, step, model, max_to_keep=2)  # weights only (e.g. the reference model)
+    lineage = []
+    for step in (1, 2, 3):  # weights only (e.g. the reference model)
+        save_checkpoint(tmp_path, step, model, trainer_state={"run_id": "r", "lineage": lineage}, max_to_keep=2)
+        lineage = checkpoint.prune_lineage(tmp_path, lineage + [checkpoint.lineage_entry(step, "r")], 2)
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step_2", "step_3"]
+    assert lineage == [{"step": 2, "run_id": "r"}, {"step": 3, "run_id": "r"}]
     assert resolve_resume("auto", tmp_path) == step_dir(tmp_path, 3)
     assert resolve_resume("none", tmp_path) is None
     assert resolve_resume(str(step_dir(tmp_path, 2)), tmp_path) == step_dir(tmp_path, 2)
@@ -116,3 +119,23 @@ def test_pruning_and_resume_resolution(tmp_path):
     assert load_checkpoint(step_dir(tmp_path, 3), model2)["step"] == 3
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_pruning_keeps_what_this_run_wrote_and_fresh_runs_refuse_old_checkpoints(tmp_path):
+    model, _, _ = _setup()
+    for step in (30, 40):  # a stale earlier run in the same folder
+        save_checkpoint(tmp_path, step, model, trainer_state={"run_id": "old", "lineage": []}, max_to_keep=2)
+    with pytest.raises(FileExistsError, match=f"trainer.ckpt_dir='{tmp_path.resolve()}'.*step_30, step_40"):
+        checkpoint.check_fresh_start(tmp_path, "none", overwrite=False)
+    checkpoint.check_fresh_start(tmp_path, "auto", overwrite=False)  # continuing is allowed
+
+    # a new run that saves step_10 with keep=2 keeps it: pruning never looks outside its own lineage
+    save_checkpoint(tmp_path, 10, model, trainer_state={"run_id": "new", "lineage": []}, max_to_keep=2)
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step_10", "step_30", "step_40"]
+    # a lineage entry whose folder was since rewritten by another run is not deleted
+    lineage = [checkpoint.lineage_entry(30, "someone-else"), checkpoint.lineage_entry(10, "new")]
+    save_checkpoint(tmp_path, 11, model, trainer_state={"run_id": "new", "lineage": lineage}, max_to_keep=1)
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step_11", "step_30", "step_40"]
+
+    checkpoint.check_fresh_start(tmp_path, "none", overwrite=True)
+    assert checkpoint.complete_checkpoints(tmp_path) == []

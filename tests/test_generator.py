@@ -217,3 +217,62 @@ def test_config_rejects_merge_without_stepwise():
         GeneratorConfig(step_wise_trajectories=False, merge_stepwise_output=True).validate()
     with pytest.raises(ValueError, match="generator.history"):
         GeneratorConfig(history="text").validate()
+
+
+async def test_no_logprobs_means_none_not_zeros(tokenizer):
+    gen, _, _ = make_generator(tokenizer, lambda p, s, i: canonical(tokenizer, "<search> a </search>"), turns=2,
+                               sampling=GeneratorSamplingConfig(max_generate_length=64, logprobs=False))
+    out = await run(gen)
+    assert len(out) == 2 and out.rollout_logprobs is None
+    assert merge_stepwise_output(out).rollout_logprobs is None
+
+
+def test_tis_without_rollout_logprobs_is_rejected_at_config_time():
+    from skyrl_stepwise.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.generator.sampling.logprobs = False
+    with pytest.raises(ValueError, match=r"trainer.algorithm.tis_ratio_clip_high=2.0.*generator.sampling.logprobs"):
+        cfg.validate()
+    cfg.trainer.algorithm.tis_ratio_clip_high = None
+    cfg.validate()
+
+
+async def test_stop_string_turn_without_appended_eos_extends_exactly(tokenizer):
+    texts = ["<search> a </search>", "<search> b </search>", "<answer> x </answer>"]
+    gen, _, _ = make_generator(tokenizer, lambda p, s, i: canonical(tokenizer, texts[i]), turns=3,
+                               append_eos_after_stop_str=False, merge_stepwise_output=True)
+    out = await run(gen)
+    assert out.rollout_metrics["generate/bridge_fallbacks"] == 0 and len(out) == 1
+    eos = tokenizer.eos_token_id
+    trained = [t for t, m in zip(out.response_ids[0], out.loss_masks[0]) if m]
+    assert trained == [t for text in texts for t in canonical(tokenizer, text)]  # the template's EOS is not trained
+    # two closing the open turns (in the bridges, untrained), two closing the observations, the final appended one
+    assert out.response_ids[0].count(eos) == 5
+    assert [m for t, m in zip(out.response_ids[0], out.loss_masks[0]) if t == eos] == [0] * 5
+
+
+async def test_single_message_mode_ends_on_a_sampled_eos(tokenizer):
+    eos = tokenizer.eos_token_id
+    gen, _, envs = make_generator(tokenizer, lambda p, s, i: canonical(tokenizer, "I am done.") + [eos], turns=3,
+                                  use_conversation_multi_turn=False, step_wise_trajectories=False)
+    out = await run(gen)
+    assert len(envs[0].actions) == 1  # the model closed its only message: the trajectory is over
+    assert len(out) == 1 and out.response_ids[0] == canonical(tokenizer, "I am done.") + [eos]
+    assert out.loss_masks[0][-1] == 1  # sampled, so trained
+    assert out.rollout_metrics["generate/chain_breaks"] == 0
+
+
+async def test_overlong_filtering_masks_trajectories_cut_by_length(tokenizer):
+    eos = tokenizer.eos_token_id
+    # rep 0 answers with EOS, rep 1 rambles past max_generate_length on its last turn
+    script = lambda p, s, i: canonical(tokenizer, "<answer> x </answer>") + [eos] if s.endswith("_0") \
+        else canonical(tokenizer, "blah " * 40)
+    for flag, masked in ((False, 0), (True, 1)):
+        gen, _, _ = make_generator(tokenizer, script, turns=1, apply_overlong_filtering=flag,
+                                   sampling=GeneratorSamplingConfig(max_generate_length=16))
+        out = await run(gen, n=2)
+        assert out.stop_reasons == ["stop", "length"]
+        assert out.rollout_metrics["generate/overlong_filtered_trajectories"] == masked
+        assert sum(out.loss_masks[0]) == len(out.response_ids[0])
+        assert sum(out.loss_masks[1]) == (0 if flag else 16)

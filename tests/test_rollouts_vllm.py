@@ -79,4 +79,4 @@ async def test_search_r1_rollouts_against_real_server(vllm_engine, tokenizer):
         out = await gen.generate(prompts, ["search"] * 8, extras, ids)
     check_invariants(out, cfg, tokenizer.eos_token_id, 8)
     assert all(r in (0.0, 1.0) for r in out.trajectory_rewards())
-    assert out.rollout_metrics["generate/env_errors"] == 0
+    assert out.rollout_metrics["generate/failed_trajectories"] == 0

@@ -4,6 +4,11 @@ History is kept as token ids. The next prompt is `prompt + sampled (+ appended E
 checked against what the chat template renders; where the template cannot be extended exactly we
 re-render the full history, which starts a new step chain, and count it. The length check always
 runs on the prompt that is about to be sent.
+
+Infrastructure failures (env.reset or env.step raising, the engine raising or aborting a request) end
+the trajectory as *failed*: it is counted by cause and never becomes training data, because a reward
+of 0 for a crashed env or a half-sampled aborted turn is something we made up, not something the
+policy did. The engine session is released whatever happens.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class StepSample:
     prompt_ids: list[int]
     response_ids: list[int]
     loss_mask: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | None  # None when the engine was not asked for logprobs: never made up
     reward: float
     stop_reason: str
 
@@ -43,16 +48,31 @@ class TrajectoryStats:
     first_divergence: list[int] = field(default_factory=list)
     env_seconds: float = 0.0
     engine_seconds: float = 0.0
-    env_errors: int = 0
+    chain_breaks: int = 0  # next prompt does not extend prompt + response (a new step chain starts)
     prompt_too_long: bool = False
     env_metrics: dict[str, float] = field(default_factory=dict)
 
 
+FAILURE_CAUSES = ("env_reset", "env_step", "engine_error", "engine_abort")
+
+
 @dataclass
 class TrajectoryResult:
+    """A rolled-out trajectory; `failure` names the cause when infrastructure failed (then it is not trained)."""
+
     trajectory_id: TrajectoryID
     steps: list[StepSample]
     stats: TrajectoryStats
+    failure: str | None = None
+    failure_message: str = ""
+
+
+class _TrajectoryFailed(Exception):
+    """Internal: unwinds `run` to the single place that turns a failure into a TrajectoryResult."""
+
+    def __init__(self, cause: str, error: BaseException | str) -> None:
+        super().__init__(f"{cause}: {error}")
+        self.cause = cause
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int:
@@ -87,10 +107,27 @@ class AgentLoop:
 
     async def run(self, env: Env, prompt_messages: list[Message], extras: dict,
                   trajectory_id: TrajectoryID) -> TrajectoryResult:
-        """Roll out one trajectory; never emits a step whose prompt exceeds max_input_length."""
-        cfg, tpl = self.cfg, self.template
+        """Roll out one trajectory; a failure stays in this trajectory and the engine session is always released."""
         stats = TrajectoryStats()
-        messages = await env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns})
+        try:
+            steps = await self._rollout(env, prompt_messages, extras, trajectory_id, stats)
+        except _TrajectoryFailed as failed:
+            logger.warning("trajectory %s failed (%s); it is counted and not trained", trajectory_id.key(), failed)
+            return TrajectoryResult(trajectory_id, [], stats, failed.cause, str(failed))
+        finally:
+            end_session = getattr(self.engine, "end_session", None)  # a pool forgets the sticky route
+            if end_session is not None:
+                end_session(trajectory_id.key())
+        return TrajectoryResult(trajectory_id, steps, stats)
+
+    async def _rollout(self, env: Env, prompt_messages: list[Message], extras: dict, trajectory_id: TrajectoryID,
+                       stats: TrajectoryStats) -> list[StepSample]:
+        """The loop itself; never emits a step whose prompt exceeds max_input_length."""
+        cfg, tpl = self.cfg, self.template
+        try:
+            messages = await env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns})
+        except Exception as e:
+            raise _TrajectoryFailed("env_reset", repr(e)) from e
         history: list[Message] = list(messages)  # text view, for template checks and `retokenize`
         prompt_ids = tpl.prompt_ids(history)
         prompt_text = tpl.render(history, add_generation_prompt=True)  # text of prompt_ids (exact mode)
@@ -104,11 +141,16 @@ class AgentLoop:
                 stats.prompt_too_long = not steps
                 break
             t0 = time.perf_counter()
-            result = await self.engine.generate(prompt_ids, self._sampling(trajectory_id, turn),
-                                                session_id=trajectory_id.key())
+            try:
+                result = await self.engine.generate(prompt_ids, self._sampling(trajectory_id, turn),
+                                                    session_id=trajectory_id.key())
+            except Exception as e:
+                raise _TrajectoryFailed("engine_error", repr(e)) from e
             stats.engine_seconds += time.perf_counter() - t0
+            if result.finish_reason == "abort":  # a half-sampled turn is neither acted on nor trained
+                raise _TrajectoryFailed("engine_abort", f"request aborted after {len(result.token_ids)} tokens")
             sampled = list(result.token_ids)
-            logprobs = list(result.logprobs) if result.logprobs is not None else [0.0] * len(sampled)
+            logprobs = list(result.logprobs) if result.logprobs is not None else None
             model_eos = bool(sampled) and sampled[-1] == self.eos_id
             action_ids = sampled[:-1] if model_eos else sampled
             action_text = tpl.decode(action_ids)
@@ -116,52 +158,54 @@ class AgentLoop:
             t0 = time.perf_counter()
             try:
                 step = await env.step(action_text)
-                reward, done, observations = step.reward, step.done, step.observations
-                for k, v in step.metrics.items():
-                    stats.env_metrics[k] = stats.env_metrics.get(k, 0.0) + float(v)
-            except Exception:  # one broken env must not sink a batch of rollouts
-                logger.exception("env.step failed for trajectory %s turn %d; ending it", trajectory_id, turn)
-                stats.env_errors += 1
-                reward, done, observations = 0.0, True, []
+            except Exception as e:
+                raise _TrajectoryFailed("env_step", repr(e)) from e
             stats.env_seconds += time.perf_counter() - t0
+            for k, v in step.metrics.items():
+                stats.env_metrics[k] = stats.env_metrics.get(k, 0.0) + float(v)
 
-            last_turn = done or result.finish_reason == "abort" or turn == cfg.max_turns - 1
+            # Single-message mode has one assistant message: the model's own EOS ends it, and the trajectory.
+            ends_message = model_eos and not cfg.use_conversation_multi_turn
+            last_turn = step.done or ends_message or turn == cfg.max_turns - 1
             response, mask = list(sampled), [1] * len(sampled)
             if not model_eos and self._needs_eos(last_turn, result.finish_reason):
                 response.append(self.eos_id)  # appended after the fact: never a training target
                 mask.append(0)
-                logprobs.append(0.0)
-            steps.append(StepSample(prompt_ids, response, mask, logprobs, float(reward), result.finish_reason))
+                if logprobs is not None:
+                    logprobs.append(0.0)
+            steps.append(StepSample(prompt_ids, response, mask, logprobs, float(step.reward), result.finish_reason))
             if last_turn:
                 break
 
+            observations = step.observations
             if cfg.use_conversation_multi_turn:
                 history.append({"role": "assistant", "content": action_text})
                 history.extend(observations)
-                prompt_ids, prompt_text = self._next_conversation_prompt(
+                next_ids, prompt_text = self._next_conversation_prompt(
                     prompt_ids, prompt_text, response, observations, history, stats)
             else:
                 observation_text = "".join(m["content"] for m in observations)
                 single_message_text += action_text + observation_text
-                exact = prompt_ids + action_ids + tpl.encode(observation_text)
+                next_ids = prompt_ids + response + tpl.encode(observation_text)
                 if cfg.history == "retokenize":
                     first_prompt = tpl.render(list(messages), add_generation_prompt=True)
                     retok = tpl.encode(first_prompt + single_message_text)
-                    self._count_drift(retok, exact, stats)
-                    exact = retok
-                prompt_ids = exact
+                    self._count_drift(retok, next_ids, stats)
+                    next_ids = retok
+            chain = prompt_ids + response
+            if next_ids[:len(chain)] != chain:
+                stats.chain_breaks += 1
+            prompt_ids = next_ids
 
-        end_session = getattr(self.engine, "end_session", None)  # a pool forgets the sticky route
-        if end_session is not None:
-            end_session(trajectory_id.key())
         if ended_by_length and steps:
             last = steps[-1]
             last.stop_reason = "length"
             if not last.response_ids or last.response_ids[-1] != self.eos_id:
                 last.response_ids.append(self.eos_id)
                 last.loss_mask.append(0)
-                last.logprobs.append(0.0)
-        return TrajectoryResult(trajectory_id, steps, stats)
+                if last.logprobs is not None:
+                    last.logprobs.append(0.0)
+        return steps
 
     def _needs_eos(self, last_turn: bool, finish_reason: str) -> bool:
         """A finished trajectory always ends on EOS; a chat turn needs one to close the message."""
@@ -178,9 +222,13 @@ class AgentLoop:
         bridge = tpl.bridge(observations)
         exact_ids = exact_text = None
         if bridge.ids is not None:
-            exact_text = prompt_text + tpl.decode(response) + tpl.decode(bridge.ids)
+            # A turn left open (stop string with append_eos_after_stop_str=false) is closed by the template's
+            # EOS, which then belongs to the next prompt (untrained), not to the response.
+            closing = [] if response and response[-1] == self.eos_id else [self.eos_id]
+            delta = closing + bridge.ids
+            exact_text = prompt_text + tpl.decode(response) + tpl.decode(delta)
             if exact_text == rendered:
-                exact_ids = prompt_ids + response + bridge.ids
+                exact_ids = prompt_ids + response + delta
         if self.cfg.history == "retokenize":
             retok = tpl.encode(rendered)
             if exact_ids is not None:

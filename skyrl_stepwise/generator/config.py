@@ -33,6 +33,9 @@ class GeneratorConfig:
     # "retokenize": apply the chat template to the text history every turn (the common behaviour).
     history: str = "exact"
     append_eos_after_stop_str: bool = True
+    # Zero the loss mask of trajectories that ended by length (generation or context) instead of by the
+    # model's own EOS or the env (SkyRL's apply_overlong_filtering); counted in generate/overlong_filtered_*.
+    apply_overlong_filtering: bool = False
     show_progress: bool = True
 
     def validate(self) -> None:

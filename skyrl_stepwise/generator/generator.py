@@ -8,7 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from skyrl_stepwise.envs.base import EnvRegistry, Message
-from skyrl_stepwise.generator.agent_loop import AgentLoop, TrajectoryResult
+from skyrl_stepwise.generator.agent_loop import FAILURE_CAUSES, AgentLoop, TrajectoryResult
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.metrics import sample_metrics
@@ -17,10 +17,15 @@ from skyrl_stepwise.inference.base import InferenceEngine
 
 
 def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
-    """One sample per step, steps of a trajectory contiguous, the step reward on its last token."""
+    """One sample per step, steps of a trajectory contiguous, the step reward on its last token.
+
+    Failed trajectories give no samples (they are listed in failed_trajectory_ids); rollout_logprobs is None
+    unless the engine returned logprobs for every step, so nothing downstream mistakes a placeholder for one.
+    """
+    kept = [r for r in results if r.failure is None]
     out = GeneratorOutput([], [], [], [], stop_reasons=[], rollout_logprobs=[], trajectory_ids=[],
-                          is_last_step=[])
-    for traj in results:
+                          is_last_step=[], failed_trajectory_ids=[r.trajectory_id for r in results if r.failure])
+    for traj in kept:
         for i, step in enumerate(traj.steps):
             rewards = [0.0] * len(step.response_ids)
             if rewards:
@@ -33,26 +38,45 @@ def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
             out.rollout_logprobs.append(step.logprobs)
             out.trajectory_ids.append(traj.trajectory_id)
             out.is_last_step.append(i == len(traj.steps) - 1)
+    if any(step.logprobs is None for traj in kept for step in traj.steps):
+        out.rollout_logprobs = None
     return out
+
+
+def filter_overlong(results: list[TrajectoryResult]) -> int:
+    """Zero the loss mask of trajectories that ended by length, not by the model's own choice (SkyRL's
+    apply_overlong_filtering): a cut-off answer's reward says little about its tokens. Returns how many."""
+    filtered = 0
+    for traj in results:
+        if traj.failure is None and traj.steps and traj.steps[-1].stop_reason == "length":
+            for step in traj.steps:
+                step.loss_mask = [0] * len(step.loss_mask)
+            filtered += 1
+    return filtered
 
 
 def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
     """Turns, template fallbacks, drift and where the time went, summed over the batch."""
     stats = [r.stats for r in results]
+    failed = [r for r in results if r.failure is not None]
+    results = [r for r in results if r.failure is None]  # rewards and turns: trained trajectories only
     n = max(len(results), 1)
     turns = [len(r.steps) for r in results]
     metrics = {
         "generate/num_trajectories": len(results),
+        "generate/failed_trajectories": len(failed),
         "generate/turns_per_trajectory_mean": sum(turns) / n,
         "generate/turns_per_trajectory_max": max(turns, default=0),
         "generate/bridge_fallbacks": sum(s.bridge_fallbacks for s in stats),
         "generate/retokenize_drift_steps": sum(s.retokenize_drift_steps for s in stats),
-        "generate/env_errors": sum(s.env_errors for s in stats),
+        "generate/chain_breaks": sum(s.chain_breaks for s in stats),
         "generate/prompts_too_long": sum(s.prompt_too_long for s in stats),
         "generate/env_seconds": sum(s.env_seconds for s in stats),
         "generate/engine_seconds": sum(s.engine_seconds for s in stats),
         "generate/trajectory_reward_mean": sum(sum(st.reward for st in r.steps) for r in results) / n,
     }
+    for cause in FAILURE_CAUSES:
+        metrics[f"generate/failed_trajectories/{cause}"] = sum(r.failure == cause for r in failed)
     divergences = [d for s in stats for d in s.first_divergence]
     if divergences:
         metrics["generate/retokenize_first_divergence_min"] = min(divergences)
@@ -88,9 +112,15 @@ class StepwiseGenerator:
                 await done
                 bar.update(1)
         results = [t.result() for t in tasks]  # input order, not completion order
+        if results and all(r.failure is not None for r in results):
+            causes = sorted({r.failure for r in results})
+            raise RuntimeError(f"every trajectory of the batch failed ({', '.join(causes)}); first: "
+                               f"{results[0].failure_message}")
 
+        overlong = filter_overlong(results) if self.cfg.apply_overlong_filtering else 0
         output = steps_to_output(results)
         output.rollout_metrics.update(trajectory_metrics(results))
+        output.rollout_metrics["generate/overlong_filtered_trajectories"] = overlong
         if not self.cfg.step_wise_trajectories or self.cfg.merge_stepwise_output:
             # With exact history a trajectory is one token chain, so merging its steps yields exactly
             # the whole-trajectory sample (observations masked); a template fallback starts a new chain.

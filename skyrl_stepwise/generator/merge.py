@@ -128,6 +128,7 @@ def merge_stepwise_output(output: GeneratorOutput) -> GeneratorOutput:
         trajectory_ids=[output.trajectory_ids[g.last] for g in groups],
         is_last_step=[output.is_last_step[g.last] for g in groups],
         rollout_metrics=metrics,
+        failed_trajectory_ids=list(output.failed_trajectory_ids),
     )
     merged.validate()
     return merged

@@ -29,6 +29,9 @@ class GeneratorOutput:
     trajectory_ids: list[TrajectoryID] | None = None
     is_last_step: list[bool] | None = None
     rollout_metrics: dict = field(default_factory=dict)
+    # Trajectories whose infrastructure failed: no samples here, but their groups lost a member, which the
+    # advantage baseline must know (a group left with one trajectory has nothing to compare against).
+    failed_trajectory_ids: list[TrajectoryID] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids)

@@ -25,6 +25,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.logprob = logprob
         self.calls: list[tuple[str | None, list[int]]] = []
+        self.weight_updates = 0
         self._per_session: dict[str | None, int] = {}
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
@@ -51,7 +52,9 @@ class ScriptedEngine:
         return GenerationResult(ids, logprobs, finish, stop_string)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        raise NotImplementedError("ScriptedEngine has no weights")
+        """No weights to load: counts the update, so a real training loop can run against a script."""
+        list(named_tensors)
+        self.weight_updates += 1
 
     async def health(self) -> bool:
         return True

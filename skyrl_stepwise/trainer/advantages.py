@@ -29,11 +29,13 @@ def trajectory_scores(output: GeneratorOutput) -> dict[TrajectoryID, float]:
 
 
 def group_advantages(scores: dict[TrajectoryID, float], estimator: str = "grpo", norm_adv_by_std: bool = True,
-                     eps: float = 1e-6) -> dict[TrajectoryID, float]:
+                     eps: float = 1e-6, failed: list[TrajectoryID] = ()) -> dict[TrajectoryID, float]:
     """Baseline each trajectory against the others sampled for the same prompt.
 
     grpo: (score - group mean) / (group std + eps), std unbiased as in verl/SkyRL; rloo: score minus the
-    mean of the other trajectories. A group of one has no baseline and keeps its raw score (as in verl).
+    mean of the other trajectories. A group sampled as one has no baseline and keeps its raw score (as in
+    verl); a group that failures (`failed`: trajectories whose infrastructure failed) left with fewer than two
+    gets advantage 0, since its raw score was meant to be compared with siblings that never came back.
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"algorithm.advantage_estimator: {estimator!r} cannot be broadcast step-wise; "
@@ -41,12 +43,13 @@ def group_advantages(scores: dict[TrajectoryID, float], estimator: str = "grpo",
     groups: dict[str, list[TrajectoryID]] = defaultdict(list)
     for tid in scores:
         groups[tid.instance_id].append(tid)
+    lost_members = {tid.instance_id for tid in failed}
     advantages: dict[TrajectoryID, float] = {}
-    for tids in groups.values():
+    for instance_id, tids in groups.items():
         r = torch.tensor([scores[t] for t in tids], dtype=torch.float64)
         n = len(tids)
         if n == 1:
-            adv = r
+            adv = torch.zeros_like(r) if instance_id in lost_members else r
         elif estimator == "grpo":
             adv = r - r.mean()
             if norm_adv_by_std:
@@ -59,5 +62,6 @@ def group_advantages(scores: dict[TrajectoryID, float], estimator: str = "grpo",
 
 def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:
     """Per-token advantages parallel to response_ids: the trajectory's advantage times the sample's loss mask."""
-    adv = group_advantages(trajectory_scores(output), cfg.advantage_estimator, cfg.norm_adv_by_std)
+    adv = group_advantages(trajectory_scores(output), cfg.advantage_estimator, cfg.norm_adv_by_std,
+                           failed=output.failed_trajectory_ids)
     return [[adv[tid] * m for m in mask] for tid, mask in zip(output.trajectory_ids, output.loss_masks)]

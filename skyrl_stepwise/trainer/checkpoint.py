@@ -10,6 +10,11 @@ Layout of `<ckpt_dir>/step_<N>/`:
 Everything is written into `step_<N>.tmp`, renamed to `step_<N>` and only then marked COMPLETE, so a save
 killed at any point leaves either a `.tmp` folder or a folder without the marker: neither is ever picked by
 `find_latest_complete`, and a resume never reads half a checkpoint.
+
+Pruning follows the run's *lineage* (the checkpoints this run saved or resumed through, each tagged with the
+run_id of the launch that wrote it), never "the highest step numbers in the folder": a stale `step_40` of
+another run must not push out the `step_10` just written. A fresh run refuses a folder that already holds
+checkpoints unless told to overwrite it, so `resume=auto` can never continue someone else's run.
 """
 
 from __future__ import annotations
@@ -83,6 +88,46 @@ def resolve_resume(resume: str, ckpt_dir: str | os.PathLike) -> Path | None:
     return path
 
 
+def check_fresh_start(ckpt_dir: str | os.PathLike, resume: str, overwrite: bool) -> None:
+    """A run that starts from scratch (resume=none) must not share ckpt_dir with an older run's checkpoints:
+    a later resume=auto would pick whichever has the higher step. Refuse, or delete them when told to."""
+    if resume not in ("none", "", None):
+        return
+    root = Path(ckpt_dir)
+    existing = sorted(p.name for p in root.iterdir() if _STEP_DIR.fullmatch(p.name.removesuffix(".tmp"))) \
+        if root.is_dir() else []
+    if not existing:
+        return
+    if not overwrite:
+        raise FileExistsError(f"trainer.resume=none but trainer.ckpt_dir={str(root.resolve())!r} already holds "
+                              f"checkpoints ({', '.join(existing[:5])}{', ...' if len(existing) > 5 else ''}); "
+                              "use trainer.resume=auto to continue that run, another trainer.ckpt_dir, or "
+                              "trainer.overwrite_ckpt_dir=true to delete them")
+    for name in existing:
+        shutil.rmtree(root / name)
+
+
+def lineage_entry(step: int, run_id: str) -> dict:
+    """How a checkpoint is named in a lineage: its step folder and the launch that wrote it."""
+    return {"step": step, "run_id": run_id}
+
+
+def prune_lineage(ckpt_dir: str | os.PathLike, lineage: list[dict], max_to_keep: int) -> list[dict]:
+    """Delete this lineage's checkpoints beyond the newest `max_to_keep` and return the kept entries.
+
+    A folder is deleted only if it still holds the checkpoint the entry names (same run_id): another run may
+    have written the same step since.
+    """
+    if max_to_keep <= 0 or len(lineage) <= max_to_keep:
+        return list(lineage)
+    for entry in lineage[:-max_to_keep]:
+        path = step_dir(ckpt_dir, entry["step"])
+        state = path / "trainer_state.json"
+        if state.is_file() and json.loads(state.read_text()).get("run_id") == entry["run_id"]:
+            shutil.rmtree(path, ignore_errors=True)
+    return list(lineage[-max_to_keep:])
+
+
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -104,7 +149,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
     """Save on every rank (collective) and return the complete step folder.
 
     trainer_state must be JSON-serialisable (e.g. {"epoch": 1, "consumed_prompts": 512}); `step` and
-    `world_size` are added. With max_to_keep > 0, older complete checkpoints beyond that count are deleted.
+    `world_size` are added. With max_to_keep > 0 and trainer_state carrying `run_id` and `lineage` (the
+    entries of this run's earlier checkpoints, oldest first), the lineage's checkpoints beyond the newest
+    max_to_keep are deleted; nothing outside the lineage ever is.
     """
     final = step_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -133,9 +180,10 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         tmp.rename(final)
         _fsync_dir(final.parent)
         _mark_complete(final)
-        if max_to_keep > 0:
-            for old in complete_checkpoints(ckpt_dir)[:-max_to_keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        state = trainer_state or {}
+        if max_to_keep > 0 and "run_id" in state:
+            prune_lineage(ckpt_dir, list(state.get("lineage", [])) + [lineage_entry(step, state["run_id"])],
+                          max_to_keep)
     _barrier()
     return final
 

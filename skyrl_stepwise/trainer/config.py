@@ -133,6 +133,9 @@ class TrainerConfig:
     ckpt_interval: int = 10  # optimizer steps between checkpoints; 0 disables
     max_ckpts_to_keep: int = 2  # -1 keeps all
     resume: str = "auto"  # auto (latest complete checkpoint, if any) | none | a step_N folder
+    # resume=none refuses a ckpt_dir that already holds checkpoints (resume=auto would later mix the two
+    # runs); true deletes them first.
+    overwrite_ckpt_dir: bool = False
 
     def validate(self, prefix: str = "trainer") -> None:
         """Validate this config and its parts, naming the full key path of the first bad value."""

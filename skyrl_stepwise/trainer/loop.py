@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+import uuid
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -19,7 +20,7 @@ from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, Traject
 from skyrl_stepwise.inference.base import InferenceEngine
 from skyrl_stepwise.trainer.advantages import compute_advantages
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
-from skyrl_stepwise.trainer.checkpoint import resolve_resume
+from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.weight_sync import probe_logprobs, sync_weights
 
 
@@ -77,6 +78,28 @@ def reward_metrics(output: GeneratorOutput, prefix: str) -> dict[str, float]:
             f"{prefix}/pass_at_n": sum(max(r) > 0 for r in per_prompt.values()) / max(len(per_prompt), 1)}
 
 
+# Train metrics that are counts over the whole batch: summed over mini-batches (everything else is averaged).
+SUMMED_TRAIN_KEYS = ("train/real_tokens", "train/packed_tokens", "train/num_micro_batches", "train/loss_tokens",
+                     "train/padded_batch_tokens", "train/step_time_s", "train/skipped_step")
+
+
+def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, float]:
+    """One set of train metrics per RL step: counts summed, ratios recomputed from the sums, the rest averaged.
+
+    Averaging everything would report 1/num_mini_batches of the tokens actually trained (and the throughput).
+    """
+    n = max(len(per_mini_batch), 1)
+    out: dict[str, float] = defaultdict(float)
+    for metrics in per_mini_batch:
+        for k, v in metrics.items():
+            out[k] += v if k in SUMMED_TRAIN_KEYS else v / n
+    if out.get("train/real_tokens"):
+        out["train/pad_ratio"] = out["train/packed_tokens"] / out["train/real_tokens"]
+        out["train/padded_batch_pad_ratio"] = out["train/padded_batch_tokens"] / out["train/real_tokens"]
+    out["train/optimizer_steps"] = len(per_mini_batch) - out.get("train/skipped_step", 0.0)
+    return dict(out)
+
+
 class Timer(dict):
     @contextmanager
     def phase(self, name: str):
@@ -98,12 +121,19 @@ class RLTrainer:
         self.val_rows = val_rows[: cfg.data.max_eval_prompts]
         self.probe_ids = probe_ids
         self.step = 0
+        self.run_id = uuid.uuid4().hex[:12]  # tags this launch's checkpoints: pruning touches only its lineage
+        self.lineage: list[dict] = []
 
     async def fit(self) -> dict[str, float]:
         """Resume if asked, then train to total_steps; returns the last step's metrics."""
-        resume_from = resolve_resume(self.cfg.trainer.resume, self.cfg.trainer.ckpt_dir)
+        t = self.cfg.trainer
+        if t.ckpt_interval:
+            check_fresh_start(t.ckpt_dir, t.resume, t.overwrite_ckpt_dir)
+        resume_from = resolve_resume(t.resume, t.ckpt_dir)
         if resume_from is not None:
-            self.step = int(self.policy.call("load_checkpoint", str(resume_from))["step"])
+            state = self.policy.call("load_checkpoint", str(resume_from))
+            self.step = int(state["step"])
+            self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
             self.tracker.rewind(self.step)
             await sync_weights(self.policy, self.engine)
@@ -117,8 +147,16 @@ class RLTrainer:
             self.tracker.log(metrics, self.step, {"prompts": prompts})
             ckpt = self.cfg.trainer.ckpt_interval
             if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
-                self.policy.call("save_checkpoint", self.step, {"step": self.step})
+                self.save_checkpoint()
         return metrics
+
+    def save_checkpoint(self) -> None:
+        """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs')."""
+        self.policy.call("save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
+                                                        "lineage": self.lineage})
+        self.lineage = prune_lineage(self.cfg.trainer.ckpt_dir,
+                                     self.lineage + [lineage_entry(self.step, self.run_id)],
+                                     self.cfg.trainer.max_ckpts_to_keep)
 
     async def train_step(self) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
@@ -129,6 +167,10 @@ class RLTrainer:
                                                              f"train{self.step}"))
         metrics = dict(output.rollout_metrics)
         metrics.update(reward_metrics(output, "reward"))
+        if len(output) == 0:  # e.g. every prompt too long: nothing to train on, and nothing made up instead
+            metrics.update({"train/skipped_step": 1.0, "train/optimizer_steps": 0.0, **timer,
+                            "timing/step_s": time.perf_counter() - start})
+            return metrics
 
         advantages = compute_advantages(output, cfg.trainer.algorithm)
         batch = TrainBatch.from_output(output, advantages)
@@ -139,16 +181,15 @@ class RLTrainer:
         if len(mini_batches) > 1:  # later mini-batches are off-policy: score them before any update
             with timer.phase("old_logprobs"):
                 batch.old_logprobs = self.policy.call("compute_logprobs", batch)
-        train = defaultdict(float)
         with timer.phase("train"):
-            for indices in mini_batches:
-                for k, v in self.policy.call("train_step", batch.select(indices)).items():
-                    train[k] += v / len(mini_batches)
+            train = combine_train_metrics([self.policy.call("train_step", batch.select(indices))
+                                           for indices in mini_batches])
         metrics.update(train)
 
         with timer.phase("weight_sync"):
             await sync_weights(self.policy, self.engine)
-            probe = await probe_logprobs(self.policy, self.engine, self.probe_ids)
+            probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
+                                         temperature=cfg.trainer.temperature)
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
                         "sync/probe_logprob_mean_diff": probe.mean_abs_diff})
 

@@ -22,10 +22,25 @@ async def sync_weights(group, engine: InferenceEngine) -> int:
     return sum(t.numel() for t in state.values())
 
 
-async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], max_tokens: int = 16) -> ProbeResult:
-    """Greedy-generate from the engine and rescore the same ids with the trainer: the two must agree."""
-    result = await engine.generate(probe_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True),
-                                   session_id="weight-sync-probe")
+PROBE_SESSION = "weight-sync-probe"
+
+
+async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], max_tokens: int = 16,
+                         temperature: float = 1.0) -> ProbeResult:
+    """Sample from the engine and rescore the same ids with the trainer: the two must agree.
+
+    `temperature` must be the trainer's (= the rollout's): the engine returns logprobs of the distribution
+    it sampled from and the trainer scores logits / its cfg.temperature, so any other temperature
+    (greedy included, which vLLM scores at T=1) reports a mismatch that is not there.
+    """
+    if temperature <= 0:
+        raise ValueError(f"probe_logprobs: temperature must be > 0 (the trainer's temperature), got {temperature}")
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=True)
+    try:
+        result = await engine.generate(probe_ids, sampling, session_id=PROBE_SESSION)
+    finally:
+        if hasattr(engine, "end_session"):  # an EnginePool would otherwise keep the probe's routing entry
+            engine.end_session(PROBE_SESSION)
     ids = list(result.token_ids)
     batch = TrainBatch(prompt_ids=[probe_ids], response_ids=[ids], loss_masks=[[1] * len(ids)],
                        instance_ids=["probe"])

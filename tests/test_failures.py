@@ -1,0 +1,168 @@
+"""Infrastructure failures stay in their trajectory: counted, never trained, excluded from the baseline, and
+every engine session is released. The last test runs one real training step (SmolLM2 policy, scripted engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+from skyrl_stepwise.inference.base import GenerationResult
+from skyrl_stepwise.inference.pool import EnginePool
+from skyrl_stepwise.inference.scripted import ScriptedEngine
+from skyrl_stepwise.trainer.advantages import group_advantages
+
+PROMPT = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+ROWS = ("a", "b", "c", "d")
+REPS = 3
+
+
+class FaultyEnv:
+    """Reward 1 for 'yes'; raises in reset or step when told to."""
+
+    def __init__(self, fault: str | None = None) -> None:
+        self.fault = fault
+
+    async def reset(self, prompt_messages, extras):
+        if self.fault == "reset":
+            raise ConnectionError("sandbox did not start")
+        return list(prompt_messages)
+
+    async def step(self, action_text):
+        if self.fault == "step":
+            raise TimeoutError("grader timed out")
+        return StepResult([], reward=float("yes" in action_text), done=True)
+
+
+class FaultyEngine(ScriptedEngine):
+    """Aborts one session's request and raises on another's; everything else follows the script."""
+
+    def __init__(self, script, tokenizer, abort: str, error: str) -> None:
+        super().__init__(script, tokenizer)
+        self.abort, self.error = abort, error
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        if session_id == self.error:
+            raise RuntimeError("engine core died")
+        if session_id == self.abort:
+            return GenerationResult([self.tokenizer.eos_token_id - 1], [-1.0], "abort")
+        return await super().generate(prompt_ids, sampling, session_id)
+
+
+def _setup(tokenizer, tag: str):
+    """4 prompts x 3 samples; faults: a/rep0 env.step, b/rep0 env.reset, b/rep1 engine abort, c/rep0 engine error."""
+    eos = tokenizer.eos_token_id
+    answers = {0: "yes", 1: "no", 2: "yes"}
+
+    def script(prompt, session, index):
+        rep = int(session.rsplit("_", 1)[1]) if session and session[-1].isdigit() else 0
+        return tokenizer.encode(answers[rep], add_special_tokens=False) + [eos]
+
+    key = lambda row, rep: TrajectoryID(f"{tag}/{row}/{ROWS.index(row)}", rep).key()  # as loop.expand names them
+    engine = EnginePool([FaultyEngine(script, tokenizer, abort=key("b", 1), error=key("c", 0))])
+    faults = {0: "step", 3: "reset"}  # envs are created in trajectory order: row * REPS + rep
+    created: list[FaultyEnv] = []
+    registry = EnvRegistry()
+    registry.register("faulty", lambda: created.append(FaultyEnv(faults.get(len(created)))) or created[-1])
+    return engine, registry
+
+
+def _generator_config(**overrides) -> GeneratorConfig:
+    return GeneratorConfig(max_turns=2, max_input_length=512, n_samples_per_prompt=REPS, show_progress=False,
+                           sampling=GeneratorSamplingConfig(max_generate_length=8), **overrides)
+
+
+def test_a_group_left_with_one_trajectory_gets_no_advantage():
+    scores = {TrajectoryID("p", 0): 1.0, TrajectoryID("q", 0): 1.0, TrajectoryID("q", 1): 0.0,
+              TrajectoryID("solo", 0): 0.7}
+    adv = group_advantages(scores, "grpo", failed=[TrajectoryID("p", 1), TrajectoryID("q", 2)])
+    assert adv[TrajectoryID("p", 0)] == 0.0  # its siblings failed: nothing to compare with
+    assert adv[TrajectoryID("q", 0)] > 0 > adv[TrajectoryID("q", 1)]  # two left: a normal baseline
+    assert adv[TrajectoryID("solo", 0)] == pytest.approx(0.7)  # sampled alone (n=1): raw score, as before
+
+
+async def test_each_failure_is_contained_counted_and_releases_its_session(tokenizer):
+    from skyrl_stepwise.trainer.loop import expand
+
+    engine, registry = _setup(tokenizer, "t")
+    gen = StepwiseGenerator(tokenizer, engine, registry, _generator_config())
+    rows = [_row(r) for r in ROWS]
+    out = await gen.generate(*expand(rows, REPS, "t"))
+    m = out.rollout_metrics
+    assert m["generate/failed_trajectories"] == 4 and m["generate/num_trajectories"] == 8
+    for cause in ("env_reset", "env_step", "engine_error", "engine_abort"):
+        assert m[f"generate/failed_trajectories/{cause}"] == 1
+    failed = {(t.instance_id.split("/")[1], t.repetition_id) for t in out.failed_trajectory_ids}
+    assert failed == {("a", 0), ("b", 0), ("b", 1), ("c", 0)}
+    assert not {(t.instance_id.split("/")[1], t.repetition_id) for t in out.trajectory_ids} & failed
+    assert engine.sessions == {} and engine.inflight == [0]
+
+
+async def test_a_batch_where_everything_failed_fails_loudly(tokenizer):
+    from skyrl_stepwise.trainer.loop import expand
+
+    registry = EnvRegistry()
+    registry.register("faulty", lambda: FaultyEnv("reset"))
+    gen = StepwiseGenerator(tokenizer, ScriptedEngine(lambda p, s, i: [1], tokenizer), registry, _generator_config())
+    with pytest.raises(RuntimeError, match="every trajectory of the batch failed \\(env_reset\\).*sandbox"):
+        await gen.generate(*expand([_row("a")], REPS, "t"))
+
+
+def _row(name: str):
+    from skyrl_stepwise.data.dataset import PromptRow
+
+    return PromptRow(prompt=PROMPT, env_class="faulty", reward_spec={}, data_source="toy", instance_id=name)
+
+
+class CapturingPolicy:
+    """The in-process PolicyWorker behind the Ray group's `.call`, recording every train_step batch."""
+
+    def __init__(self, worker) -> None:
+        self.worker, self.batches = worker, []
+
+    def call(self, method, *args):
+        if method == "train_step":
+            self.batches.append(args[0])
+        return getattr(self.worker, method)(*args)
+
+
+@pytest.mark.integration
+async def test_one_real_training_step_with_failures(tokenizer, model_path, tmp_path):
+    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.trainer.config import FSDPConfig, TrainerConfig
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
+    from skyrl_stepwise.trainer.tracking import Tracker
+
+    cfg = RunConfig(total_steps=1)
+    cfg.generator = _generator_config()
+    cfg.data.train_batch_size, cfg.data.shuffle = len(ROWS), False
+    cfg.trainer = TrainerConfig(model_path=str(model_path), fsdp=FSDPConfig(world_size=1, mixed_precision=False),
+                                policy_mini_batch_size=2, ckpt_interval=0, ckpt_dir=str(tmp_path / "ckpts"))
+    cfg.trainer.algorithm.use_kl_loss = False
+    cfg.validate()
+    engine, registry = _setup(tokenizer, "train0")
+    policy = CapturingPolicy(PolicyWorker(cfg.trainer))
+    trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator),
+                        StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator)), engine, policy,
+                        None, Tracker(tmp_path, "p", "r", "disabled", {}), [_row(r) for r in ROWS], [],
+                        tokenizer.encode("Hello", add_special_tokens=False))
+    metrics = await trainer.train_step()
+
+    assert metrics["generate/failed_trajectories"] == 4
+    yes = len(tokenizer.encode("yes", add_special_tokens=False)) + 1
+    no = len(tokenizer.encode("no", add_special_tokens=False)) + 1
+    # survivors: yes from a2 b2 c2 d0 d2, no from a1 c1 d1; the failed four contribute no token
+    assert metrics["train/loss_tokens"] == 5 * yes + 3 * no == sum(b.num_loss_tokens() for b in policy.batches)
+    assert metrics["train/real_tokens"] == sum(sum(b.seq_lens()) for b in policy.batches)  # summed, not averaged
+    assert metrics["train/optimizer_steps"] == 2 and len(policy.batches) == 2
+    advantages = {}
+    for batch in policy.batches:
+        for iid, adv in zip(batch.instance_ids, batch.advantages):
+            advantages.setdefault(iid.split("/")[1], []).append(adv[0])
+    assert advantages["b"] == [0.0]  # left alone by its failed siblings: no baseline, no gradient
+    for row in ("a", "c", "d"):
+        assert any(a > 0 for a in advantages[row]) and any(a < 0 for a in advantages[row])
+    assert metrics["train/grad_norm"] > 0
+    assert engine.sessions == {}  # trajectories and the weight-sync probe all released their sessions
+    assert engine.engines[0].weight_updates == 1
