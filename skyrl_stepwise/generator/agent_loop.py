@@ -1,9 +1,9 @@
 """One trajectory, one async loop: generate, act in the env, extend the history, go again.
 
-History is kept as token ids. The next prompt is `prompt + sampled (+ appended EOS) + bridge`,
-checked against what the chat template renders; where the template cannot be extended exactly we
-re-render the full history, which starts a new step chain, and count it. The length check always
-runs on the prompt that is about to be sent.
+History is kept as token ids. The next prompt is `prompt + sampled (+ appended EOS) + what the model's
+renderer puts next` (`skyrl_stepwise.chat`); where that cannot be proven exact, the renderer re-renders the
+full history, which starts a new step chain, and we count it with its reason. The length check always runs
+on the prompt that is about to be sent.
 
 Infrastructure failures (env.reset or env.step raising, the engine raising or aborting a request) end
 the trajectory as *failed*: it is counted by cause and never becomes training data, because a reward
@@ -18,8 +18,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from skyrl_stepwise.chat import ChatRenderer, create_renderer
 from skyrl_stepwise.envs.base import Env, Message
-from skyrl_stepwise.generator.chat_bridge import ChatTemplateBridge
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.generator.output import TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
@@ -44,6 +44,7 @@ class TrajectoryStats:
     """Per-trajectory counters that become `rollout_metrics`."""
 
     bridge_fallbacks: int = 0
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
     retokenize_drift_steps: int = 0
     first_divergence: list[int] = field(default_factory=list)
     env_seconds: float = 0.0
@@ -53,7 +54,7 @@ class TrajectoryStats:
     env_metrics: dict[str, float] = field(default_factory=dict)
 
 
-FAILURE_CAUSES = ("env_reset", "env_step", "engine_error", "engine_abort")
+FAILURE_CAUSES = ("env_reset", "env_step", "engine_error", "engine_abort", "render")
 
 
 @dataclass
@@ -91,13 +92,15 @@ def _turn_seed(base_seed: int | None, trajectory_id: TrajectoryID, turn: int) ->
 
 
 class AgentLoop:
-    """Runs trajectories against one engine and one chat template; stateless across trajectories."""
+    """Runs trajectories against one engine and one renderer; stateless across trajectories."""
 
-    def __init__(self, tokenizer, engine: InferenceEngine, cfg: GeneratorConfig) -> None:
+    def __init__(self, tokenizer, engine: InferenceEngine, cfg: GeneratorConfig,
+                 renderer: ChatRenderer | None = None) -> None:
         self.cfg = cfg
         self.engine = engine
-        self.template = ChatTemplateBridge(tokenizer)
-        self.eos_id = self.template.eos_id
+        self.renderer = renderer or create_renderer(tokenizer, cfg.renderer, dict(cfg.chat_template_kwargs),
+                                                    cfg.thinking_retention)
+        self.close_id = self.renderer.close_id
 
     def _sampling(self, trajectory_id: TrajectoryID, turn: int) -> SamplingParams:
         s = self.cfg.sampling
@@ -123,14 +126,14 @@ class AgentLoop:
     async def _rollout(self, env: Env, prompt_messages: list[Message], extras: dict, trajectory_id: TrajectoryID,
                        stats: TrajectoryStats) -> list[StepSample]:
         """The loop itself; never emits a step whose prompt exceeds max_input_length."""
-        cfg, tpl = self.cfg, self.template
+        cfg, chat = self.cfg, self.renderer
         try:
             messages = await env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns})
         except Exception as e:
             raise _TrajectoryFailed("env_reset", repr(e)) from e
-        history: list[Message] = list(messages)  # text view, for template checks and `retokenize`
-        prompt_ids = tpl.prompt_ids(history)
-        prompt_text = tpl.render(history, add_generation_prompt=True)  # text of prompt_ids (exact mode)
+        tools = extras.get("tools") or None
+        history: list[Message] = list(messages)  # text view, for full re-renders and `retokenize`
+        prompt_ids = self._render(chat.prompt_ids, history, tools)
         single_message_text = ""  # single-message mode: the one growing assistant message
         steps: list[StepSample] = []
         ended_by_length = False
@@ -151,9 +154,9 @@ class AgentLoop:
                 raise _TrajectoryFailed("engine_abort", f"request aborted after {len(result.token_ids)} tokens")
             sampled = list(result.token_ids)
             logprobs = list(result.logprobs) if result.logprobs is not None else None
-            model_eos = bool(sampled) and sampled[-1] == self.eos_id
+            model_eos = bool(sampled) and sampled[-1] in chat.stop_ids
             action_ids = sampled[:-1] if model_eos else sampled
-            action_text = tpl.decode(action_ids)
+            action_text = chat.decode(action_ids)
 
             t0 = time.perf_counter()
             try:
@@ -169,7 +172,7 @@ class AgentLoop:
             last_turn = step.done or ends_message or turn == cfg.max_turns - 1
             response, mask = list(sampled), [1] * len(sampled)
             if not model_eos and self._needs_eos(last_turn, result.finish_reason):
-                response.append(self.eos_id)  # appended after the fact: never a training target
+                response.append(self.close_id)  # appended after the fact: never a training target
                 mask.append(0)
                 if logprobs is not None:
                     logprobs.append(0.0)
@@ -179,17 +182,17 @@ class AgentLoop:
 
             observations = step.observations
             if cfg.use_conversation_multi_turn:
-                history.append({"role": "assistant", "content": action_text})
+                turn_message = self._render(chat.parse, response, prompt_ids, tools).message()
+                history.append(turn_message)
                 history.extend(observations)
-                next_ids, prompt_text = self._next_conversation_prompt(
-                    prompt_ids, prompt_text, response, observations, history, stats)
+                next_ids = self._next_conversation_prompt(prompt_ids, response, observations, history, tools, stats)
             else:
                 observation_text = "".join(m["content"] for m in observations)
                 single_message_text += action_text + observation_text
-                next_ids = prompt_ids + response + tpl.encode(observation_text)
+                next_ids = prompt_ids + response + chat.encode(observation_text)
                 if cfg.history == "retokenize":
-                    first_prompt = tpl.render(list(messages), add_generation_prompt=True)
-                    retok = tpl.encode(first_prompt + single_message_text)
+                    first_prompt = chat.decode(steps[0].prompt_ids)
+                    retok = chat.encode(first_prompt + single_message_text)
                     self._count_drift(retok, next_ids, stats)
                     next_ids = retok
             chain = prompt_ids + response
@@ -200,12 +203,20 @@ class AgentLoop:
         if ended_by_length and steps:
             last = steps[-1]
             last.stop_reason = "length"
-            if not last.response_ids or last.response_ids[-1] != self.eos_id:
-                last.response_ids.append(self.eos_id)
+            if not last.response_ids or last.response_ids[-1] not in chat.stop_ids:
+                last.response_ids.append(self.close_id)
                 last.loss_mask.append(0)
                 if last.logprobs is not None:
                     last.logprobs.append(0.0)
         return steps
+
+    @staticmethod
+    def _render(fn, *args):
+        """Call the renderer; a template or parser exception ends this trajectory only (cause `render`)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise _TrajectoryFailed("render", f"{type(e).__name__}: {e}") from e
 
     def _needs_eos(self, last_turn: bool, finish_reason: str) -> bool:
         """A finished trajectory always ends on EOS; a chat turn needs one to close the message."""
@@ -215,31 +226,20 @@ class AgentLoop:
             return False  # single-message mode: the assistant message continues after the observation
         return finish_reason != "stop" or self.cfg.append_eos_after_stop_str
 
-    def _next_conversation_prompt(self, prompt_ids, prompt_text, response, observations, history, stats):
-        """Extend the exact ids by the template bridge; re-render the full history where that is not exact."""
-        tpl = self.template
-        rendered = tpl.render(history, add_generation_prompt=True)
-        bridge = tpl.bridge(observations)
-        exact_ids = exact_text = None
-        if bridge.ids is not None:
-            # A turn left open (stop string with append_eos_after_stop_str=false) is closed by the template's
-            # EOS, which then belongs to the next prompt (untrained), not to the response.
-            closing = [] if response and response[-1] == self.eos_id else [self.eos_id]
-            delta = closing + bridge.ids
-            exact_text = prompt_text + tpl.decode(response) + tpl.decode(delta)
-            if exact_text == rendered:
-                exact_ids = prompt_ids + response + delta
+    def _next_conversation_prompt(self, prompt_ids, response, observations, history, tools, stats) -> list[int]:
+        """Extend prompt + sampled ids by what the template puts next; a re-render is counted with its reason."""
+        chat = self.renderer
+        nxt = self._render(chat.next_prompt, prompt_ids, response, history, observations, tools)
         if self.cfg.history == "retokenize":
-            retok = tpl.encode(rendered)
-            if exact_ids is not None:
-                self._count_drift(retok, exact_ids, stats)
-            return retok, rendered
-        if exact_ids is None:
+            retok = self._render(chat.prompt_ids, history, tools)
+            if nxt.extended:
+                self._count_drift(retok, nxt.ids, stats)
+            return retok
+        if not nxt.extended:
             stats.bridge_fallbacks += 1
-            logger.debug("chat template cannot be extended exactly (%s); re-rendering the full history",
-                         bridge.reason or "rendered text differs from the exact history")
-            return tpl.encode(rendered), rendered
-        return exact_ids, exact_text
+            stats.fallback_reasons[nxt.reason] = stats.fallback_reasons.get(nxt.reason, 0) + 1
+            logger.debug("%s: re-rendering the full history (%s)", chat.name, nxt.reason)
+        return nxt.ids
 
     @staticmethod
     def _count_drift(retokenized: list[int], exact: list[int], stats: TrajectoryStats) -> None:

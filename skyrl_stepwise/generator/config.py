@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -32,6 +33,13 @@ class GeneratorConfig:
     # "exact": next prompt = prompt + sampled ids (+ appended EOS) + template bridge ids.
     # "retokenize": apply the chat template to the text history every turn (the common behaviour).
     history: str = "exact"
+    # Who renders the chat: auto (the `renderers` library where it knows the model, else the chat template),
+    # template, or a `renderers` name (qwen3, llama-3, gpt-oss, ...). See README "Token-exact on your model".
+    renderer: str = "auto"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
+    # template: follow the chat template (Qwen3 drops past reasoning: a new chain at each user turn, counted);
+    # all: keep everything sampled in the history, so a trajectory stays one chain.
+    thinking_retention: str = "template"
     append_eos_after_stop_str: bool = True
     # Zero the loss mask of trajectories that ended by length (generation or context) instead of by the
     # model's own EOS or the env (SkyRL's apply_overlong_filtering); counted in generate/overlong_filtered_*.
@@ -42,6 +50,13 @@ class GeneratorConfig:
         """Reject combinations that would silently train on the wrong thing, naming the key."""
         if self.history not in ("exact", "retokenize"):
             raise ValueError(f"generator.history must be 'exact' or 'retokenize', got {self.history!r}")
+        if self.thinking_retention not in ("template", "all"):
+            raise ValueError(f"generator.thinking_retention must be 'template' or 'all', got {self.thinking_retention!r}")
+        if self.renderer not in ("auto", "template"):
+            from skyrl_stepwise.chat import renderer_names
+
+            if self.renderer not in renderer_names():
+                raise ValueError(f"generator.renderer={self.renderer!r} is not one of {renderer_names()}")
         if self.merge_stepwise_output and not self.step_wise_trajectories:
             raise ValueError("generator.merge_stepwise_output=true requires generator.step_wise_trajectories=true")
         for key, value in (("generator.max_turns", self.max_turns),

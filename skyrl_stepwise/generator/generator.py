@@ -77,6 +77,10 @@ def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
     }
     for cause in FAILURE_CAUSES:
         metrics[f"generate/failed_trajectories/{cause}"] = sum(r.failure == cause for r in failed)
+    for s in stats:
+        for reason, count in s.fallback_reasons.items():
+            key = f"generate/bridge_fallbacks/{reason}"
+            metrics[key] = metrics.get(key, 0) + count
     divergences = [d for s in stats for d in s.first_divergence]
     if divergences:
         metrics["generate/retokenize_first_divergence_min"] = min(divergences)

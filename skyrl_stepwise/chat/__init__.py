@@ -1,0 +1,36 @@
+"""Rendering and parsing per model family: the only place the generator meets chat templates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyrl_stepwise.chat.base import (ChatRenderer, Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
+                                      check_observations_kept)
+from skyrl_stepwise.chat.library import LibraryRenderer, library_renderer_name
+from skyrl_stepwise.chat.template import TemplateRenderer
+
+THINKING_RETENTION = ("template", "all")
+
+
+def create_renderer(tokenizer, renderer: str = "auto", chat_template_kwargs: dict[str, Any] | None = None,
+                    thinking_retention: str = "template") -> ChatRenderer:
+    """`generator.renderer`: `template` (the model's own chat template), a `renderers` name (`qwen3`, `llama-3`,
+    `gpt-oss`, ...), or `auto`: the library where it has a renderer for this model, the template otherwise."""
+    if thinking_retention not in THINKING_RETENTION:
+        raise ValueError(f"generator.thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
+    name = None if renderer == "template" else library_renderer_name(tokenizer, renderer)
+    if name is None:
+        return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention)
+    return LibraryRenderer(tokenizer, name, chat_template_kwargs, thinking_retention)
+
+
+def renderer_names() -> list[str]:
+    """Every value generator.renderer accepts."""
+    from renderers.base import RENDERER_REGISTRY, _populate_registry
+
+    _populate_registry()
+    return ["auto", "template", *sorted(RENDERER_REGISTRY)]
+
+
+__all__ = ["ChatRenderer", "LibraryRenderer", "Message", "NextPrompt", "ParsedTurn", "RenderError", "TemplateRenderer",
+           "ToolCallRequest", "check_observations_kept", "create_renderer", "renderer_names"]

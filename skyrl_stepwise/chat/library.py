@@ -1,0 +1,81 @@
+"""The PyPI `renderers` library (prime-rl's renderers) as our renderer: hand-written per-family renderers with an
+exact `bridge_to_next_turn`, tool-call and reasoning parsers, and a thinking-retention policy. We add nothing to
+what it does; we only check its bridge's prefix contract and say why it declined.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
+                                      check_observations_kept)
+
+
+def library_renderer_name(tokenizer, requested: str) -> str | None:
+    """The `renderers` name to use: the requested one, or for `auto` the one the library maps this model to."""
+    from renderers.base import MODEL_RENDERER_MAP
+
+    if requested != "auto":
+        return requested
+    return MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", ""))
+
+
+class LibraryRenderer:
+    """A `renderers.Renderer` behind our ChatRenderer contract."""
+
+    def __init__(self, tokenizer, renderer_name: str, chat_template_kwargs: dict[str, Any] | None = None,
+                 thinking_retention: str = "template") -> None:
+        import renderers
+        from renderers.configs import config_from_name
+
+        config = config_from_name(renderer_name)
+        if thinking_retention == "all":  # "template" = the library's default: follow the template's own knobs
+            config = config.model_copy(update={"thinking_retention": "all"})
+        self.renderer = renderers.create_renderer(tokenizer, config, chat_template_kwargs=chat_template_kwargs)
+        self.tokenizer = tokenizer
+        self.name = f"renderers:{renderer_name}"
+        self.thinking_retention = thinking_retention
+        stops = list(self.renderer.get_stop_token_ids())
+        if not stops:
+            raise ValueError(f"{self.name} reports no stop token ids for {tokenizer.name_or_path!r}")
+        self.stop_ids, self.close_id = set(stops), stops[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        try:
+            return list(self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True))
+        except Exception as e:
+            raise RenderError(f"{self.name} cannot render roles {[m.get('role') for m in messages]}: {e}") from e
+
+    def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
+        """Content, reasoning and every tool-call attempt, as the library's parser for this family reads them."""
+        from renderers import ToolCallParseStatus
+
+        parsed = self.renderer.parse_response(list(completion_ids), tools=tools, prompt_ids=list(prompt_ids))
+        calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == ToolCallParseStatus.OK
+                                 else str(c.status), c.id) for c in parsed.tool_calls]
+        return ParsedTurn(parsed.content, parsed.reasoning_content, calls)
+
+    def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
+                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
+        """The library's bridge when it proves exact extension, else a full render of the history (with why)."""
+        bridge = self.renderer.bridge_to_next_turn(list(prompt_ids), list(completion_ids), new_messages, tools=tools)
+        chain = prompt_ids + completion_ids
+        if bridge is not None:
+            ids = list(bridge.token_ids)
+            if ids[:len(chain)] == chain:
+                check_observations_kept(new_messages, self.decode(ids[len(chain):]), self.name)
+                return NextPrompt(ids, True)
+            reason = "bridge_drops_sampled_ids"  # the sampled ids ran past the turn close
+        elif self.thinking_retention == "template" and any(m.get("role") == "user" for m in new_messages):
+            reason = "thinking_retention_template"  # the template re-renders history at a new user turn
+        else:
+            reason = "renderer_declined"  # it cannot prove an exact extension
+        ids = self.prompt_ids(history, tools)
+        check_observations_kept(new_messages, self.decode(ids), self.name)
+        return NextPrompt(ids, False, reason)

@@ -1,0 +1,113 @@
+"""The model's own chat template as a renderer, for models the `renderers` library does not know.
+
+The bridge works on the *real* history: after a sampled turn we render the whole new conversation with the
+template and ask whether it starts with the text of (previous prompt + sampled ids). If it does, only the text
+after that is new, and the next prompt is the previous ids + the sampled ids + that text's ids. If it does not,
+the template rewrote something earlier (Qwen3 drops past `<think>`, Llama trims content): with
+`thinking_retention="template"` we follow the template and re-render (counted); with `"all"` we keep what was
+sampled and take only the template's rendering of the new messages (found after a marker assistant turn).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from skyrl_stepwise.chat.base import Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept
+
+# Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
+# plain ASCII so no template trims or escapes it.
+_MARKER = "SKYRLASSISTANTTURNMARKER"
+
+
+class TemplateRenderer:
+    """`tokenizer.apply_chat_template` + the real-history bridge described in the module docstring."""
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict[str, Any] | None = None,
+                 thinking_retention: str = "template") -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; set one or use a renderer "
+                             "from the `renderers` library (generator.renderer)")
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token_id")
+        self.tokenizer = tokenizer
+        self.name = f"template:{tokenizer.name_or_path}"
+        self.kwargs = dict(chat_template_kwargs or {})
+        self.thinking_retention = thinking_retention
+        terminator = self._turn_terminator()
+        # A base-model tokenizer can end text with EOS (<|endoftext|>) and turns with another token (<|im_end|>).
+        self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
+        self.stop_ids = {tokenizer.eos_token_id, self.close_id}
+
+    def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The chat template as text; the single place it is applied."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **self.kwargs)
+        except Exception as e:  # jinja's raise_exception, missing kwargs: name the template and the roles
+            roles = [m.get("role") for m in messages]
+            raise RenderError(f"{self.name}: the chat template refused messages with roles {roles}: {e}") from e
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize rendered template text the way apply_chat_template(tokenize=True) does."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        """Decode keeping special tokens and spacing, so text comparisons are faithful."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, True, tools))
+
+    def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
+        """The sampled text without its closing token; the template itself handles any reasoning in it."""
+        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        return ParsedTurn(self.decode(ids))
+
+    def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
+                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
+        """Extend prompt + sampled ids by the template's text for the new messages; re-render where it cannot."""
+        closing = [] if completion_ids and completion_ids[-1] in self.stop_ids else [self.close_id]
+        prefix = prompt_ids + completion_ids + closing
+        rendered = self.render(history, True, tools)
+        prefix_text = self.decode(prefix)
+        if rendered.startswith(prefix_text):
+            suffix = rendered[len(prefix_text):]
+        elif self.thinking_retention == "all":
+            suffix = self._new_messages_text(history, tools)
+            if suffix is None:
+                return self._rerender(rendered, new_messages, "template_rerenders_earlier_turns")
+        else:
+            return self._rerender(rendered, new_messages, "template_rewrites_history")
+        check_observations_kept(new_messages, suffix, self.name)
+        return NextPrompt(prefix + self.encode(suffix), True)
+
+    def _rerender(self, rendered: str, new_messages: list[Message], reason: str) -> NextPrompt:
+        check_observations_kept(new_messages, rendered, self.name)
+        return NextPrompt(self.encode(rendered), False, reason)
+
+    def _new_messages_text(self, history: list[Message], tools: list[dict] | None) -> str | None:
+        """What the template renders after the last assistant turn's terminator, with that turn's content replaced
+        by a marker (so the template's rewriting of sampled content cannot matter); None if it cannot be found."""
+        marked = [dict(m, content=_MARKER) if m.get("role") == "assistant" else m for m in history]
+        for m in marked:
+            m.pop("reasoning_content", None)
+        text = self.render(marked, True, tools)
+        at = text.rfind(_MARKER)
+        close = self.decode([self.close_id])
+        end = text.find(close, at) if at >= 0 else -1
+        return None if end < 0 else text[end + len(close):]
+
+    def _turn_terminator(self) -> int | None:
+        """The special token the template puts right after an assistant message's content (ChatML's <|im_end|>,
+        Llama 3's <|eot_id|>), found by rendering a minimal conversation; None if there is none."""
+        text = self.render([{"role": "user", "content": "U"}, {"role": "assistant", "content": _MARKER}], False)
+        at = text.rfind(_MARKER)
+        if at < 0:
+            return None
+        special = set(self.tokenizer.all_special_ids)
+        for token in self.encode(text[at + len(_MARKER):]):
+            if token in special:
+                return token
+            if self.decode([token]).strip():
+                return None  # visible text before any special token: no terminator
+        return None

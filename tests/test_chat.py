@@ -1,0 +1,96 @@
+"""The renderer layer on its own: real-history bridge, thinking retention, dropped observations, base-model
+tokenizers, reasons for every re-render. Scripted engine, real tokenizers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from qwen_vocab import qwen_fast_tokenizer
+from test_generator import PROMPT, canonical, make_generator, run
+
+from skyrl_stepwise.chat import RenderError, TemplateRenderer, create_renderer
+
+THINK = ["<think>\nI should search.\n</think>\n\n<search> Mona Lisa </search>",
+         "<think>\nFound it.\n</think>\n\n<answer> Leonardo </answer>"]
+
+
+@pytest.mark.parametrize("retention, fallbacks, samples", [("template", 1, 2), ("all", 0, 1)])
+async def test_thinking_retention_on_a_template_that_strips_past_reasoning(retention, fallbacks, samples):
+    tok = qwen_fast_tokenizer()
+    gen, _, _ = make_generator(tok, lambda p, s, i: canonical(tok, THINK[i]), turns=2, merge_stepwise_output=True,
+                               thinking_retention=retention)
+    out = await run(gen)
+    m = out.rollout_metrics
+    assert m["generate/bridge_fallbacks"] == fallbacks and len(out) == samples
+    if fallbacks:
+        assert m["generate/bridge_fallbacks/template_rewrites_history"] == 1
+    else:  # one chain whose trained tokens are exactly the sampled ones, reasoning included
+        trained = [t for t, k in zip(out.response_ids[0], out.loss_masks[0]) if k]
+        assert trained == canonical(tok, THINK[0]) + canonical(tok, THINK[1])
+        assert tok.decode(out.prompt_token_ids[0] + out.response_ids[0]).count("<think>") == 2
+
+
+def test_base_model_tokenizer_whose_turns_end_with_another_token(tokenizer):
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = "<|endoftext|>"  # a base model: text ends with <|endoftext|>, chat turns with <|im_end|>
+    chat = create_renderer(base, "template")
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    assert chat.close_id == im_end and chat.stop_ids == {im_end, base.eos_token_id}
+
+
+async def test_base_model_tokenizer_in_both_modes(tokenizer):
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = "<|endoftext|>"
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    for conversation in (True, False):
+        gen, _, _ = make_generator(base, lambda p, s, i: canonical(base, "<search> q </search>"), turns=3,
+                                   merge_stepwise_output=True, use_conversation_multi_turn=conversation)
+        out = await run(gen)
+        assert len(out) == 1 and out.rollout_metrics["generate/bridge_fallbacks"] == 0
+        assert out.response_ids[0][-1] == im_end and out.loss_masks[0][-1] == 0  # closed by the turn terminator
+
+
+class _DropsToolTemplate:
+    """A ChatML template that silently skips `tool` messages (as some real ones do)."""
+
+    TEMPLATE = ("{%- for m in messages -%}{%- if m['role'] != 'tool' -%}"
+                "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+                "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+async def test_a_template_that_drops_tool_messages_fails_that_trajectory_naming_it(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = _DropsToolTemplate.TEMPLATE
+    chat = create_renderer(tok, "template")
+    history = PROMPT + [{"role": "assistant", "content": "x"}, {"role": "tool", "content": "42 degrees"}]
+    with pytest.raises(RenderError, match="drops 'tool' messages: '42 degrees'"):
+        chat.next_prompt(chat.prompt_ids(PROMPT), canonical(tok, "x") + [tok.eos_token_id], history, history[-1:])
+
+    from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+
+    class ToolEnv:
+        async def reset(self, prompt, extras):
+            return list(prompt)
+
+        async def step(self, action):
+            return StepResult([{"role": "tool", "content": "42 degrees"}], 0.0, False)
+
+    gen, _, _ = make_generator(tok, lambda p, s, i: canonical(tok, "call"), turns=3)
+    gen.env_registry = EnvRegistry()
+    gen.env_registry.register("scripted", ToolEnv)
+    with pytest.raises(RuntimeError, match="every trajectory of the batch failed \\(render\\).*drops 'tool'"):
+        await run(gen)
+
+
+def test_template_without_chat_template_or_unknown_renderer_fails_naming_it(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="has no chat_template"):
+        TemplateRenderer(tok)
+    from skyrl_stepwise.generator import GeneratorConfig
+
+    with pytest.raises(ValueError, match="generator.renderer='qwen9'"):
+        GeneratorConfig(renderer="qwen9").validate()
+    with pytest.raises(ValueError, match="generator.thinking_retention"):
+        GeneratorConfig(thinking_retention="some").validate()
