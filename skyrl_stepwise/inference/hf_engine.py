@@ -3,8 +3,11 @@
 Concurrent `generate` calls are collected from an asyncio queue and decoded together (left padding,
 one KV cache per batch), each with its own sampling params, stop strings and seed. A batch runs to
 completion before the next starts: simple and exact, not continuous batching.
-Logprobs are the model's raw log-softmax of the sampled token (before temperature/top-k/top-p),
-the same convention as vLLM's default `logprobs_mode="raw_logprobs"`.
+Logprobs are those of the distribution each token was drawn from: log-softmax of the logits after
+temperature, top-k and top-p, i.e. vLLM's `logprobs_mode="processed_logprobs"` (which VLLMEngine sets).
+That is what the trainer scores (logits / temperature), so TIS weights and the weight-sync probe are
+exact at any T. Greedy requests (temperature 0) get the plain log-softmax, as in vLLM, which treats
+their temperature as 1 and ignores their top-k/top-p.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ class _Request:
     future: asyncio.Future
 
 
-def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one id from a row of float32 logits the way vLLM does: temperature, then top-k, then top-p."""
+def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """The logits a token is drawn from, in vLLM's order: temperature, then top-k, then top-p (dropped
+    tokens get -inf). Greedy (temperature 0) leaves them as they are, like vLLM's processed logprobs."""
     if sampling.temperature == 0:
-        return int(logits.argmax())
+        return logits
     logits = logits / sampling.temperature
     if sampling.top_k > 0:
         kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
@@ -40,7 +44,18 @@ def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torc
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs > sampling.top_p  # keep the smallest prefix reaching top_p
         logits = logits.scatter(0, order[drop], float("-inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """Draw one id from a row of float32 logits the way vLLM does; return it with its logprob under the
+    distribution it was drawn from (what the trainer scores at the same temperature)."""
+    processed = process_logits(logits, sampling)
+    if sampling.temperature == 0:
+        token = int(logits.argmax())
+    else:
+        token = int(torch.multinomial(processed.softmax(-1), 1, generator=generator))
+    return token, float(processed.log_softmax(-1)[token])
 
 
 class HFEngine:
@@ -125,15 +140,14 @@ class HFEngine:
                              position_ids=positions.to(self.device), past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1].float().cpu()
-            row_logprobs = logits.log_softmax(-1)
             next_ids = [self.pad_id] * n
             for i, r in enumerate(batch):
                 if finish[i] is not None:
                     continue
-                token = sample_token(logits[i], r.sampling, generators[i])
+                token, logprob = sample_token(logits[i], r.sampling, generators[i])
                 next_ids[i] = token
                 tokens[i].append(token)
-                logprobs[i].append(float(row_logprobs[i, token]))
+                logprobs[i].append(logprob)
                 finish[i], stop_strings[i] = self._check_stop(tokens[i], r.sampling, budgets[i])
             step_ids = torch.tensor(next_ids).unsqueeze(1)
             alive = torch.tensor([[int(f is None)] for f in finish])
@@ -151,11 +165,18 @@ class HFEngine:
 
     def _check_stop(self, tokens: list[int], sampling: SamplingParams, budget: int) -> tuple[str | None, str | None]:
         """vLLM's rules: EOS ends with "stop"; a stop string in the decoded text ends with "stop" (kept in
-        the output); running out of budget ends with "length"."""
+        the output); running out of budget ends with "length".
+
+        This runs after every token, so a new stop string must end in the newest token: only a tail
+        window is decoded (O(1) per token instead of O(n)). A character takes at most 4 byte-level
+        tokens; the margin lets a window that starts mid-character or at a stripped leading space
+        still decode the stop string intact.
+        """
         if tokens[-1] in self.eos_ids:
             return "stop", None
         if sampling.stop:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            window = 4 * max(map(len, sampling.stop)) + 8
+            text = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
             hit = next((s for s in sampling.stop if s in text), None)
             if hit is not None:
                 return "stop", hit

