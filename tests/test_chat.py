@@ -94,3 +94,18 @@ def test_template_without_chat_template_or_unknown_renderer_fails_naming_it(toke
         GeneratorConfig(renderer="qwen9").validate()
     with pytest.raises(ValueError, match="generator.thinking_retention"):
         GeneratorConfig(thinking_retention="some").validate()
+
+
+async def test_the_engine_is_told_to_stop_at_the_turn_terminator(tokenizer):
+    base = copy.deepcopy(tokenizer)
+    base.eos_token = "<|endoftext|>"
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    sampled = canonical(base, "<answer> x </answer>") + [im_end]
+    gen, engine, _ = make_generator(base, lambda p, s, i: sampled + canonical(base, " and more"), turns=3)
+    out = await run(gen)
+    assert out.response_ids[0] == sampled and out.loss_masks[0] == [1] * len(sampled)  # the model closed its turn
+
+    from skyrl_stepwise.inference.base import SamplingParams
+    from skyrl_stepwise.inference.vllm_engine import to_vllm_sampling
+
+    assert to_vllm_sampling(SamplingParams(stop_token_ids=(im_end,))).stop_token_ids == [im_end]

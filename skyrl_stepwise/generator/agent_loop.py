@@ -106,7 +106,8 @@ class AgentLoop:
         s = self.cfg.sampling
         return SamplingParams(max_tokens=s.max_generate_length, temperature=s.temperature, top_p=s.top_p,
                               top_k=s.top_k, stop=tuple(s.stop), logprobs=s.logprobs,
-                              seed=_turn_seed(s.seed, trajectory_id, turn))
+                              seed=_turn_seed(s.seed, trajectory_id, turn),
+                              stop_token_ids=tuple(sorted(self.renderer.stop_ids)))
 
     async def run(self, env: Env, prompt_messages: list[Message], extras: dict,
                   trajectory_id: TrajectoryID) -> TrajectoryResult:

@@ -24,6 +24,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = True
+    # Token ids that end the turn besides the model's EOS (a chat template's turn terminator, e.g. <|im_end|> on a
+    # base model whose EOS is <|endoftext|>); kept in the output like EOS.
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -33,6 +36,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
 @dataclass

@@ -172,7 +172,7 @@ class HFEngine:
         tokens; the margin lets a window that starts mid-character or at a stripped leading space
         still decode the stop string intact.
         """
-        if tokens[-1] in self.eos_ids:
+        if tokens[-1] in self.eos_ids or tokens[-1] in sampling.stop_token_ids:
             return "stop", None
         if sampling.stop:
             window = 4 * max(map(len, sampling.stop)) + 8

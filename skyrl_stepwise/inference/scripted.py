@@ -35,8 +35,10 @@ class ScriptedEngine:
         self.calls.append((session_id, list(prompt_ids)))
         ids = list(self.script(list(prompt_ids), session_id, index))
         finish, stop_string = "stop", None
-        if self.tokenizer.eos_token_id in ids:
-            ids = ids[: ids.index(self.tokenizer.eos_token_id) + 1]
+        stops = {self.tokenizer.eos_token_id, *sampling.stop_token_ids}
+        first_stop = next((k for k, t in enumerate(ids) if t in stops), None)
+        if first_stop is not None:
+            ids = ids[: first_stop + 1]
         else:
             for end in range(1, len(ids) + 1):  # first stop string, kept in the output like vLLM does
                 text = self.tokenizer.decode(ids[:end])
@@ -46,7 +48,7 @@ class ScriptedEngine:
                     break
         if len(ids) > sampling.max_tokens:
             ids, finish, stop_string = ids[: sampling.max_tokens], "length", None
-        elif stop_string is None and (not ids or ids[-1] != self.tokenizer.eos_token_id):
+        elif stop_string is None and (not ids or ids[-1] not in stops):
             finish = "length"
         logprobs = [self.logprob] * len(ids) if sampling.logprobs else None
         return GenerationResult(ids, logprobs, finish, stop_string)

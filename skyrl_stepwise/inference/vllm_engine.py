@@ -48,6 +48,7 @@ def to_vllm_sampling(sampling: SamplingParams):
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
         seed=sampling.seed,
         logprobs=0 if sampling.logprobs else None,  # 0 -> just the sampled token's logprob
         include_stop_str_in_output=True,
