@@ -109,3 +109,26 @@ async def test_the_engine_is_told_to_stop_at_the_turn_terminator(tokenizer):
     from skyrl_stepwise.inference.vllm_engine import to_vllm_sampling
 
     assert to_vllm_sampling(SamplingParams(stop_token_ids=(im_end,))).stop_token_ids == [im_end]
+
+
+def test_hermes_tool_calls_parse_from_text_and_from_single_tokens(tokenizer):
+    from tokenizers import AddedToken
+
+    from skyrl_stepwise.chat.tool_parsers import parse_hermes_text
+
+    content, calls = parse_hermes_text('Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": '
+                                       '"2+3"}}</tool_call>\n<tool_call>{oops}</tool_call><tool_call>{"arguments": {}}'
+                                       '</tool_call><tool_call>{"name": "x"')
+    assert content == "Let me compute. "
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("calculator", {"expression": "2+3"}, None), (None, None, "invalid_json"), (None, {}, "missing_name"),
+        (None, None, "unclosed_block")]
+    qwen = qwen_fast_tokenizer()
+    qwen.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    for tok in (tokenizer, qwen):  # SmolLM2 spells <tool_call> in pieces; Qwen has one token for it
+        chat = create_renderer(tok, "template")
+        ids = canonical(tok, 'ok <tool_call>{"name": "search", "arguments": {"query": "Mona Lisa"}}</tool_call>')
+        turn = chat.parse(ids + [chat.close_id], [], tools=[{"type": "function", "function": {"name": "search"}}])
+        assert turn.content == "ok " and [(c.name, c.arguments) for c in turn.tool_calls] == [
+            ("search", {"query": "Mona Lisa"})]
+        assert turn.message()["tool_calls"][0]["function"]["name"] == "search"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_stepwise.chat.base import Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept
+from skyrl_stepwise.chat.tool_parsers import HermesToolParser
 
 # Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
 # plain ASCII so no template trims or escapes it.
@@ -37,6 +38,7 @@ class TemplateRenderer:
         # A base-model tokenizer can end text with EOS (<|endoftext|>) and turns with another token (<|im_end|>).
         self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
+        self.tool_parser = HermesToolParser(tokenizer)
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The chat template as text; the single place it is applied."""
@@ -59,9 +61,13 @@ class TemplateRenderer:
         return self.encode(self.render(messages, True, tools))
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
-        """The sampled text without its closing token; the template itself handles any reasoning in it."""
+        """The sampled text without its closing token (the template handles any reasoning in it); with tools,
+        hermes `<tool_call>` blocks become calls and the content is the text before them."""
         ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
-        return ParsedTurn(self.decode(ids))
+        if not tools:
+            return ParsedTurn(self.decode(ids))
+        content, calls = self.tool_parser.parse(ids, self.decode)
+        return ParsedTurn(content, None, calls)
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
                     new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
