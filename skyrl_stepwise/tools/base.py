@@ -1,0 +1,148 @@
+"""The tool contract and how configured specs become tool instances.
+
+A tool is anything with a `name`, an OpenAI `schema` (`{"type": "function", "function": {...}}`) and
+`async def call(self, arguments: dict) -> str`. The executor has already validated `arguments` against the
+schema's `parameters`, so a tool only checks what a JSON schema cannot express. Tools run on the rollout's
+event loop: one that blocks (CPU work, sync I/O) must hand off with `asyncio.to_thread`, or it stalls every
+trajectory of the batch and no timeout can interrupt it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_tools_yaml, validate_tool_schema
+
+# Builtin short names for `class_name`; imported lazily so base does not depend on builtin.
+BUILTIN_TOOLS: dict[str, str] = {
+    "calculator": "skyrl_stepwise.tools.builtin.CalculatorTool",
+    "search": "skyrl_stepwise.tools.builtin.SearchTool",
+}
+
+
+@runtime_checkable
+class ToolLike(Protocol):
+    """What the executor needs; `Tool` below is the convenient base class implementing it."""
+
+    name: str
+    schema: dict[str, Any]
+
+    async def call(self, arguments: dict[str, Any]) -> str: ...
+
+
+class Tool:
+    """Base class for tools built from YAML: `Tool(config, tool_schema)` like verl's BaseTool.
+
+    Subclasses set `default_schema` (used when the YAML gives none) and implement `call`."""
+
+    default_schema: dict[str, Any] | None = None
+
+    def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None) -> None:
+        schema = tool_schema if tool_schema is not None else self.default_schema
+        if schema is None:
+            raise ToolConfigError(f"{type(self).__name__}: no tool_schema given and the class has no default_schema")
+        validate_tool_schema(schema, f"{type(self).__name__}.tool_schema")
+        self.config: dict[str, Any] = dict(config or {})
+        self.schema: dict[str, Any] = schema
+
+    @property
+    def name(self) -> str:
+        """The function name the model calls; always the schema's, so the two cannot disagree."""
+        return self.schema["function"]["name"]
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The JSON schema the executor validates arguments against (an empty object schema if omitted)."""
+        return self.schema["function"].get("parameters", {"type": "object", "properties": {}})
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        """Run the tool on validated arguments; the returned text is what the model reads next."""
+        raise NotImplementedError(f"{type(self).__name__}.call")
+
+    async def aclose(self) -> None:
+        """Release connections or processes the tool holds; the default holds none."""
+
+
+def config_from_dict(cls: type, data: dict[str, Any], owner: str) -> Any:
+    """Build the dataclass `cls` from a YAML `config` mapping, naming an unknown key instead of a TypeError
+    about `__init__`, so a typo like `top_k` is caught when the tools file is loaded."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ToolConfigError(f"{owner}: unknown config key {unknown[0]!r} (allowed: {sorted(names)})")
+    return cls(**data)
+
+
+def resolve_tool_class(class_name: str) -> type:
+    """A builtin short name ("search", "calculator") or a dotted "pkg.module.Class" -> the class object."""
+    path = BUILTIN_TOOLS.get(class_name, class_name)
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ToolConfigError(f"class_name {class_name!r} is neither a builtin tool ({sorted(BUILTIN_TOOLS)}) "
+                              "nor a dotted path 'pkg.module.Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ToolConfigError(f"class_name {class_name!r}: cannot import module {module_name!r}: {e}") from None
+    try:
+        cls = getattr(module, attr)
+    except AttributeError:
+        raise ToolConfigError(f"class_name {class_name!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not inspect.isclass(cls):
+        raise ToolConfigError(f"class_name {class_name!r} is not a class but {type(cls).__name__}")
+    return cls
+
+
+def build_tool(spec: ToolSpecConfig, index: int = 0) -> ToolLike:
+    """Instantiate one spec as `cls(config=..., tool_schema=...)` and check it honours the tool contract."""
+    where = f"{spec.source}: tools[{index}] (class_name {spec.class_name!r})"
+    try:
+        cls = resolve_tool_class(spec.class_name)
+    except ToolConfigError as e:
+        raise ToolConfigError(f"{where}: {e}") from None
+    try:
+        tool = cls(config=dict(spec.config), tool_schema=spec.tool_schema)
+    except ToolConfigError as e:
+        raise ToolConfigError(f"{where}.config: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ToolConfigError(f"{where}: constructing {cls.__name__} failed: {type(e).__name__}: {e}") from None
+    if not inspect.iscoroutinefunction(getattr(tool, "call", None)):
+        raise ToolConfigError(f"{where}: {cls.__name__}.call must be `async def call(self, arguments) -> str`")
+    if getattr(tool, "name", None) != spec.name:
+        raise ToolConfigError(f"{where}: the tool calls itself {getattr(tool, 'name', None)!r} but its "
+                              f"tool_schema names it {spec.name!r}")
+    if not isinstance(getattr(tool, "schema", None), dict):
+        raise ToolConfigError(f"{where}: {cls.__name__} has no `schema` dict")
+    return tool
+
+
+def build_tools(specs: list[ToolSpecConfig]) -> dict[str, ToolLike]:
+    """Name -> tool for the executor; names are unique (checked again here for specs built in code)."""
+    tools: dict[str, ToolLike] = {}
+    for i, spec in enumerate(specs):
+        if spec.name in tools:
+            raise ToolConfigError(f"{spec.source}: tools[{i}]: duplicate tool name {spec.name!r}")
+        tools[spec.name] = build_tool(spec, i)
+    return tools
+
+
+def load_tools(path: str | Path) -> dict[str, ToolLike]:
+    """Read, validate and instantiate a tools YAML file in one step (what a recipe usually wants)."""
+    return build_tools(load_tools_yaml(path))
+
+
+def tool_schemas(tools: dict[str, ToolLike]) -> list[dict[str, Any]]:
+    """The schemas in a stable order, for the renderer's `tools=` argument (what the chat template shows)."""
+    return [tools[name].schema for name in tools]
+
+
+async def close_tools(tools: dict[str, ToolLike]) -> None:
+    """Close every tool that has an `aclose` (pooled HTTP clients), e.g. at the end of training."""
+    for tool in tools.values():
+        close = getattr(tool, "aclose", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,207 @@
+"""Run the tool calls of one assistant turn: concurrently, each with its own timeout, never raising.
+
+A rollout must survive whatever the model writes, so every call gets an answer the model can read: a
+malformed call becomes an error message with a kind (the parser's own kind, `unknown_tool`,
+`invalid_arguments`, `too_many_calls`, `timeout`, `tool_error`) instead of an exception that would kill the
+trajectory. Kinds are also counted per tool (`executor.counts`) so an env can report them as metrics: a
+policy that learns to call tools badly shows up as a rising `calculator/invalid_arguments`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from skyrl_stepwise.chat.base import Message, ToolCallRequest
+from skyrl_stepwise.tools.base import ToolLike
+
+# What the model is told about each parser error kind (ToolCallRequest.error).
+PARSE_HINTS = {
+    "invalid_json": "the call is not valid JSON",
+    "unclosed_block": "the tool call block was not closed",
+    "missing_name": "the call has no tool name",
+    "malformed_structure": "the call does not have the expected structure",
+    "unknown_tool": "the call names a tool that does not exist",
+}
+MAX_SCHEMA_ERRORS = 3  # enough to fix a call, short enough not to flood the context
+
+
+@dataclass
+class ToolResult:
+    """The answer to one call, in call order. `ok` False means `content` is an error message for the model and
+    `error_kind` says which (a metric name)."""
+
+    call_id: str
+    name: str
+    content: str
+    ok: bool
+    error_kind: str | None = None
+    seconds: float = 0.0
+
+
+def error_kind_of(error: str) -> str:
+    """A parser's error as a short kind: 'ToolCallParseStatus.INVALID_JSON' and 'invalid_json' both ->
+    'invalid_json', so metric names do not depend on how an enum prints."""
+    return error.rsplit(".", 1)[-1].strip().lower() or "parse_error"
+
+
+def call_ids(calls: list[ToolCallRequest]) -> list[str]:
+    """The id each result answers. Well-formed calls get the id `ParsedTurn.message()` gives them (`c.id` or
+    `call_{k}`, k counting well-formed calls only), so tool messages match the assistant's `tool_calls`;
+    malformed ones, absent from that message, get `invalid_call_{i}` by position."""
+    ids, k = [], 0
+    for i, call in enumerate(calls):
+        if call.error is None:
+            ids.append(call.id or f"call_{k}")
+            k += 1
+        else:
+            ids.append(call.id or f"invalid_call_{i}")
+    return ids
+
+
+def schema_errors(validator: Draft202012Validator, arguments: dict[str, Any]) -> str | None:
+    """Readable schema violations naming the field ("field 'expression': 3 is not of type 'string'"), or None.
+    A missing required field is named by jsonschema's own message ("'query' is a required property")."""
+    errors = sorted(validator.iter_errors(arguments), key=lambda e: (list(map(str, e.absolute_path)), e.message))
+    if not errors:
+        return None
+    parts = []
+    for e in errors[:MAX_SCHEMA_ERRORS]:
+        path = ".".join(str(p) for p in e.absolute_path)
+        parts.append(f"field {path!r}: {e.message}" if path else e.message)
+    more = f" (and {len(errors) - MAX_SCHEMA_ERRORS} more)" if len(errors) > MAX_SCHEMA_ERRORS else ""
+    return "; ".join(parts) + more
+
+
+def decode_arguments(arguments: dict | str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """(arguments as a dict, None) or (None, why not). JSON strings are decoded (OpenAI sends them that way);
+    None and "" mean a call without arguments."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}, None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            return None, f"arguments are not valid JSON ({e.msg} at position {e.pos})"
+    if not isinstance(arguments, dict):
+        return None, f"arguments must be a JSON object, got {type(arguments).__name__}"
+    return arguments, None
+
+
+class ToolExecutor:
+    """Executes parsed tool calls against named tools; one instance may serve many trajectories at once."""
+
+    def __init__(self, tools: dict[str, ToolLike], timeout_s: float = 30.0, max_calls_per_turn: int = 8,
+                 max_result_chars: int | None = None) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"ToolExecutor timeout_s must be > 0, got {timeout_s}")
+        if max_calls_per_turn < 1:
+            raise ValueError(f"ToolExecutor max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
+        self.tools = dict(tools)
+        self.timeout_s = timeout_s
+        self.max_calls_per_turn = max_calls_per_turn
+        self.max_result_chars = max_result_chars
+        self.counts: Counter[str] = Counter()
+        # Compiled once: validating the same schema on every call is the hot path of a tool-heavy rollout.
+        self._validators = {name: Draft202012Validator(tool.schema["function"].get(
+            "parameters", {"type": "object", "properties": {}})) for name, tool in self.tools.items()}
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' OpenAI schemas, for the renderer's `tools=` argument."""
+        return [tool.schema for tool in self.tools.values()]
+
+    def reset_counts(self) -> dict[str, int]:
+        """Hand back the counts so far and start again (e.g. once per training step's metrics)."""
+        counts, self.counts = dict(self.counts), Counter()
+        return counts
+
+    async def execute(self, calls: list[ToolCallRequest]) -> list[ToolResult]:
+        """One result per call, in call order; all runnable calls of the turn run concurrently, so a turn takes
+        as long as its slowest call (bounded by timeout_s), not the sum."""
+        ids = call_ids(calls)
+        jobs = [self._one(i, call, ids[i]) for i, call in enumerate(calls)]
+        results = list(await asyncio.gather(*jobs))
+        for result in results:
+            key = result.error_kind or "ok"
+            self.counts[f"{result.name}/{key}" if result.name in self.tools else key] += 1
+        return results
+
+    async def _one(self, index: int, call: ToolCallRequest, call_id: str) -> ToolResult:
+        """Answer one call: refuse it with a readable error, or run it under its own timeout."""
+        name = call.name or ""
+
+        def fail(kind: str, message: str) -> ToolResult:
+            return ToolResult(call_id, name, f"Error: {message}", ok=False, error_kind=kind)
+
+        if index >= self.max_calls_per_turn:
+            return fail("too_many_calls", f"too many tool calls in one turn: at most {self.max_calls_per_turn} "
+                                          f"are run per turn, so call #{index + 1} ({name or 'unnamed'}) was not run.")
+        if call.error is not None:
+            kind = error_kind_of(call.error)
+            if kind == "unknown_tool" and name not in self.tools:
+                return self._unknown(call_id, name)
+            if kind != "unknown_tool":  # the parser's tool list may differ from ours; ours decides
+                hint = PARSE_HINTS.get(kind, "the call could not be parsed")
+                raw = f" The call was: {call.raw[:200]!r}." if call.raw else ""
+                return fail(kind, f"tool call not understood ({kind}): {hint}.{raw} Write a tool call as a JSON "
+                                  'object {"name": <tool name>, "arguments": {...}}.')
+        tool = self.tools.get(name)
+        if tool is None:
+            return self._unknown(call_id, name)
+        arguments, why = decode_arguments(call.arguments)
+        if arguments is None:
+            return fail("invalid_arguments", f"invalid arguments for tool {name!r}: {why}.")
+        why = schema_errors(self._validators[name], arguments)
+        if why is not None:
+            return fail("invalid_arguments", f"invalid arguments for tool {name!r}: {why}.")
+        return await self._run(tool, name, call_id, arguments)
+
+    def _unknown(self, call_id: str, name: str) -> ToolResult:
+        """The model called a tool that is not configured: tell it which ones are."""
+        available = ", ".join(sorted(self.tools)) or "none"
+        return ToolResult(call_id, name, f"Error: unknown tool {name!r}. Available tools: {available}.",
+                          ok=False, error_kind="unknown_tool")
+
+    async def _run(self, tool: ToolLike, name: str, call_id: str, arguments: dict[str, Any]) -> ToolResult:
+        """Run a validated call; its own timeout, its exceptions turned into text (CancelledError still
+        propagates, so cancelling a rollout cancels its tools)."""
+        t0 = time.perf_counter()
+        timer = asyncio.timeout(self.timeout_s)
+        try:
+            async with timer:
+                content = await tool.call(arguments)
+        except TimeoutError as e:
+            seconds = time.perf_counter() - t0
+            if timer.expired():
+                return ToolResult(call_id, name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.",
+                                  ok=False, error_kind="timeout", seconds=seconds)
+            return self._tool_error(call_id, name, e, seconds)  # the tool's own TimeoutError, not ours
+        except Exception as e:  # noqa: BLE001 - any tool failure is the model's observation, not a crash
+            return self._tool_error(call_id, name, e, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if not isinstance(content, str):
+            return ToolResult(call_id, name, f"Error: tool {name!r} returned {type(content).__name__}, not text.",
+                              ok=False, error_kind="tool_error", seconds=seconds)
+        if self.max_result_chars is not None and len(content) > self.max_result_chars:
+            content = (content[:self.max_result_chars]
+                       + f"\n[truncated: {len(content) - self.max_result_chars} more characters]")
+        return ToolResult(call_id, name, content, ok=True, seconds=seconds)
+
+    @staticmethod
+    def _tool_error(call_id: str, name: str, error: BaseException, seconds: float) -> ToolResult:
+        """The tool raised: the model sees the exception type and message (often enough to fix its call)."""
+        detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return ToolResult(call_id, name, f"Error: tool {name!r} failed: {detail[:500]}", ok=False,
+                          error_kind="tool_error", seconds=seconds)
+
+
+def to_messages(results: list[ToolResult]) -> list[Message]:
+    """OpenAI `role: tool` messages, one per result in call order, ready to append to the conversation."""
+    return [{"role": "tool", "tool_call_id": r.call_id, "name": r.name, "content": r.content} for r in results]

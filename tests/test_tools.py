@@ -1,0 +1,474 @@
+"""Tools: YAML specs and their validation errors, the safe calculator, the search tool (mocked HTTP), and the
+executor's guarantees (concurrency, per-call timeouts, every malformed call answered, counts, message shape)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+from skyrl_stepwise.tools import (Tool, ToolConfigError, ToolExecutor, ToolResult, build_tools, load_tools,
+                                  load_tools_yaml, parse_tool_specs, to_messages, tool_schemas)
+from skyrl_stepwise.tools.builtin import CalculatorError, CalculatorTool, SearchTool, safe_eval
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "conf" / "tools" / "search_calculator.yaml"
+
+
+def schema(name: str, properties: dict | None = None, required: list | None = None, **extra) -> dict:
+    params = {"type": "object", "properties": properties or {}, **extra}
+    if required:
+        params["required"] = required
+    return {"type": "function", "function": {"name": name, "description": f"the {name} tool", "parameters": params}}
+
+
+class SleepTool(Tool):
+    """Sleeps `delay` seconds (from its config), then answers; records how often it ran."""
+
+    def __init__(self, config=None, tool_schema=None):
+        super().__init__(config, tool_schema or schema("sleep", {"tag": {"type": "string"}}))
+        self.delay = float(self.config.get("delay", 0.0))
+        self.runs = 0
+
+    async def call(self, arguments):
+        self.runs += 1
+        await asyncio.sleep(self.delay)
+        return f"{self.name} done {arguments.get('tag', '')}".strip()
+
+
+class RaisingTool(Tool):
+    def __init__(self, error: BaseException, name: str = "boom"):
+        super().__init__({}, schema(name))
+        self.error = error
+
+    async def call(self, arguments):
+        raise self.error
+
+
+class NotTextTool(Tool):
+    async def call(self, arguments):
+        return {"not": "text"}
+
+
+class SyncCallTool(Tool):
+    def call(self, arguments):  # noqa: D401 - deliberately not async
+        return "x"
+
+
+def calc_executor(**kw) -> ToolExecutor:
+    return ToolExecutor({"calculator": CalculatorTool()}, **kw)
+
+
+def write_yaml(tmp_path: Path, data, name: str = "tools.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- YAML loading
+
+def test_example_yaml_loads_and_builds():
+    specs = load_tools_yaml(EXAMPLE)
+    assert [s.name for s in specs] == ["search", "calculator"]
+    assert [s.class_name for s in specs] == ["search", "calculator"]
+    assert specs[0].config["topk"] == 3
+    tools = build_tools(specs)
+    assert isinstance(tools["search"], SearchTool) and isinstance(tools["calculator"], CalculatorTool)
+    assert tool_schemas(tools) == [s.tool_schema for s in specs]
+    assert tools["calculator"].schema["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_dotted_class_name_and_custom_tool(tmp_path):
+    data = {"tools": [{"class_name": "test_tools.SleepTool", "config": {"delay": 0},
+                       "tool_schema": schema("nap", {"tag": {"type": "string"}})},
+                      {"class_name": "skyrl_stepwise.tools.builtin.CalculatorTool",
+                       "tool_schema": schema("calc", {"expression": {"type": "string"}}, ["expression"])}]}
+    tools = load_tools(write_yaml(tmp_path, data))
+    assert sorted(tools) == ["calc", "nap"] and tools["nap"].name == "nap"
+    results = asyncio.run(ToolExecutor(tools).execute([ToolCallRequest("nap", {"tag": "t"}),
+                                                       ToolCallRequest("calc", {"expression": "6*7"})]))
+    assert [r.content for r in results] == ["nap done t", "42"]
+
+
+def test_parse_tool_specs_accepts_omegaconf():
+    from omegaconf import OmegaConf
+
+    specs = parse_tool_specs(OmegaConf.create(yaml.safe_load(EXAMPLE.read_text())), "cfg.tools")
+    assert [s.name for s in specs] == ["search", "calculator"] and isinstance(specs[0].tool_schema, dict)
+
+
+def _base() -> dict:
+    return {"tools": [{"class_name": "calculator", "config": {},
+                       "tool_schema": schema("calculator", {"expression": {"type": "string"}}, ["expression"])},
+                      {"class_name": "search", "config": {"topk": 2},
+                       "tool_schema": schema("search", {"query": {"type": "string"}}, ["query"])}]}
+
+
+def _set(path: str, value):
+    """Mutation that sets a dotted path (ints index lists) in the base config; value DELETE removes the key."""
+    def mutate(data):
+        keys = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = data
+        for k in keys[:-1]:
+            node = node[k]
+        if value is DELETE:
+            del node[keys[-1]]
+        else:
+            node[keys[-1]] = value
+        return data
+    return mutate
+
+
+DELETE = object()
+FN = "tools.1.tool_schema.function"
+
+
+@pytest.mark.parametrize("mutate, expected", [
+    (lambda d: [d], ["top-level 'tools' list"]),
+    (lambda d: {"tool": d["tools"]}, ["top-level 'tools' list"]),
+    (_set("extra", 1), ["unknown top-level key 'extra'"]),
+    (_set("tools", []), ["'tools' must be a non-empty list"]),
+    (_set("tools.1", "calculator"), ["tools[1]", "must be a mapping"]),
+    (_set("tools.1.klass", "x"), ["tools[1]", "unknown key 'klass'"]),
+    (_set("tools.1.class_name", DELETE), ["tools[1].class_name"]),
+    (_set("tools.1.class_name", " "), ["tools[1].class_name"]),
+    (_set("tools.1.config", [1]), ["tools[1].config", "must be a mapping"]),
+    (_set("tools.1.tool_schema", DELETE), ["tools[1]", "missing key 'tool_schema'"]),
+    (_set("tools.1.tool_schema", "search"), ["tools[1].tool_schema", "must be a mapping"]),
+    (_set("tools.1.tool_schema.type", "functions"), ["tools[1].tool_schema.type", "'function'"]),
+    (_set("tools.1.tool_schema.kind", "x"), ["tools[1].tool_schema", "unknown key 'kind'"]),
+    (_set("tools.1.tool_schema.function", None), ["tools[1].tool_schema.function", "must be a mapping"]),
+    (_set(f"{FN}.name", DELETE), ["tools[1].tool_schema.function.name", "None"]),
+    (_set(f"{FN}.name", "web search"), ["tools[1].tool_schema.function.name", "'web search'"]),
+    (_set(f"{FN}.name", "calculator"), ["tools[1].tool_schema.function.name", "duplicate", "tools[0]"]),
+    (_set(f"{FN}.descripton", "typo"), ["tools[1].tool_schema.function", "unknown key 'descripton'"]),
+    (_set(f"{FN}.description", 3), ["tools[1].tool_schema.function.description"]),
+    (_set(f"{FN}.parameters", "query: str"), ["tools[1].tool_schema.function.parameters", "JSON schema"]),
+    (_set(f"{FN}.parameters.type", "array"), ["tools[1].tool_schema.function.parameters.type", "'object'"]),
+    (_set(f"{FN}.parameters.properties.query.type", "strng"),
+     ["tools[1].tool_schema.function.parameters.properties.query.type", "not a valid JSON schema"]),
+    (_set(f"{FN}.parameters.required", "query"),
+     ["tools[1].tool_schema.function.parameters.required", "not a valid JSON schema"]),
+])
+def test_yaml_validation_errors_name_file_index_and_key(tmp_path, mutate, expected):
+    path = write_yaml(tmp_path, mutate(copy.deepcopy(_base())), "bad_tools.yaml")
+    with pytest.raises(ToolConfigError) as info:
+        load_tools_yaml(path)
+    message = str(info.value)
+    assert str(path) in message
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(ToolConfigError, match="cannot read tools file"):
+        load_tools_yaml(tmp_path / "missing.yaml")
+    with pytest.raises(ToolConfigError, match="invalid YAML"):
+        load_tools_yaml(write_yaml(tmp_path, "tools: [\n  - {class_name: x"))
+    assert len(load_tools_yaml(write_yaml(tmp_path, copy.deepcopy(_base())))) == 2
+
+
+@pytest.mark.parametrize("class_name, config, expected", [
+    ("calculatr", {}, "neither a builtin tool"),
+    ("no_such_pkg.mod.Tool", {}, "cannot import module 'no_such_pkg.mod'"),
+    ("skyrl_stepwise.tools.builtin.NoSuchTool", {}, "has no attribute 'NoSuchTool'"),
+    ("skyrl_stepwise.tools.builtin.safe_eval", {}, "is not a class"),
+    ("test_tools.SyncCallTool", {}, "must be `async def call"),
+    ("calculator", {"max_exponant": 5}, "unknown config key 'max_exponant'"),
+    ("calculator", {"max_digits": 10**6}, "'max_digits' must be <= 4000"),
+    ("search", {"top_k": 5}, "unknown config key 'top_k'"),
+    ("search", {"topk": 0}, "'topk' must be >= 1"),
+    ("search", {"doc_template": "{idx} {text}"}, "'doc_template' must only use the fields"),
+])
+def test_build_errors_name_the_tool_and_key(tmp_path, class_name, config, expected):
+    data = {"tools": [{"class_name": class_name, "config": config,
+                       "tool_schema": schema("t", {"query": {"type": "string"}})}]}
+    path = write_yaml(tmp_path, data)
+    specs = load_tools_yaml(path)  # the spec itself is fine; the class or its config is not
+    with pytest.raises(ToolConfigError) as info:
+        build_tools(specs)
+    message = str(info.value)
+    assert expected in message and str(path) in message and "tools[0]" in message and class_name in message
+
+
+# ----------------------------------------------------------------------------------------------- calculator
+
+@pytest.mark.parametrize("expression, expected", [
+    ("1 + 2 * 3", "7"), ("(1 + 2) * 3", "9"), ("7 / 2", "3.5"), ("7 // 2", "3"), ("-7 % 3", "2"),
+    ("2 ** 10", "1024"), ("-2 ** 2", "-4"), ("+3", "3"), ("--3", "3"), ("0.1 + 0.2", "0.3"), ("2 ** -1", "0.5"),
+    ("2 ** 0.5", "1.4142135623731"), ("10 ** 100", "1" + "0" * 100), ("1_000 * 3", "3000"), ("1e3 / 4", "250"),
+    ("  (1250 - 380) * 1.07 ", "930.9"), ("7.5 // 2", "3"), ("2 ** 3 ** 2", "512"),
+])
+def test_calculator_results(expression, expected):
+    assert asyncio.run(CalculatorTool().call({"expression": expression})) == expected
+
+
+@pytest.mark.parametrize("expression, reason", [
+    ("x + 1", "names ('x')"),
+    ("__import__('os').system('true')", "function calls"),
+    ("abs(-3)", "function calls"),
+    ("(1).real", "attribute access"),
+    ("'a' * 3", "only numbers"),
+    ("True + 1", "only numbers"),
+    ("1j * 2", "only numbers"),
+    ("[1, 2][0]", "subscripts"),
+    ("1 < 2", "comparisons"),
+    ("1 and 2", "boolean operators"),
+    ("1 if 1 else 2", "conditional expressions"),
+    ("lambda: 1", "lambdas"),
+    ("1 << 3", "the operator LShift"),
+    ("~1", "the operator Invert"),
+    ("2 ** 101", "exponent 101 is too large"),
+    ("9 ** 9 ** 9", "exponent 387420489 is too large"),
+    ("(10 ** 100) ** 40", "too large"),
+    ("10 ** 99 * 10 ** 99 * 10 ** 99 * 10 ** 99 * 10 ** 99 * 10 ** 99 * 10 ** 99 * 10 ** 99 * 10 ** 99 * 10 ** 99 "
+     "* 10 ** 99", "too large"),
+    ("1e308 * 10", "too large"),
+    ("1e300 ** 2", "too large"),
+    ("10.0 ** 100 * 1e300", "too large"),
+    ("(-8) ** (1 / 3)", "not a real number"),
+    ("1 / 0", "division by zero"),
+    ("5 % 0", "division by zero"),
+    ("", "empty"),
+    ("1 +", "not a valid arithmetic expression"),
+    ("1; 2", "not a valid arithmetic expression"),
+    ("1" * 1001, "too long"),
+    ("(" * 300 + "1" + ")" * 300, "not a valid arithmetic expression"),
+])
+def test_calculator_refusals_are_fast_and_explained(expression, reason):
+    t0 = time.perf_counter()
+    with pytest.raises(CalculatorError) as info:
+        safe_eval(expression)
+    assert reason in str(info.value)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_calculator_refusal_reaches_the_model_as_tool_error():
+    ex = calc_executor()
+    [result] = asyncio.run(ex.execute([ToolCallRequest("calculator", {"expression": "__import__('os')"})]))
+    assert not result.ok and result.error_kind == "tool_error"
+    assert result.content.startswith("Error: tool 'calculator' failed: CalculatorError: not allowed: function calls")
+    assert ex.counts == {"calculator/tool_error": 1}
+
+
+# ----------------------------------------------------------------------------------------------- search tool
+
+def mock_retriever(monkeypatch, handler):
+    """Route the retrieval client's httpx traffic to `handler` (no network)."""
+    real = httpx.AsyncClient
+    transport = httpx.MockTransport(handler)
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=transport, **kw))
+
+
+def test_search_tool_formats_docs_like_search_r1(monkeypatch):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), json.loads(request.content)))
+        docs = [{"document": {"id": "1", "contents": '"Canberra"\nCanberra is the capital of Australia.'},
+                 "score": 3.0},
+                {"document": {"id": "2", "contents": '"Sydney"\nSydney is the largest city.'}, "score": 1.0}]
+        return httpx.Response(200, json={"result": [docs]})
+
+    mock_retriever(monkeypatch, handler)
+    tools = load_tools(EXAMPLE)
+    ex = ToolExecutor(tools)
+
+    async def go():
+        try:
+            return await ex.execute([ToolCallRequest("search", '{"query": "capital of Australia"}'),
+                                     ToolCallRequest("search", {})])
+        finally:
+            await tools["search"].aclose()
+
+    ok, missing = asyncio.run(go())
+    assert ok.ok and ok.content == ('Doc 1(Title: "Canberra") Canberra is the capital of Australia.\n'
+                                    'Doc 2(Title: "Sydney") Sydney is the largest city.')
+    assert seen == [("http://127.0.0.1:8000/retrieve",
+                     {"queries": ["capital of Australia"], "topk": 3, "return_scores": True})]
+    assert missing.error_kind == "invalid_arguments" and "'query' is a required property" in missing.content
+    assert ex.counts == {"search/ok": 1, "search/invalid_arguments": 1}
+
+
+@pytest.mark.parametrize("response, expected", [
+    (httpx.Response(400, text="bad topk"), "Search failed: HTTP 400"),
+    (httpx.Response(503, text="overloaded"), "Search failed: retriever at"),
+    (httpx.Response(200, json={"nope": 1}), "Search failed: retriever response has no 'result' list"),
+])
+def test_search_tool_turns_retriever_errors_into_text(monkeypatch, response, expected):
+    mock_retriever(monkeypatch, lambda request: response)
+    tool = SearchTool({"max_retries": 0, "backoff_s": 0.0})
+    text = asyncio.run(tool.call({"query": "q"}))
+    assert text.startswith(expected) and tool.failures == 1
+
+
+def test_search_tool_empty_result_and_empty_query(monkeypatch):
+    mock_retriever(monkeypatch, lambda request: httpx.Response(200, json={"result": [[]]}))
+    tool = SearchTool({"empty_message": "nothing"})
+    assert asyncio.run(tool.call({"query": "q"})) == "nothing"
+    assert asyncio.run(tool.call({"query": "  "})) == "Search failed: the query is empty."
+
+
+# ----------------------------------------------------------------------------------------------- executor
+
+async def test_calls_of_a_turn_run_concurrently_in_call_order():
+    slow, fast = SleepTool({"delay": 0.6}, schema("slow")), SleepTool({"delay": 0.5}, schema("fast"))
+    ex = ToolExecutor({"slow": slow, "fast": fast})
+    t0 = time.perf_counter()
+    results = await ex.execute([ToolCallRequest("slow", {}), ToolCallRequest("fast", {})])
+    elapsed = time.perf_counter() - t0
+    assert [r.content for r in results] == ["slow done", "fast done"]
+    assert 0.6 <= elapsed < 0.95, elapsed  # ~max(0.6, 0.5), not the sum 1.1
+    assert all(r.ok and r.seconds >= 0.5 for r in results)
+
+
+async def test_each_call_has_its_own_timeout():
+    ex = ToolExecutor({"slow": SleepTool({"delay": 5}, schema("slow")), "calculator": CalculatorTool()},
+                      timeout_s=0.2)
+    t0 = time.perf_counter()
+    timed_out, ok = await ex.execute([ToolCallRequest("slow", {}), ToolCallRequest("calculator", {"expression": "1"})])
+    assert time.perf_counter() - t0 < 1.5
+    assert timed_out.error_kind == "timeout" and not timed_out.ok
+    assert timed_out.content == "Error: tool 'slow' timed out after 0.2 s."
+    assert ok.ok and ok.content == "1"
+    assert ex.counts == {"slow/timeout": 1, "calculator/ok": 1}
+
+
+@pytest.mark.parametrize("error, expected", [
+    (ValueError("boom"), "Error: tool 'boom' failed: ValueError: boom"),
+    (KeyError("k"), "Error: tool 'boom' failed: KeyError: 'k'"),
+    (RuntimeError(), "Error: tool 'boom' failed: RuntimeError"),
+    (TimeoutError("upstream slow"), "Error: tool 'boom' failed: TimeoutError: upstream slow"),  # not OUR timeout
+])
+async def test_tool_exceptions_become_tool_errors(error, expected):
+    ex = ToolExecutor({"boom": RaisingTool(error)})
+    [result] = await ex.execute([ToolCallRequest("boom", {})])
+    assert (result.ok, result.error_kind, result.content) == (False, "tool_error", expected)
+
+
+async def test_non_text_result_is_a_tool_error():
+    [result] = await ToolExecutor({"d": NotTextTool({}, schema("d"))}).execute([ToolCallRequest("d", {})])
+    assert result.error_kind == "tool_error" and "returned dict, not text" in result.content
+
+
+@pytest.mark.parametrize("error, kind, hint", [
+    ("invalid_json", "invalid_json", "not valid JSON"),
+    ("unclosed_block", "unclosed_block", "was not closed"),
+    ("missing_name", "missing_name", "has no tool name"),
+    ("malformed_structure", "malformed_structure", "expected structure"),
+    ("ToolCallParseStatus.INVALID_JSON", "invalid_json", "not valid JSON"),
+    ("weird_new_status", "weird_new_status", "could not be parsed"),
+])
+async def test_parser_errors_are_answered_not_raised(error, kind, hint):
+    ex = calc_executor()
+    [result] = await ex.execute([ToolCallRequest(None, None, '{"name": "calculator", "arguments": {', error)])
+    assert not result.ok and result.error_kind == kind and hint in result.content
+    assert result.content.startswith(f"Error: tool call not understood ({kind})")
+    assert '{"name": "calculator", "arguments": {' in result.content  # the model sees what it wrote
+    assert ex.counts == {kind: 1}
+
+
+async def test_unknown_tool_lists_available_names():
+    ex = ToolExecutor({"calculator": CalculatorTool(), "search": SearchTool()})
+    plain, flagged, flagged_known = await ex.execute([
+        ToolCallRequest("web_search", {"query": "x"}),
+        ToolCallRequest("browse", {}, error="unknown_tool"),  # the parser already knew
+        ToolCallRequest("calculator", {"expression": "2+2"}, error="unknown_tool"),  # but our tools decide
+    ])
+    assert plain.error_kind == flagged.error_kind == "unknown_tool"
+    assert plain.content == "Error: unknown tool 'web_search'. Available tools: calculator, search."
+    assert "'browse'" in flagged.content and "calculator, search" in flagged.content
+    assert flagged_known.ok and flagged_known.content == "4"
+    assert ex.counts == {"unknown_tool": 2, "calculator/ok": 1}
+
+
+@pytest.mark.parametrize("arguments, needle", [
+    ([1, 2], "arguments must be a JSON object, got list"),
+    ("expression=1+1", "arguments are not valid JSON"),
+    ('["1+1"]', "arguments must be a JSON object, got list"),
+    ({}, "'expression' is a required property"),
+    ({"expression": 3}, "field 'expression': 3 is not of type 'string'"),
+    ('{"expression": null}', "field 'expression': None is not of type 'string'"),
+    ({"expression": "1", "precision": 3}, "'precision' was unexpected"),
+])
+async def test_invalid_arguments_name_the_problem(arguments, needle):
+    tool = CalculatorTool(tool_schema=schema("calculator", {"expression": {"type": "string"}}, ["expression"],
+                                             additionalProperties=False))
+    ex = ToolExecutor({"calculator": tool})
+    [result] = await ex.execute([ToolCallRequest("calculator", arguments)])
+    assert not result.ok and result.error_kind == "invalid_arguments"
+    assert result.content.startswith("Error: invalid arguments for tool 'calculator': ")
+    assert needle in result.content, result.content
+    assert ex.counts == {"calculator/invalid_arguments": 1}
+
+
+async def test_json_string_and_empty_arguments():
+    sleep = SleepTool()
+    ex = ToolExecutor({"calculator": CalculatorTool(), "sleep": sleep})
+    results = await ex.execute([ToolCallRequest("calculator", '{"expression": "3 * (4 + 5)"}'),
+                                ToolCallRequest("sleep", None), ToolCallRequest("sleep", "  "),
+                                ToolCallRequest("sleep", '{"tag": "x"}')])
+    assert [r.content for r in results] == ["27", "sleep done", "sleep done", "sleep done x"]
+    assert all(r.ok for r in results) and sleep.runs == 3
+
+
+async def test_calls_beyond_the_limit_are_refused_not_run():
+    sleep = SleepTool()
+    ex = ToolExecutor({"sleep": sleep}, max_calls_per_turn=2)
+    results = await ex.execute([ToolCallRequest("sleep", {"tag": str(i)}) for i in range(4)]
+                               + [ToolCallRequest(None, None, "{", "invalid_json")])
+    assert [r.ok for r in results] == [True, True, False, False, False]
+    assert [r.error_kind for r in results[2:]] == ["too_many_calls"] * 3
+    assert "at most 2 are run per turn, so call #3 (sleep) was not run" in results[2].content
+    assert "call #5 (unnamed)" in results[4].content
+    assert sleep.runs == 2
+    assert ex.counts == {"sleep/ok": 2, "sleep/too_many_calls": 2, "too_many_calls": 1}
+
+
+async def test_counts_accumulate_and_reset():
+    ex = calc_executor()
+    turn = [ToolCallRequest("calculator", {"expression": "1+1"}), ToolCallRequest("calculator", {"expression": 1}),
+            ToolCallRequest("nope", {}), ToolCallRequest(None, None, "", "missing_name")]
+    await ex.execute(turn)
+    await ex.execute(turn[:1])
+    assert ex.reset_counts() == {"calculator/ok": 2, "calculator/invalid_arguments": 1, "unknown_tool": 1,
+                                 "missing_name": 1}
+    assert ex.counts == {}
+    assert await ex.execute([]) == []
+
+
+async def test_results_are_truncated_to_max_result_chars():
+    ex = calc_executor(max_result_chars=10)
+    [result] = await ex.execute([ToolCallRequest("calculator", {"expression": "10 ** 30"})])
+    assert result.content == "1000000000\n[truncated: 21 more characters]" and result.ok
+
+
+def test_executor_rejects_bad_limits():
+    with pytest.raises(ValueError, match="timeout_s"):
+        calc_executor(timeout_s=0)
+    with pytest.raises(ValueError, match="max_calls_per_turn"):
+        calc_executor(max_calls_per_turn=0)
+
+
+async def test_call_ids_match_the_assistant_message_and_to_messages_shape():
+    calls = [ToolCallRequest(None, None, "{", "invalid_json"),
+             ToolCallRequest("calculator", {"expression": "2*3"}),
+             ToolCallRequest("calculator", {"expression": "1/0"}, id="call_abc")]
+    ex = calc_executor()
+    results = await ex.execute(calls)
+    assistant = ParsedTurn("", tool_calls=calls).message()
+    assert [r.call_id for r in results[1:]] == [c["id"] for c in assistant["tool_calls"]] == ["call_0", "call_abc"]
+    assert results[0].call_id == "invalid_call_0"
+    messages = to_messages(results)
+    assert messages[1] == {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": "6"}
+    assert messages[2]["content"] == "Error: tool 'calculator' failed: CalculatorError: division by zero"
+    assert all(set(m) == {"role", "tool_call_id", "name", "content"} and m["role"] == "tool" for m in messages)
+    assert messages[0]["name"] == "" and messages[0]["content"].startswith("Error: tool call not understood")
+    assert isinstance(results[0], ToolResult)
+    assert ex.schemas == [CalculatorTool.default_schema]
