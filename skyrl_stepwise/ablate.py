@@ -2,9 +2,11 @@
 
 1. Replay: generate rollouts once per history mode (same seed, same prompts), build every mode's
    samples from the *identical* rollouts, and time one policy update on each: differences are due to
-   the mode alone.
-2. Curves (ablation.train_steps > 0): a short RL run per mode from the same initial weights.
-Writes report.md, costs.png, curves.png into ablation.output_dir and logs them to wandb.
+   the mode alone. Every update starts from the same snapshot (weights, optimizer and scheduler state, RNG),
+   after one untimed warm-up update, with reference logprobs (KL loss) computed before the clock starts.
+2. Curves (ablation.train_steps > 0): a short RL run per mode from that same snapshot.
+Each mode's starting weight checksum goes into the report, so "same start" is shown, not assumed.
+Writes report.md, costs.json, curves.json, costs.png, curves.png into ablation.output_dir and logs them to wandb.
 """
 
 from __future__ import annotations
@@ -63,12 +65,13 @@ def measure(fn) -> tuple[object, float, float]:
 
 
 class LocalPolicy:
-    """A single-process PolicyWorker behind the same `.call(method, *args)` as the Ray group."""
+    """A single-process PolicyWorker behind the same `.call(method, *args)` as the Ray group;
+    `trainable=False` is the reference model of the KL loss."""
 
-    def __init__(self, trainer_cfg) -> None:
+    def __init__(self, trainer_cfg, trainable: bool = True) -> None:
         from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
 
-        self.worker = PolicyWorker(replace(trainer_cfg, fsdp=replace(trainer_cfg.fsdp, world_size=1)))
+        self.worker = PolicyWorker(replace(trainer_cfg, fsdp=replace(trainer_cfg.fsdp, world_size=1)), trainable)
 
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
@@ -82,24 +85,46 @@ def save_rollouts(output, path: Path) -> None:
     path.write_text(json.dumps(record))
 
 
-def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm) -> list[dict]:
-    """Every mode's samples from the same rollouts, their token costs and one timed update each."""
+def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, reference=None,
+                 warm_up: bool = False) -> list[dict]:
+    """Every mode's samples from the same rollouts, their token costs and one timed update each.
+
+    The policy must hold a snapshot (PolicyWorker.snapshot): each mode's update starts from it, so no mode
+    inherits another's weights or AdamW moments, and each row records the checksum of the weights it started
+    from. Reference logprobs (algorithm.use_kl_loss) are computed before any clock starts. `warm_up` runs one
+    untimed update first (on the largest batch): the first update of a process pays one-off set-up (allocator
+    growth, thread pools, kernels) that would otherwise be charged to whichever mode happens to run first.
+    """
     from skyrl_stepwise.ablation.modes import SampleCost, build_samples
     from skyrl_stepwise.trainer.advantages import compute_advantages
     from skyrl_stepwise.trainer.batching import TrainBatch
 
-    rows = []
+    if algorithm.use_kl_loss and reference is None:
+        raise ValueError("trainer.algorithm.use_kl_loss=true needs a reference policy for the replay's updates")
+    built = []
     for mode in modes:
         samples = build_samples(stepwise, mode)
         batch = TrainBatch.from_output(samples, compute_advantages(samples, algorithm))
-        _, seconds, peak = measure(lambda: policy.call("train_step", batch))
+        if algorithm.use_kl_loss:
+            batch.ref_logprobs = reference.call("compute_logprobs", batch)
+        built.append((mode, samples, batch))
+    if warm_up and built:
+        policy.call("train_step", max((b for _, _, b in built), key=lambda b: sum(b.seq_lens())))
+    rows = []
+    for mode, samples, batch in built:
+        policy.call("restore_snapshot")
+        start_weights = policy.call("weights_checksum")
+        metrics, seconds, peak = measure(lambda: policy.call("train_step", batch))
         m = samples.rollout_metrics
         rows.append({"history": history, "mode": mode, **dataclasses.asdict(SampleCost.of(samples)),
-                     "train_step_s": seconds, "peak_mem_mib": peak,
+                     "train_step_s": seconds, "peak_mem_mib": peak, "start_weights": start_weights,
+                     "grad_norm": metrics["train/grad_norm"],
+                     **({"kl_loss": metrics["policy/kl_loss"]} if "policy/kl_loss" in metrics else {}),
                      "merge_rate": m.get("generate/merge_rate", 0.0),
                      "bridge_fallbacks": m.get("generate/bridge_fallbacks", 0),
                      "retokenize_drift_steps": m.get("generate/retokenize_drift_steps", 0),
                      "reward_mean": sum(samples.trajectory_rewards()) / max(len(set(samples.trajectory_ids)), 1)})
+    policy.call("restore_snapshot")  # leave the policy as found
     return rows
 
 
@@ -129,25 +154,34 @@ async def _ablate(cfg, rows) -> Path:
     n = cfg.generator.n_samples_per_prompt
     try:
         policy = LocalPolicy(cfg.trainer)
+        policy.call("snapshot")  # the one starting point of every timed update and every mode's training run
+        initial_weights = policy.call("weights_checksum")
+        # the KL loss scores against the initial weights: one frozen copy serves the replay and every mode's run
+        reference = LocalPolicy(cfg.trainer, trainable=False) if cfg.trainer.algorithm.use_kl_loss else None
         cost_rows = []
-        for history in cfg.ablation.histories:
+        for k, history in enumerate(cfg.ablation.histories):
             gen_cfg = replace(cfg.generator, history=history, step_wise_trajectories=True, merge_stepwise_output=False)
             stepwise = await StepwiseGenerator(tokenizer, engine, registry, gen_cfg).generate(*expand(rows, n, "ablate"))
             save_rollouts(stepwise, out_dir / f"rollouts_{history}.json")
-            cost_rows += replay_costs(stepwise, history, cfg.ablation.modes, policy, cfg.trainer.algorithm)
+            cost_rows += replay_costs(stepwise, history, cfg.ablation.modes, policy, cfg.trainer.algorithm,
+                                      reference, warm_up=k == 0)
 
         curves: dict[str, list[dict]] = {}
-        run_cfg = replace(cfg, total_steps=cfg.ablation.train_steps, eval_interval=0,
-                          trainer=replace(cfg.trainer, ckpt_interval=0, resume="none"))
+        curve_starts: dict[str, str] = {}
         for mode in cfg.ablation.modes if cfg.ablation.train_steps > 0 else []:
-            policy = LocalPolicy(cfg.trainer)  # every mode starts from the same initial weights
-            await sync_weights(policy, engine)
+            policy.call("restore_snapshot")  # same weights, a fresh optimizer and schedule, same RNG
+            await sync_weights(policy, engine)  # the engine still holds the previous mode's trained weights
+            curve_starts[mode] = policy.call("weights_checksum")
+            # never reads or writes checkpoints: a ckpt_dir of its own keeps any real run's checkpoints out of it
+            run_cfg = replace(cfg, total_steps=cfg.ablation.train_steps, eval_interval=0,
+                              trainer=replace(cfg.trainer, ckpt_interval=0, resume="none",
+                                              ckpt_dir=str(out_dir / mode / "ckpts")))
             gen_cfg = replace(cfg.generator, step_wise_trajectories=mode != "trajectory",
                               merge_stepwise_output=mode == "step_wise_merged")
             tracker = Tracker(out_dir / mode, cfg.logging.project, f"{cfg.logging.run_name}-{mode}", "disabled", {})
             trainer = RLTrainer(run_cfg, StepwiseGenerator(tokenizer, engine, registry, gen_cfg),
                                 StepwiseGenerator(tokenizer, engine, registry, eval_config(gen_cfg)), engine, policy,
-                                None, tracker, rows, [], tokenizer("probe", add_special_tokens=False)["input_ids"])
+                                reference, tracker, rows, [], tokenizer("probe", add_special_tokens=False)["input_ids"])
             await trainer.fit()
             tracker.finish()
             curves[mode] = tracker.history
@@ -156,10 +190,18 @@ async def _ablate(cfg, rows) -> Path:
         if owns_ray:
             ray.shutdown()
 
+    kl = cfg.trainer.algorithm.use_kl_loss
     header = (f"model `{cfg.model_path}`, {len(rows)} prompts x {n} samples, max_turns {cfg.generator.max_turns}, "
-              f"engine {cfg.engine.backend} ({cfg.engine.dtype}); replay: identical rollouts per history mode.")
-    report = write_report(out_dir, cost_rows, curves, header)
+              f"engine {cfg.engine.backend} ({cfg.engine.dtype}); replay: identical rollouts per history mode.\n\n"
+              f"Every update and every training run starts from the initial weights (checksum `{initial_weights}`), "
+              f"a fresh optimizer and LR schedule. Timings exclude one untimed warm-up update"
+              + (" and the reference logprobs of the KL loss (computed once per batch, before the clock starts)"
+                 if kl else "") + ".")
+    report = write_report(out_dir, cost_rows, curves, header, curve_starts)
     (out_dir / "costs.json").write_text(json.dumps(cost_rows, indent=1))
+    (out_dir / "curves.json").write_text(json.dumps(
+        {"initial_weights": initial_weights,
+         "modes": {m: {"start_weights": curve_starts[m], "steps": curves[m]} for m in curves}}, indent=1))
     _log_to_wandb(cfg, out_dir, cost_rows)
     return report
 

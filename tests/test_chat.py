@@ -127,8 +127,22 @@ def test_hermes_tool_calls_parse_from_text_and_from_single_tokens(tokenizer):
     qwen.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
     for tok in (tokenizer, qwen):  # SmolLM2 spells <tool_call> in pieces; Qwen has one token for it
         chat = create_renderer(tok, "template")
-        ids = canonical(tok, 'ok <tool_call>{"name": "search", "arguments": {"query": "Mona Lisa"}}</tool_call>')
-        turn = chat.parse(ids + [chat.close_id], [], tools=[{"type": "function", "function": {"name": "search"}}])
-        assert turn.content == "ok " and [(c.name, c.arguments) for c in turn.tool_calls] == [
-            ("search", {"query": "Mona Lisa"})]
+        text = 'ok <tool_call>{"name": "search", "arguments": {"query": "Mona Lisa"}}</tool_call>'
+        turn = chat.parse(canonical(tok, text) + [chat.close_id], [], tools=[{"type": "function", "function": {
+            "name": "search"}}])
+        assert [(c.name, c.arguments) for c in turn.tool_calls] == [("search", {"query": "Mona Lisa"})]
+        # neither template renders `tool_calls`: the calls stay in the content, or a re-render would lose them
+        assert not chat.renders_tool_calls and turn.content == text
         assert turn.message()["tool_calls"][0]["function"]["name"] == "search"
+
+
+def test_tool_schemas_reach_the_prompt_even_when_the_template_ignores_tools(tokenizer):
+    from family_tokenizers import family_tokenizer
+
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    for tok in (tokenizer, family_tokenizer("qwen2.5")):  # SmolLM2 ignores tools=, Qwen2.5 renders them itself
+        chat = create_renderer(tok, "template")
+        text = chat.decode(chat.prompt_ids(PROMPT, tools))
+        assert text.count('"name": "calculator"') == 1 and "<tool_call>" in text
+        assert chat.renders_tools == (tok is not tokenizer)

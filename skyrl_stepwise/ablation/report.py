@@ -14,23 +14,30 @@ COST_COLUMNS = [("samples", "samples / step"), ("forward_tokens", "forward token
                 ("padded_tokens", "padded tokens"), ("batch_padded_seq_len", "batch_padded_seq_len"),
                 ("trained_tokens", "trained tokens"), ("train_step_s", "train step (s)"),
                 ("peak_mem_mib", "peak mem (MiB)"), ("merge_rate", "merge rate"),
-                ("bridge_fallbacks", "bridge fallbacks"), ("retokenize_drift_steps", "retok. drift steps")]
+                ("bridge_fallbacks", "bridge fallbacks"), ("retokenize_drift_steps", "retok. drift steps"),
+                # the update itself: from the same start, trajectory and step-wise samples of the same tokens give
+                # the same token-mean loss, so equal checksums and (near-)equal grad norms are the sanity check
+                ("grad_norm", "grad norm"), ("kl_loss", "KL loss"), ("start_weights", "start weights")]
 
 
 def _fmt(value) -> str:
     if isinstance(value, float):
+        if 0 < abs(value) < 1e-3:  # a KL loss near the reference would read 0.000
+            return f"{value:.2e}"
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One row per (history, mode), plus each mode's forward tokens relative to step-wise."""
-    head = ["history", "mode"] + [title for _, title in COST_COLUMNS] + ["fwd tokens vs step_wise"]
+    """One row per (history, mode), plus each mode's forward tokens relative to step-wise; a column no row has
+    (KL loss with the KL loss off) is left out."""
+    columns = [(key, title) for key, title in COST_COLUMNS if any(key in r for r in rows)]
+    head = ["history", "mode"] + [title for _, title in columns] + ["fwd tokens vs step_wise"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {r["history"]: r["forward_tokens"] for r in rows if r["mode"] == "step_wise"}
     for r in rows:
         ratio = r["forward_tokens"] / base[r["history"]] if base.get(r["history"]) else float("nan")
-        cells = [r["history"], r["mode"]] + [_fmt(r.get(key, "")) for key, _ in COST_COLUMNS] + [f"{ratio:.2f}x"]
+        cells = [r["history"], r["mode"]] + [_fmt(r.get(key, "")) for key, _ in columns] + [f"{ratio:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -74,20 +81,26 @@ def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(out_dir: Path, rows: list[dict], curves: dict[str, list[dict]], header: str) -> Path:
-    """report.md + costs.png (+ curves.png when training curves were run)."""
+def write_report(out_dir: Path, rows: list[dict], curves: dict[str, list[dict]], header: str,
+                 curve_starts: dict[str, str] | None = None) -> Path:
+    """report.md + costs.png (+ curves.png when training curves were run); `curve_starts` is each training
+    run's starting weight checksum."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_costs(rows, out_dir / "costs.png")
     parts = [f"# Step-wise ablation\n\n{header}\n", "## Cost of the same rollouts per mode\n",
              markdown_table(rows), "\n![costs](costs.png)\n"]
     if curves:
         plot_curves(curves, out_dir / "curves.png")
-        parts += ["## Training curves\n", "| mode | step | reward | pass@n | samples | train s |", "|---|---|---|---|---|---|"]
+        starts = curve_starts or {}
+        parts += ["## Training curves\n",
+                  "| mode | start weights | step | reward | pass@n | KL loss | samples | train s |", "|---" * 8 + "|"]
         for mode, steps in curves.items():
             for s in steps:
-                parts.append(f"| {mode} | {s['step']} | {s.get('reward/mean', float('nan')):.3f} | "
-                             f"{s.get('reward/pass_at_n', float('nan')):.3f} | {s.get('generate/num_samples', 0)} | "
-                             f"{s.get('timing/train_s', float('nan')):.1f} |")
+                kl = f"{s['policy/kl_loss']:.2e}" if "policy/kl_loss" in s else ""
+                parts.append(f"| {mode} | {starts.get(mode, '')} | {s['step']} | "
+                             f"{s.get('reward/mean', float('nan')):.3f} | "
+                             f"{s.get('reward/pass_at_n', float('nan')):.3f} | {kl} | "
+                             f"{s.get('generate/num_samples', 0)} | {s.get('timing/train_s', float('nan')):.1f} |")
         parts.append("\n![curves](curves.png)\n")
     path = out_dir / "report.md"
     path.write_text("\n".join(parts) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from skyrl_stepwise.chat.base import (ChatRenderer, Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
@@ -10,6 +11,7 @@ from skyrl_stepwise.chat.library import LibraryRenderer, library_renderer_name
 from skyrl_stepwise.chat.template import TemplateRenderer
 
 THINKING_RETENTION = ("template", "all")
+logger = logging.getLogger(__name__)
 
 
 def create_renderer(tokenizer, renderer: str = "auto", chat_template_kwargs: dict[str, Any] | None = None,
@@ -21,7 +23,16 @@ def create_renderer(tokenizer, renderer: str = "auto", chat_template_kwargs: dic
     name = None if renderer == "template" else library_renderer_name(tokenizer, renderer)
     if name is None:
         return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention)
-    return LibraryRenderer(tokenizer, name, chat_template_kwargs, thinking_retention)
+    try:
+        return LibraryRenderer(tokenizer, name, chat_template_kwargs, thinking_retention)
+    except Exception as e:
+        if renderer != "auto":
+            raise ValueError(f"generator.renderer={renderer!r} cannot be built for {tokenizer.name_or_path!r}: "
+                             f"{type(e).__name__}: {e}") from e
+        # e.g. gpt-oss's harmony encoder downloads its vocabulary on first use: offline, the template still works
+        logger.warning("renderers' %r renderer is unavailable for %s (%s: %s); using the chat template",
+                       name, tokenizer.name_or_path, type(e).__name__, e)
+        return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention)
 
 
 def renderer_names() -> list[str]:

@@ -48,12 +48,13 @@ class ParsedTurn:
     content: str
     reasoning: str | None = None
     tool_calls: list[ToolCallRequest] = field(default_factory=list)
+    reasoning_key: str = "reasoning_content"  # where templates read it: Qwen3 `reasoning_content`, gpt-oss `thinking`
 
     def message(self) -> Message:
         """The assistant message for a full re-render of the history (OpenAI shape)."""
         msg: Message = {"role": "assistant", "content": self.content}
         if self.reasoning:
-            msg["reasoning_content"] = self.reasoning
+            msg[self.reasoning_key] = self.reasoning
         ok = [c for c in self.tool_calls if c.error is None]
         if ok:
             msg["tool_calls"] = [{"type": "function", "id": c.id or f"call_{i}",

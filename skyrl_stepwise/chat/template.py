@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_stepwise.chat.base import Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept
-from skyrl_stepwise.chat.tool_parsers import HermesToolParser
+from skyrl_stepwise.chat.tool_parsers import HermesToolParser, parse_harmony_text
 
 # Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
 # plain ASCII so no template trims or escapes it.
@@ -39,12 +39,25 @@ class TemplateRenderer:
         self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
         self.tool_parser = HermesToolParser(tokenizer)
+        self.renders_tools, self.renders_tool_calls = self._tool_support()
+        specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        self._special_texts = sorted(specials | {t for t in tokenizer.all_special_tokens if t})
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-        """The chat template as text; the single place it is applied."""
+        """The chat template as text; tool schemas go where the template puts them, or in a hermes system block
+        if it ignores `tools=` (SmolLM2), so the model always sees what it may call."""
+        if tools and not self.renders_tools:
+            messages = with_tools_system_block(messages, tools)
+        return self._apply_template(messages, add_generation_prompt, tools)
+
+    def _apply_template(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
+        """The single place the chat template is applied."""
+        kwargs = dict(self.kwargs)
+        tools = tools if tools is not None else kwargs.pop("tools", None)  # a template may need `tools` (even [])
+        kwargs.pop("tools", None)
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **self.kwargs)
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja's raise_exception, missing kwargs: name the template and the roles
             roles = [m.get("role") for m in messages]
             raise RenderError(f"{self.name}: the chat template refused messages with roles {roles}: {e}") from e
@@ -64,10 +77,16 @@ class TemplateRenderer:
         """The sampled text without its closing token (the template handles any reasoning in it); with tools,
         hermes `<tool_call>` blocks become calls and the content is the text before them."""
         ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        text = self.decode(ids)
+        if "<|channel|>" in text:  # gpt-oss (harmony): the template wants final text and analysis apart
+            content, thinking, calls = parse_harmony_text(text)
+            return ParsedTurn(content, thinking, calls if tools else [], reasoning_key="thinking")
         if not tools:
-            return ParsedTurn(self.decode(ids))
+            return ParsedTurn(text)
         content, calls = self.tool_parser.parse(ids, self.decode)
-        return ParsedTurn(content, None, calls)
+        # a template that cannot render `tool_calls` would drop the calls from a re-rendered history: keep them
+        # in the content, as sampled
+        return ParsedTurn(content if self.renders_tool_calls else text, None, calls)
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
                     new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
@@ -99,9 +118,32 @@ class TemplateRenderer:
             m.pop("reasoning_content", None)
         text = self.render(marked, True, tools)
         at = text.rfind(_MARKER)
-        close = self.decode([self.close_id])
-        end = text.find(close, at) if at >= 0 else -1
-        return None if end < 0 else text[end + len(close):]
+        if at < 0:
+            return None
+        # the earliest special token after the content closes the turn (harmony closes past turns with <|end|>,
+        # the last one with <|return|>)
+        closes = [(i, t) for t in self._special_texts if (i := text.find(t, at + len(_MARKER))) >= 0]
+        if not closes:
+            return None
+        i, t = min(closes)
+        return text[i + len(t):]
+
+    def _tool_support(self) -> tuple[bool, bool]:
+        """Whether the template renders `tools=` schemas and assistant `tool_calls` (probed once)."""
+        tool = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        user = [{"role": "user", "content": "U"}]
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "call_0", "function": {"name": "skyrl_probe_call", "arguments": {}}}]}
+        try:
+            renders_tools = "skyrl_probe_tool" in self._apply_template(user, True, [tool])
+        except RenderError:
+            renders_tools = False
+        try:
+            renders_calls = "skyrl_probe_call" in self._apply_template(user + [call], False, [tool])
+        except RenderError:
+            renders_calls = False
+        return renders_tools, renders_calls
 
     def _turn_terminator(self) -> int | None:
         """The special token the template puts right after an assistant message's content (ChatML's <|im_end|>,
@@ -110,10 +152,29 @@ class TemplateRenderer:
         at = text.rfind(_MARKER)
         if at < 0:
             return None
-        special = set(self.tokenizer.all_special_ids)
+        special = set(self.tokenizer.all_special_ids) | {
+            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
         for token in self.encode(text[at + len(_MARKER):]):
             if token in special:
                 return token
             if self.decode([token]).strip():
                 return None  # visible text before any special token: no terminator
         return None
+
+
+HERMES_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def with_tools_system_block(messages: list[Message], tools: list[dict]) -> list[Message]:
+    """Qwen2.5's hermes tool instructions, appended to the system message (or as one), for templates that
+    ignore `tools=`: the same text the Qwen/Hermes templates render, so the model sees a familiar format."""
+    import json
+
+    block = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+    if messages and messages[0].get("role") == "system":
+        return [dict(messages[0], content=f"{messages[0]['content']}\n\n{block}"), *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]

@@ -53,3 +53,30 @@ class HermesToolParser:
         calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == "ok" else str(c.status), c.id)
                  for c in parsed]
         return decode(content_ids), calls
+
+
+_HARMONY_MESSAGE = re.compile(r"(?P<head>.*?)<\|message\|>(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|$)",
+                              re.DOTALL)
+
+
+def parse_harmony_text(text: str) -> tuple[str, str | None, list[ToolCallRequest]]:
+    """(final content, analysis, tool calls) of a gpt-oss (harmony) completion read from its decoded text.
+
+    The `renderers` library parses harmony with `openai-harmony`, which needs its vocabulary file; this keeps a
+    template-backed gpt-oss usable offline: analysis -> reasoning, final -> content, `to=functions.NAME` -> call.
+    """
+    content, thinking, calls = [], [], []
+    for m in _HARMONY_MESSAGE.finditer(text):
+        head, body = m.group("head"), m.group("body")
+        channel = re.search(r"<\|channel\|>\s*(\w+)", head)
+        recipient = re.search(r"to=functions\.([\w\-]+)", head)
+        if recipient:
+            try:
+                calls.append(ToolCallRequest(recipient.group(1), json.loads(body), body))
+            except json.JSONDecodeError:
+                calls.append(ToolCallRequest(recipient.group(1), None, body, "invalid_json"))
+        elif channel and channel.group(1) == "analysis":
+            thinking.append(body)
+        else:
+            content.append(body)
+    return "".join(content), ("".join(thinking) or None), calls

@@ -132,7 +132,7 @@ class AgentLoop:
             messages = await env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns})
         except Exception as e:
             raise _TrajectoryFailed("env_reset", repr(e)) from e
-        tools = extras.get("tools") or None
+        tools = getattr(env, "tool_schemas", None) or None  # OpenAI function schemas the env offers, rendered
         history: list[Message] = list(messages)  # text view, for full re-renders and `retokenize`
         prompt_ids = self._render(chat.prompt_ids, history, tools)
         single_message_text = ""  # single-message mode: the one growing assistant message

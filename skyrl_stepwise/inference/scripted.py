@@ -25,6 +25,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.logprob = logprob
         self.calls: list[tuple[str | None, list[int]]] = []
+        self.sampled: list[list[int]] = []  # what each call returned, for exactness checks
         self.weight_updates = 0
         self._per_session: dict[str | None, int] = {}
 
@@ -51,6 +52,7 @@ class ScriptedEngine:
         elif stop_string is None and (not ids or ids[-1] not in stops):
             finish = "length"
         logprobs = [self.logprob] * len(ids) if sampling.logprobs else None
+        self.sampled.append(list(ids))
         return GenerationResult(ids, logprobs, finish, stop_string)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,4 +1,4 @@
-"""One FSDP2 rank of the policy (or reference) model: logprobs, PPO train steps, weights, checkpoints.
+"""One FSDP2 rank of the policy (or reference) model: logprobs, PPO train steps, weights, checkpoints, snapshots.
 
 The worker reads its rank from the usual env vars (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK), so the
 same class runs as one Ray actor per rank or under torch.multiprocessing.spawn. Every public method is a
@@ -8,6 +8,7 @@ the results are reduced/gathered so every rank returns the same answer.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import socket
@@ -84,6 +85,34 @@ def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device) 
     return model
 
 
+def weights_checksum(named_parameters) -> str:
+    """First 16 hex digits of the sha256 of (name, full fp32 values) of every parameter, in the given order.
+
+    The same digest for a plain HF model and an FSDP-sharded copy of the same weights (each DTensor is gathered,
+    so with DTensors this is a collective), which lets a report prove that runs meant to start from the same
+    weights did.
+    """
+    digest = hashlib.sha256()
+    for name, param in named_parameters:
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        digest.update(name.encode())
+        digest.update(memoryview(full.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()))
+    return digest.hexdigest()[:16]
+
+
+def _cloned(state):
+    """A copy of a (nested) state dict whose tensors share no storage with the original: the optimizer
+    updates its state in place, and Optimizer.load_state_dict keeps tensors that already have the right
+    dtype and device, so without copies a restored snapshot would be changed by the next step."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cloned(v) for v in state)
+    return state
+
+
 def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
                      temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward one packed row and return its share of the mini-batch token-mean loss (see losses.py).
@@ -127,6 +156,7 @@ class PolicyWorker:
                                            else None)
         else:
             self.model.requires_grad_(False)
+        self._snapshot: dict | None = None
 
     def _micro_batches(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
@@ -180,11 +210,12 @@ class PolicyWorker:
             grad_norm = grad_norm.full_tensor()
         grad_norm = grad_norm.item()
         skipped = not math.isfinite(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.optimizer.step()
+            # only a step taken is a step of the schedule: skipped ones must not eat the warm-up or the decay
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
 
         keys = sorted(totals)
         summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
@@ -201,6 +232,40 @@ class PolicyWorker:
         Rank 0 receives every tensor; the other ranks get an empty dict (cpu_offload keeps memory bounded).
         """
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def weights_checksum(self) -> str:
+        """Digest of the full fp32 weights (see `weights_checksum`), the same on every rank; collective."""
+        return weights_checksum(self.model.named_parameters())
+
+    def snapshot(self) -> None:
+        """Keep an in-memory copy of this rank's weight shards, optimizer and scheduler state and RNG.
+
+        `restore_snapshot` then starts any number of updates from exactly this point: the ablation times one
+        update per mode and runs one short training per mode, and none may inherit another's weights or AdamW
+        moments. Local shards only, no communication; costs one copy of the weights (plus the optimizer state
+        once it exists).
+        """
+        self._snapshot = {"params": [p.detach().clone() for p in self.model.parameters()],
+                          "optimizer": _cloned(self.optimizer.state_dict()) if self.optimizer else None,
+                          "scheduler": _cloned(self.scheduler.state_dict()) if self.scheduler else None,
+                          "rng": checkpoint._rng_state()}
+
+    def restore_snapshot(self) -> None:
+        """Put back what `snapshot` kept; the snapshot itself stays intact for the next restore.
+
+        Optimizer.load_state_dict replaces the whole state, so a snapshot taken before the first step restores
+        an empty optimizer (no AdamW moments, step counts from zero), as in a fresh worker.
+        """
+        if self._snapshot is None:
+            raise RuntimeError("restore_snapshot called on a PolicyWorker that has no snapshot; call snapshot() first")
+        with torch.no_grad():
+            for param, saved in zip(self.model.parameters(), self._snapshot["params"], strict=True):
+                param.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.load_state_dict(_cloned(self._snapshot["optimizer"]))
+            self.scheduler.load_state_dict(_cloned(self._snapshot["scheduler"]))
+        checkpoint._set_rng_state(self._snapshot["rng"])
 
     def save_checkpoint(self, step: int, trainer_state: dict | None = None) -> Path:
         """Atomic checkpoint of model, optimizer, scheduler, RNG and trainer_state (see checkpoint.py)."""
