@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from skyrl_stepwise.envs.search import SearchEnvConfig
+from skyrl_stepwise.envs.tool import ToolEnvConfig
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.trainer.config import TrainerConfig
@@ -26,6 +27,7 @@ class DataConfig:
     max_eval_prompts: int = 16
     shuffle: bool = True
     seed: int = 0
+    env_class: str | None = None  # overrides every row's env_class (e.g. `tool`: Search-R1 rows as function calls)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class RetrieverConfig:
 @dataclass
 class EnvironmentConfig:
     search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
+    tool: ToolEnvConfig = field(default_factory=ToolEnvConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 
 

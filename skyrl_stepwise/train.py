@@ -41,16 +41,17 @@ def _datasets(cfg):
         built = build_embedded_search_r1()
         train = built.train if train == "embedded" else train
         val = built.validation if val == "embedded" else val
-    return load_prompt_dataset(train), (load_prompt_dataset(val) if val else [])
+    rows = load_prompt_dataset(train), (load_prompt_dataset(val) if val else [])
+    if cfg.data.env_class:
+        rows = tuple([dataclasses.replace(r, env_class=cfg.data.env_class) for r in part] for part in rows)
+    return rows
 
 
 async def _run(cfg, train_rows, val_rows) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from skyrl_stepwise.envs.base import EnvRegistry
-    from skyrl_stepwise.envs.search import register_search_env
-    from skyrl_stepwise.envs.toy import KeywordEnv
+    from skyrl_stepwise.envs.builtin import build_env_registry
     from skyrl_stepwise.generator import StepwiseGenerator
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
@@ -61,9 +62,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
     ensure_ray()
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    registry = EnvRegistry()
-    register_search_env(registry, cfg.environment.search)
-    registry.register("keyword", KeywordEnv)
+    registry = build_env_registry(cfg.environment)
     engine = create_engine(cfg.engine)
     policy = PolicyGroup(cfg.trainer)
     reference = PolicyGroup(cfg.trainer, trainable=False) if cfg.trainer.algorithm.use_kl_loss else None
@@ -96,7 +95,7 @@ def prepared(cfg):
     model = str(resolve_model_path(cfg.model_path))
     cfg.engine.model_path = cfg.trainer.model_path = model
     train_rows, val_rows = _datasets(cfg)
-    needs_search = any(r.env_class == "search" for r in train_rows + val_rows)
+    needs_search = any(r.env_class in ("search", "tool") for r in train_rows + val_rows)
     retriever = cfg.environment.retriever
     with (local_retriever(retriever.corpus, retriever.kind, retriever.port)
           if needs_search and retriever.start_local else contextlib.nullcontext(None)) as url:

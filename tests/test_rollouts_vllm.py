@@ -80,3 +80,26 @@ async def test_search_r1_rollouts_against_real_server(vllm_engine, tokenizer):
     check_invariants(out, cfg, tokenizer.eos_token_id, 8)
     assert all(r in (0.0, 1.0) for r in out.trajectory_rewards())
     assert out.rollout_metrics["generate/failed_trajectories"] == 0
+
+
+async def test_tool_env_rollouts_with_search_and_calculator(vllm_engine, tokenizer):
+    """Search-R1 as function calling: real engine, real retrieval server, search + calculator tools."""
+    from skyrl_stepwise.envs.tool import ToolEnvConfig, register_tool_env
+
+    data = build_embedded_search_r1()
+    rows = load_prompt_dataset(data.validation)[:4]
+    cfg = GeneratorConfig(max_turns=3, max_input_length=1536, show_progress=False,
+                          sampling=GeneratorSamplingConfig(max_generate_length=64, seed=5))
+    with local_retriever(str(data.corpus)) as url:
+        registry = EnvRegistry()
+        register_tool_env(registry, ToolEnvConfig(question_only=True, system_prompt="Use the tools, then answer."),
+                          search_url=url)
+        gen = StepwiseGenerator(tokenizer, vllm_engine, registry, cfg)
+        prompts = [r.prompt for r in rows for _ in range(2)]
+        extras = [r.env_extras() for r in rows for _ in range(2)]
+        ids = [TrajectoryID(r.instance_id, k) for r in rows for k in range(2)]
+        out = await gen.generate(prompts, ["tool"] * 8, extras, ids)
+    check_invariants(out, cfg, tokenizer.eos_token_id, 8)
+    assert out.rollout_metrics["generate/failed_trajectories"] == 0
+    assert all(r in (0.0, 1.0) for r in out.trajectory_rewards())
+    assert '"name": "search"' in tokenizer.decode(out.prompt_token_ids[0])  # the schemas are in the prompt

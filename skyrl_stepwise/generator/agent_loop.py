@@ -159,9 +159,16 @@ class AgentLoop:
             action_ids = sampled[:-1] if model_eos else sampled
             action_text = chat.decode(action_ids)
 
+            turn_parsed = None
+            step_turn = getattr(env, "step_turn", None)  # tool envs take the turn as parsed from the sampled ids
+            if step_turn is not None:
+                if not cfg.use_conversation_multi_turn:
+                    raise ValueError(f"{type(env).__name__} takes parsed chat turns (tool calls): it needs "
+                                     "generator.use_conversation_multi_turn=true")
+                turn_parsed = self._render(chat.parse, sampled, prompt_ids, tools)
             t0 = time.perf_counter()
             try:
-                step = await env.step(action_text)
+                step = await (step_turn(turn_parsed) if step_turn is not None else env.step(action_text))
             except Exception as e:
                 raise _TrajectoryFailed("env_step", repr(e)) from e
             stats.env_seconds += time.perf_counter() - t0
@@ -183,7 +190,7 @@ class AgentLoop:
 
             observations = step.observations
             if cfg.use_conversation_multi_turn:
-                turn_message = self._render(chat.parse, response, prompt_ids, tools).message()
+                turn_message = (turn_parsed or self._render(chat.parse, response, prompt_ids, tools)).message()
                 history.append(turn_message)
                 history.extend(observations)
                 next_ids = self._next_conversation_prompt(prompt_ids, response, observations, history, tools, stats)

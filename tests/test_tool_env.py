@@ -1,0 +1,49 @@
+"""The tool environment end to end with a scripted engine: calls parsed from the sampled ids, executed
+concurrently, every malformed kind answered, results as `tool` messages, the calling turn trained as sampled."""
+
+from __future__ import annotations
+
+from test_generator import canonical
+
+from skyrl_stepwise.envs.base import EnvRegistry
+from skyrl_stepwise.envs.tool import ToolEnvConfig, register_tool_env
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+from skyrl_stepwise.inference.scripted import ScriptedEngine
+
+CALLS = ('Let me check. <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>\n'
+         '<tool_call>{"name": "weather", "arguments": {}}</tool_call>\n'
+         '<tool_call>{"name": "calculator", "arguments": {"expression": 42}}</tool_call>\n'
+         '<tool_call>{nope}</tool_call>')
+PROMPT = [{"role": "system", "content": "Row system prompt."},
+          {"role": "user", "content": "Use <search> tags to find: what is six times seven?"}]
+
+
+async def test_tool_calls_are_parsed_executed_answered_and_trained_exactly(tokenizer):
+    eos = tokenizer.eos_token_id
+    turns = [canonical(tokenizer, CALLS) + [eos], canonical(tokenizer, "<answer> 42 </answer>") + [eos]]
+    engine = ScriptedEngine(lambda p, s, i: turns[i], tokenizer)
+    registry = EnvRegistry()
+    register_tool_env(registry, ToolEnvConfig(question_only=True, system_prompt="You have tools."))
+    cfg = GeneratorConfig(max_turns=4, max_input_length=4096, show_progress=False, merge_stepwise_output=True,
+                          sampling=GeneratorSamplingConfig(max_generate_length=256))
+    gen = StepwiseGenerator(tokenizer, engine, registry, cfg)
+    extras = {"reward_spec": {"ground_truth": {"target": ["42"]}},
+              "extra_info": {"question": "What is six times seven?"}}
+    out = await gen.generate([PROMPT], ["tool"], [extras], [TrajectoryID("q", 0)])
+    m = out.rollout_metrics
+
+    assert len(out) == 1 and m["generate/bridge_fallbacks"] == 0 and m["generate/failed_trajectories"] == 0
+    assert out.trajectory_rewards() == [1.0]
+    trained = [t for t, k in zip(out.response_ids[0], out.loss_masks[0]) if k]
+    assert trained == turns[0] + turns[1]  # the calling turn is never re-rendered
+    first_prompt = tokenizer.decode(out.prompt_token_ids[0])
+    assert "You have tools." in first_prompt and "<search>" not in first_prompt  # the env's prompt, the question
+    assert '"name": "calculator"' in first_prompt  # schemas reach the model (SmolLM2's template ignores tools=)
+    observation = tokenizer.decode([t for t, k in zip(out.response_ids[0], out.loss_masks[0]) if not k])
+    assert "<|im_start|>tool\n42<|im_end|>" in observation  # the good call's result
+    assert "unknown_tool" in observation or "weather" in observation
+    assert "'expression'" in observation and "invalid" in observation.lower()
+    assert "not valid JSON" in observation
+    assert m["environment/tool/calculator/ok"] == 1 and m["environment/tool/unknown_tool"] == 1
+    assert m["environment/tool/calculator/invalid_arguments"] == 1 and m["environment/tool/invalid_json"] == 1
+    assert m["environment/em"] == 1.0
