@@ -5,10 +5,16 @@ what it does; we only check its bridge's prefix contract and say why it declined
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
                                       check_observations_kept)
+
+
+# Models the library's name map leaves out whose templates its renderer reproduces token for token
+# (tests/test_tool_formats.py checks Llama 3.1's against the llama-3 renderer).
+ALIASES = ((re.compile(r"meta-llama/(Meta-)?Llama-3\.1-\d+B-Instruct"), "llama-3"),)
 
 
 def library_renderer_name(tokenizer, requested: str) -> str | None:
@@ -17,7 +23,8 @@ def library_renderer_name(tokenizer, requested: str) -> str | None:
 
     if requested != "auto":
         return requested
-    return MODEL_RENDERER_MAP.get(getattr(tokenizer, "name_or_path", ""))
+    name = getattr(tokenizer, "name_or_path", "")
+    return MODEL_RENDERER_MAP.get(name) or next((r for pattern, r in ALIASES if pattern.fullmatch(name)), None)
 
 
 class LibraryRenderer:

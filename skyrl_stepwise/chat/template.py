@@ -39,7 +39,9 @@ class TemplateRenderer:
         self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
         self.tool_parser = HermesToolParser(tokenizer)
-        self.renders_tools, self.renders_tool_calls = self._tool_support()
+        self.renders_tools, self.renders_tool_calls, call_close = self._tool_support()
+        if call_close is not None:  # harmony ends a tool-call turn with <|call|>: the engine must stop there too
+            self.stop_ids.add(call_close)
         specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
         self._special_texts = sorted(specials | {t for t in tokenizer.all_special_tokens if t})
 
@@ -128,22 +130,30 @@ class TemplateRenderer:
         i, t = min(closes)
         return text[i + len(t):]
 
-    def _tool_support(self) -> tuple[bool, bool]:
-        """Whether the template renders `tools=` schemas and assistant `tool_calls` (probed once)."""
+    def _tool_support(self) -> tuple[bool, bool, int | None]:
+        """Whether the template renders `tools=` schemas and assistant `tool_calls`, and the special token that
+        closes a tool-call turn (probed once)."""
         tool = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
                                                  "parameters": {"type": "object", "properties": {}}}}
         user = [{"role": "user", "content": "U"}]
-        call = {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "id": "call_0", "function": {"name": "skyrl_probe_call", "arguments": {}}}]}
+        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call_0", "function": {
+            "name": "skyrl_probe_call", "arguments": {"skyrl_probe_arg": 1}}}]}
         try:
             renders_tools = "skyrl_probe_tool" in self._apply_template(user, True, [tool])
         except RenderError:
             renders_tools = False
         try:
-            renders_calls = "skyrl_probe_call" in self._apply_template(user + [call], False, [tool])
+            text = self._apply_template(user + [call], False, [tool])
         except RenderError:
-            renders_calls = False
-        return renders_tools, renders_calls
+            return renders_tools, False, None
+        at = text.rfind("skyrl_probe_arg")
+        return renders_tools, "skyrl_probe_call" in text, self._first_special(text[at:]) if at >= 0 else None
+
+    def _first_special(self, text: str) -> int | None:
+        """The first special token id in `text`."""
+        special = set(self.tokenizer.all_special_ids) | {
+            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        return next((t for t in self.encode(text) if t in special), None)
 
     def _turn_terminator(self) -> int | None:
         """The special token the template puts right after an assistant message's content (ChatML's <|im_end|>,

@@ -1,0 +1,71 @@
+"""Tool calls in the three formats users bring: parse the sampled ids -> execute -> `tool` message -> bridge.
+The assistant turn that made the calls stays as sampled and the next prompt extends it; malformed calls are
+answered, never raised."""
+
+from __future__ import annotations
+
+import pytest
+from family_tokenizers import FAMILIES, family_tokenizer
+
+from skyrl_stepwise.chat import create_renderer
+from skyrl_stepwise.tools import ToolExecutor, to_messages
+from skyrl_stepwise.tools.builtin import CalculatorTool
+
+TOOLS = [CalculatorTool().schema]
+QUESTION = [{"role": "user", "content": "What is 6*7?"}]
+# family -> (renderer backend expected from `auto`, a good call, a malformed call) as the model would sample them
+FORMATS = {
+    "qwen3": ("renderers:qwen3", '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>',
+              '<tool_call>\n{"name": "calculator", "arguments": {"expression": 6}}\n</tool_call>'),
+    "llama-3.1": ("renderers:llama-3", '{"name": "calculator", "parameters": {"expression": "6*7"}}',
+                  '{"name": "weather", "parameters": {}}'),
+    "gpt-oss": ("template", '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>'
+                '{"expression": "6*7"}', '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>'
+                '{"expression": '),
+}
+
+
+def _setup(family):
+    spec, tok = FAMILIES[family], family_tokenizer(family)
+    # gpt-oss's template moves a sampled call's recipient: offline (template backend) only `all` keeps the turn
+    chat = create_renderer(tok, "auto", dict(spec.render_kwargs), "all" if family == "gpt-oss" else "template")
+    assert stop_of(family, tok) in chat.stop_ids
+    return tok, chat, stop_of(family, tok)
+
+
+def stop_of(family, tok) -> int:
+    """The token a real model of this family samples to end a tool-calling turn."""
+    return tok.convert_tokens_to_ids({"gpt-oss": "<|call|>", "llama-3.1": "<|eom_id|>"}.get(family, "<|im_end|>"))
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+async def test_parse_execute_answer_bridge(family):
+    tok, chat, stop = _setup(family)
+    backend, good, bad = FORMATS[family]
+    assert chat.name.startswith(backend)
+    prompt = chat.prompt_ids(QUESTION, TOOLS)
+    assert "calculator" in chat.decode(prompt)  # the schema is rendered for the model
+    sampled = tok(good, add_special_tokens=False)["input_ids"] + [stop]
+    turn = chat.parse(sampled, prompt, TOOLS)
+    assert [(c.name, c.arguments, c.error) for c in turn.tool_calls] == [("calculator", {"expression": "6*7"}, None)]
+
+    executor = ToolExecutor({"calculator": CalculatorTool()})
+    results = await executor.execute(turn.tool_calls)
+    observations = to_messages(results)
+    assert observations[0]["role"] == "tool" and observations[0]["content"] == "42"
+    history = QUESTION + [turn.message()] + observations
+    nxt = chat.next_prompt(prompt, sampled, history, observations, TOOLS)
+    assert nxt.ids[:len(prompt) + len(sampled)] == prompt + sampled  # the calling turn is kept as sampled
+    assert nxt.extended and "42" in chat.decode(nxt.ids[len(prompt) + len(sampled):])
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+async def test_malformed_calls_are_answered(family):
+    tok, chat, stop = _setup(family)
+    _, _, bad = FORMATS[family]
+    prompt = chat.prompt_ids(QUESTION, TOOLS)
+    turn = chat.parse(tok(bad, add_special_tokens=False)["input_ids"] + [stop], prompt, TOOLS)
+    executor = ToolExecutor({"calculator": CalculatorTool()})
+    results = await executor.execute(turn.tool_calls)
+    assert len(results) == 1 and not results[0].ok and results[0].content.startswith("Error")
+    assert results[0].error_kind in ("invalid_arguments", "unknown_tool", "invalid_json")
