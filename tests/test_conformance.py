@@ -1,7 +1,7 @@
 """Token exactness on the real chat templates of eight model families (tests/templates, offline tokenizers).
 
-Each family runs a 4-turn trajectory through the real generator with a scripted engine: a tool call (hermes
-families) or a plain turn, a response that does not survive decode -> encode ending on a stop string, a turn cut
+Each family runs a 4-turn trajectory through the real generator with a scripted engine: a tool call in the
+family's own format (hermes, Llama 3.1 JSON, harmony) or a plain turn (DeepSeek, Mistral), a response that does not survive decode -> encode ending on a stop string, a turn cut
 by length, and a final answer. Observations are tool results (where the family's tool calls parse) and user
 messages. Invariants, for both thinking-retention policies:
 - trained tokens are exactly the sampled ones, every observation reaches the next prompt, nothing escapes;
@@ -19,14 +19,19 @@ from skyrl_stepwise.envs.base import EnvRegistry, StepResult
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.scripted import ScriptedEngine
 
-HERMES = {"qwen2.5", "qwen3", "hermes-3", "smollm2"}  # families whose tool calls we parse from sampled ids
+HERMES = {"qwen2.5", "qwen3", "hermes-3", "smollm2"}
+# the first turn is a tool call in the family's own format (the calls are parsed from the sampled ids)
+TOOL_CALLS = {**{f: '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
+                 for f in HERMES},
+              "llama-3.1": '{"name": "calculator", "parameters": {"expression": "2+3"}}',
+              "gpt-oss": '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "2+3"}'}
+CALL_ENDS = {"llama-3.1": "<|eom_id|>", "gpt-oss": "<|call|>"}  # the token a real model ends a call turn with
 THINKING = {"qwen3", "deepseek-r1-distill-qwen"}
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object", "properties": {
                                                "expression": {"type": "string"}}, "required": ["expression"]}}}]
 PROMPT = [{"role": "system", "content": "You are a careful assistant."},
           {"role": "user", "content": "What is 2+3, and who painted the Mona Lisa?"}]
-TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
 
 
 class ConformanceEnv:
@@ -45,7 +50,7 @@ class ConformanceEnv:
         n = len(self.actions)
         if n >= 4:
             return StepResult([], 1.0, True)
-        if "<tool_call>" in action_text:
+        if "calculator" in action_text:
             return StepResult([{"role": "tool", "content": "5", "name": "calculator", "tool_call_id": "call_0"}],
                               0.0, False)
         return StepResult([{"role": "user", "content": f"Observation {n}: keep going."}], 0.0, False)
@@ -59,10 +64,12 @@ def _script(family: str, tok, close_id: int):
     def enc(text):
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    first = think + (TOOL_CALL if family in HERMES else "I will look it up.")
+    call_end = tok.convert_tokens_to_ids(CALL_ENDS[family]) if family in CALL_ENDS else close_id
+    first = (TOOL_CALLS[family] if family == "gpt-oss" else think + TOOL_CALLS[family]) if family in TOOL_CALLS \
+        else think + "I will look it up."
     # one token per character: decode -> encode merges them, so only exact ids survive
     chars = [tok.convert_tokens_to_ids(c) for c in "Search"]
-    turns = [enc(first) + [close_id], enc(think) + chars + enc(" it </search>") + enc(" ignored"),
+    turns = [enc(first) + [call_end], enc(think) + chars + enc(" it </search>") + enc(" ignored"),
              enc(think + "thinking " * 40), enc(think + "Leonardo da Vinci; 2+3 = 5.") + [close_id]]
     return lambda prompt, session, index: turns[index]
 
@@ -93,7 +100,7 @@ async def test_family_conformance(family, retention):
         assert trained == sampled[i], f"{family} step {i}: trained ids differ from sampled ids"
         assert out.response_ids[i][:len(sampled[i])] == sampled[i]
     assert out.stop_reasons[2] == "length"
-    observations = ["5" if family in HERMES else "Observation 1: keep going.", "Observation 2: keep going.",
+    observations = ["5" if family in TOOL_CALLS else "Observation 1: keep going.", "Observation 2: keep going.",
                     "Observation 3: keep going."]
     fallbacks = 0
     for i, obs in enumerate(observations):
