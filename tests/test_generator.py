@@ -89,7 +89,9 @@ async def test_bridge_starts_with_newline_after_im_end(tokenizer):
 async def test_gen_only_responses_and_rewards(tokenizer):
     texts = ["<search> a </search>", "<search> b </search>", "<answer> Leonardo </answer>"]
     eos = tokenizer.eos_token_id
-    gen, _, _ = make_generator(tokenizer, lambda p, s, i: canonical(tokenizer, texts[i]) + [eos], turns=3)
+    # no stop strings: a real engine would stop at "</search>" before the EOS (then the EOS is ours, masked)
+    gen, _, _ = make_generator(tokenizer, lambda p, s, i: canonical(tokenizer, texts[i]) + [eos], turns=3,
+                               sampling=GeneratorSamplingConfig(max_generate_length=64))
     out = await run(gen)
     assert len(out) == 3 and out.is_last_step == [False, False, True]
     for i, text in enumerate(texts):

@@ -37,11 +37,11 @@ class ScriptedEngine:
         ids = list(self.script(list(prompt_ids), session_id, index))
         finish, stop_string = "stop", None
         stops = {self.tokenizer.eos_token_id, *sampling.stop_token_ids}
-        first_stop = next((k for k, t in enumerate(ids) if t in stops), None)
-        if first_stop is not None:
-            ids = ids[: first_stop + 1]
-        else:
-            for end in range(1, len(ids) + 1):  # first stop string, kept in the output like vLLM does
+        for end in range(1, len(ids) + 1):  # whichever comes first, token by token, as a real engine sees them
+            if ids[end - 1] in stops:
+                ids = ids[:end]
+                break
+            if sampling.stop:  # a stop string is kept in the output, like vLLM does
                 text = self.tokenizer.decode(ids[:end])
                 hit = next((s for s in sampling.stop if s in text), None)
                 if hit:

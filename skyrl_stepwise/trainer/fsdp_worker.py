@@ -100,6 +100,12 @@ def weights_checksum(named_parameters) -> str:
     return digest.hexdigest()[:16]
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter as a plain tensor that writes through to it (the parameter itself when
+    it is not sharded)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def _cloned(state):
     """A copy of a (nested) state dict whose tensors share no storage with the original: the optimizer
     updates its state in place, and Optimizer.load_state_dict keeps tensors that already have the right
@@ -126,6 +132,18 @@ def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: Algorith
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     return policy_loss(logprobs, old, mb.advantages, mb.loss_mask, cfg, num_tokens,
                        rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy)
+
+
+def sft_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, num_tokens: float,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Cross-entropy on the loss-masked tokens, as this row's share of the mini-batch token mean.
+
+    Same packing, sharding and scaling as the RL loss, so SFT and RL train on identical token layouts.
+    """
+    logprobs, _ = forward_logprobs(model, mb, temperature)
+    denom = max(float(num_tokens), 1.0)
+    loss = -(logprobs * mb.loss_mask).sum() / denom
+    return loss, {"sft/loss": loss.item()}
 
 
 class PolicyWorker:
@@ -184,8 +202,11 @@ class PolicyWorker:
         merged = {i: lp for part in gathered for i, lp in part.items()}
         return [merged[i] for i in range(len(batch))]
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, objective: str = "ppo") -> dict[str, float]:
         """One optimizer step on one mini-batch: token-mean loss over all its loss-masked tokens on all ranks.
+
+        objective: `ppo` (the RL loss, losses.py) or `sft` (cross-entropy on the loss-masked tokens: the
+        warm start on demonstrations, built by the same generator path as rollouts).
 
         FSDP averages gradients over ranks, so each rank's loss (its token sum / the global token count) is
         scaled by world_size before backward; the result is exactly the gradient of the global token mean.
@@ -193,6 +214,8 @@ class PolicyWorker:
         """
         if self.optimizer is None:
             raise RuntimeError("train_step called on a PolicyWorker built with trainable=False")
+        if objective not in ("ppo", "sft"):
+            raise ValueError(f"train_step objective must be 'ppo' or 'sft', got {objective!r}")
         start = time.perf_counter()
         batch.validate()
         self.model.train()
@@ -201,7 +224,10 @@ class PolicyWorker:
         totals: dict[str, float] = defaultdict(float)
         for idx in mine:
             mb = pack_micro_batch(batch, idx).to(self.device)
-            loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, num_tokens, self.cfg.temperature)
+            if objective == "sft":
+                loss, metrics = sft_micro_batch_loss(self.model, mb, num_tokens)
+            else:
+                loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, num_tokens, self.cfg.temperature)
             (loss * self.world_size).backward()
             for k, v in metrics.items():
                 totals[k] += v
@@ -242,10 +268,11 @@ class PolicyWorker:
 
         `restore_snapshot` then starts any number of updates from exactly this point: the ablation times one
         update per mode and runs one short training per mode, and none may inherit another's weights or AdamW
-        moments. Local shards only, no communication; costs one copy of the weights (plus the optimizer state
-        once it exists).
+        moments. Local shards only, no communication. The weights are kept in host memory (on a GPU, device
+        memory is what the model, its gradients and AdamW already fill); the optimizer state stays where it is,
+        which costs nothing for a snapshot taken before the first step.
         """
-        self._snapshot = {"params": [p.detach().clone() for p in self.model.parameters()],
+        self._snapshot = {"params": [_local(p).detach().to("cpu", copy=True) for p in self.model.parameters()],
                           "optimizer": _cloned(self.optimizer.state_dict()) if self.optimizer else None,
                           "scheduler": _cloned(self.scheduler.state_dict()) if self.scheduler else None,
                           "rng": checkpoint._rng_state()}
@@ -260,7 +287,7 @@ class PolicyWorker:
             raise RuntimeError("restore_snapshot called on a PolicyWorker that has no snapshot; call snapshot() first")
         with torch.no_grad():
             for param, saved in zip(self.model.parameters(), self._snapshot["params"], strict=True):
-                param.copy_(saved)
+                _local(param).copy_(saved)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
             self.optimizer.load_state_dict(_cloned(self._snapshot["optimizer"]))

@@ -1,0 +1,131 @@
+"""Supervised warm start on conversations, through exactly the token path rollouts take.
+
+A demonstration is replayed through the real generator: a scripted engine "samples" each assistant turn
+(its canonical tokens and the turn terminator) and a replay env hands back the conversation's observations.
+The samples are therefore built by the same renderer, bridge, stop strings and merger as RL samples: the
+tokens the model is trained on are exactly the tokens it will see when it generates, and only what the
+assistant said is trained (loss mask 1), never the prompt or the observations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, replace
+from typing import Any
+
+from skyrl_stepwise.chat import create_renderer
+from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorOutput, StepwiseGenerator, TrajectoryID
+from skyrl_stepwise.inference.scripted import ScriptedEngine
+from skyrl_stepwise.trainer.batching import TrainBatch
+
+
+@dataclass
+class SFTConfig:
+    """The warm start: which conversations, how long, how fast; `skyrl-stepwise sft` and the main job use it."""
+
+    enabled: bool = False  # the main job runs SFT before RL (cached: redone only when its inputs change)
+    data: str = "embedded"  # "embedded" (Search-R1 demonstrations) or a parquet with a `messages` column
+    max_rows: int = 256
+    epochs: int = 2
+    batch_size: int = 16  # conversations per optimizer step
+    lr: float = 5.0e-5
+    seed: int = 0
+    output_dir: str = "${logging.output_dir}/sft"
+
+    def validate(self, prefix: str = "sft") -> None:
+        """Name the key of the first impossible value."""
+        for key in ("max_rows", "epochs", "batch_size"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{prefix}.{key} must be > 0, got {getattr(self, key)}")
+        if self.lr <= 0:
+            raise ValueError(f"{prefix}.lr must be > 0, got {self.lr}")
+
+
+def split_turns(conversation: list[Message]) -> tuple[list[Message], list[Message], list[list[Message]]]:
+    """(prompt, assistant turns, observations after each assistant turn but the last)."""
+    first = next((i for i, m in enumerate(conversation) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a conversation needs at least one assistant message to train on")
+    prompt, assistants, observations = conversation[:first], [], []
+    for m in conversation[first:]:
+        if m["role"] == "assistant":
+            assistants.append(m)
+            observations.append([])
+        else:
+            observations[-1].append(m)
+    return prompt, assistants, observations[:-1]
+
+
+class _ReplayEnv:
+    """Hands back a conversation's observations after each assistant turn; done after the last one."""
+
+    def __init__(self, conversations: list[list[Message]]) -> None:
+        self.conversations, self.observations, self.turn = conversations, [], 0
+
+    async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
+        _, _, self.observations = split_turns(self.conversations[extras["conversation"]])
+        self.turn = 0
+        return list(prompt_messages)
+
+    async def step(self, action_text: str) -> StepResult:
+        self.turn += 1
+        done = self.turn > len(self.observations)
+        return StepResult([] if done else list(self.observations[self.turn - 1]), 0.0, done)
+
+
+def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg: GeneratorConfig) -> GeneratorOutput:
+    """One merged sample (or one per chain) per conversation, assistant tokens trained, built like rollouts.
+
+    Each assistant turn is tokenized canonically and closed by the renderer's turn terminator, as a model that
+    ends its turn would sample it; `gen_cfg` (the run's generator config: renderer, stop strings, history mode)
+    decides everything else, exactly as in RL.
+    """
+    chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention)
+    turns = [[chat.encode(m["content"]) + [chat.close_id] for m in split_turns(c)[1]] for c in conversations]
+    longest = max(len(t) for ts in turns for t in ts)
+    cfg = replace(gen_cfg, n_samples_per_prompt=1, step_wise_trajectories=True, merge_stepwise_output=True,
+                  max_turns=max(len(ts) for ts in turns), max_input_length=1 << 30, show_progress=False,
+                  apply_overlong_filtering=False,
+                  sampling=replace(gen_cfg.sampling, max_generate_length=longest, logprobs=False, seed=None))
+    registry = EnvRegistry()
+    registry.register("replay", lambda: _ReplayEnv(conversations))
+    engine = ScriptedEngine(lambda prompt, session, index: turns[int(session.rsplit("_", 1)[0])][index], tokenizer)
+    generator = StepwiseGenerator(tokenizer, engine, registry, cfg)
+    n = len(conversations)
+    out = asyncio.run(generator.generate([split_turns(c)[0] for c in conversations], ["replay"] * n,
+                                         [{"conversation": i} for i in range(n)],
+                                         [TrajectoryID(str(i), 0) for i in range(n)]))
+    if out.failed_trajectory_ids:
+        bad = sorted(int(t.instance_id) for t in out.failed_trajectory_ids)
+        raise ValueError(f"conversations {bad[:10]} cannot be rendered for SFT (see the warnings above)")
+    return out
+
+
+def sft_batches(samples: GeneratorOutput, batch_size: int, epochs: int, seed: int) -> list[TrainBatch]:
+    """Shuffled mini-batches of whole conversations for every epoch, in order; reproducible from the seed."""
+    batch = TrainBatch.from_output(samples)
+    groups: dict[str, list[int]] = {}
+    for i, iid in enumerate(batch.instance_ids):
+        groups.setdefault(iid, []).append(i)
+    keys, out = sorted(groups), []
+    for epoch in range(epochs):
+        order = keys[:]
+        random.Random(seed + epoch).shuffle(order)
+        for k in range(0, len(order), batch_size):
+            out.append(batch.select([i for key in order[k:k + batch_size] for i in groups[key]]))
+    return out
+
+
+def train_sft(policy, batches: list[TrainBatch], tracker=None, on_step=None) -> list[dict[str, float]]:
+    """One optimizer step per batch with the cross-entropy objective; returns each step's metrics."""
+    history = []
+    for step, batch in enumerate(batches, 1):
+        metrics = policy.call("train_step", batch, "sft")
+        history.append(metrics)
+        if tracker is not None:
+            tracker.log({k: v for k, v in metrics.items() if k.startswith(("sft/", "train/"))}, step)
+        if on_step is not None:
+            on_step(step, metrics)
+    return history
