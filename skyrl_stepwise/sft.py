@@ -1,0 +1,124 @@
+"""`skyrl-stepwise sft [hydra overrides]`: supervised warm start of the policy, cached as a model folder.
+
+The conversations (Search-R1 demonstrations built from the embedded data, or a parquet of `messages`) become
+samples through the rollout path (trainer/sft.py), the FSDP policy ranks train on them with cross-entropy on the
+assistant tokens, and the result is written as a Hugging Face folder under `$SKYRL_STEPWISE_CACHE/sft/<key>`,
+where the key hashes every input (model, data, SFT and rendering settings): the main job redoes SFT only when
+one of them changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+COMPLETE = "COMPLETE"
+
+
+def _conversations(cfg) -> tuple[list[list[dict]], str]:
+    """The SFT conversations and a digest of their content (part of the cache key)."""
+    import pyarrow.parquet as pq
+
+    from skyrl_stepwise.data.demonstrations import build_search_r1_demonstrations, load_conversations
+
+    if cfg.sft.data == "embedded":  # observations exactly as the run's search env will format them
+        search = cfg.environment.search
+        path = build_search_r1_demonstrations(topk=search.topk, env_cfg=search)
+        conversations = load_conversations(path)
+        found = pq.read_table(path, columns=["answer_found"]).column("answer_found").to_pylist()
+        conversations = [c for c, ok in zip(conversations, found) if ok]  # teach answers that are right
+    else:
+        conversations = load_conversations(Path(cfg.sft.data))
+    conversations = conversations[: cfg.sft.max_rows]
+    digest = hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()
+    return conversations, digest
+
+
+def cache_key(cfg, data_digest: str) -> str:
+    """Everything the warm-started weights depend on."""
+    model = Path(cfg.trainer.model_path)
+    weights = sorted((p.name, p.stat().st_size) for p in model.glob("*.safetensors")) if model.is_dir() else []
+    inputs = {"model": str(cfg.trainer.model_path), "weights": weights, "data": data_digest,
+              "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k != "enabled"},
+              "renderer": [cfg.generator.renderer, dict(cfg.generator.chat_template_kwargs),
+                           cfg.generator.thinking_retention, list(cfg.generator.sampling.stop)],
+              "trainer": [cfg.trainer.fsdp.mixed_precision, cfg.trainer.micro_batch_tokens, cfg.trainer.seed]}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def export_hf(state: dict, base_model: str | Path, out_dir: Path) -> None:
+    """A loadable HF folder: the base folder's config and tokenizer files, the trained weights in safetensors."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in Path(base_model).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")) and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out_dir / f.name)
+    config = json.loads((Path(base_model) / "config.json").read_text())
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)  # tied to embed_tokens, as in the base checkpoint
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def sft_model(cfg, log=print) -> Path:
+    """The warm-started model folder for this config: from the cache, or trained now (then cached)."""
+    from transformers import AutoTokenizer
+
+    from skyrl_stepwise.models.prepare import cache_root
+    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft
+    from skyrl_stepwise.trainer.worker_group import PolicyGroup
+
+    conversations, digest = _conversations(cfg)
+    out = cache_root() / "sft" / cache_key(cfg, digest)
+    if (out / COMPLETE).is_file():
+        log(f"sft: cached warm start {out} (inputs unchanged)")
+        return out
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    samples = conversation_samples(tokenizer, conversations, cfg.generator)
+    batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
+    trained = sum(sum(m) for m in samples.loss_masks)
+    log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "
+        f"({cfg.sft.epochs} epochs of {cfg.sft.batch_size})")
+    optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant", num_warmup_steps=0)
+    policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_interval=0))
+    try:
+        history = train_sft(policy, batches, on_step=lambda step, m: log(
+            f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g}")
+            if step == 1 or step % 5 == 0 or step == len(batches) else None)
+        state = policy.call("full_state_dict")
+    finally:
+        policy.shutdown()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_hf(state, cfg.trainer.model_path, tmp)
+    (tmp / "sft_metrics.json").write_text(json.dumps(history, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    (out / COMPLETE).write_text("ok\n")
+    log(f"sft: done in {time.perf_counter() - start:.0f} s, loss {history[0]['sft/loss']:.3f} -> "
+        f"{history[-1]['sft/loss']:.3f}; model in {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: `skyrl-stepwise sft experiment=search_r1_tiny sft.epochs=3`; prints the model folder."""
+    from skyrl_stepwise.inference.vllm_engine import ensure_ray
+    from skyrl_stepwise.models import resolve_model_path
+    from skyrl_stepwise.train import load_config
+
+    cfg = load_config(list(sys.argv[1:] if argv is None else argv))
+    cfg.trainer.model_path = str(resolve_model_path(cfg.model_path))
+    ensure_ray()
+    print(sft_model(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
