@@ -1,11 +1,13 @@
-"""A tiny replay ablation (2 prompts) through the real CLI; the report's figures are checked against
-the rollouts it saved."""
+"""A tiny ablation (2 prompts, KL loss on, 1 training step per mode) through the real CLI; the report's figures
+are checked against the rollouts it saved, and every mode is shown to start from the same initial weights."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from skyrl_stepwise.generator import GeneratorOutput, TrajectoryID, merge_stepwise_output
 
@@ -19,14 +21,21 @@ def _load(path) -> GeneratorOutput:
 
 
 def test_replay_ablation_report_matches_samples(tmp_path, model_path):
+    from transformers import AutoModelForCausalLM
+
     from skyrl_stepwise.ablate import run
     from skyrl_stepwise.train import load_config
+    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
 
-    cfg = load_config(["experiment=search_r1_tiny", "ablation.num_prompts=2", "ablation.train_steps=0",
+    # the KL loss is the GPU recipe's default: it needs reference logprobs in the replay and in every mode's run;
+    # one training step per mode on one prompt keeps the curves phase cheap
+    cfg = load_config(["experiment=search_r1_tiny", "ablation.num_prompts=2", "ablation.train_steps=1",
+                       "data.train_batch_size=1", "trainer.algorithm.use_kl_loss=true",
                        "generator.n_samples_per_prompt=2", "generator.sampling.max_generate_length=48",
-                       "generator.max_turns=3", f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled"])
+                       "generator.max_turns=2", f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled"])
     report = run(cfg)
     out = report.parent
+    text = report.read_text()
     assert (out / "costs.png").stat().st_size > 10_000
     costs = {(r["history"], r["mode"]): r for r in json.loads((out / "costs.json").read_text())}
     assert set(costs) == {(h, m) for h in ("exact", "retokenize") for m in ("trajectory", "step_wise", "step_wise_merged")}
@@ -50,4 +59,16 @@ def test_replay_ablation_report_matches_samples(tmp_path, model_path):
     assert costs["exact", "step_wise_merged"]["samples"] == len(trajectory_lengths) == 4
     assert costs["exact", "step_wise_merged"]["forward_tokens"] == sum(trajectory_lengths)
     assert costs["exact", "step_wise_merged"]["bridge_fallbacks"] == 0
-    assert "| exact | step_wise_merged |" in report.read_text()
+    assert "| exact | step_wise_merged |" in text
+
+    # every timed update and every training run started from the initial weights, not from another mode's
+    initial = weights_checksum(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters())
+    curves = json.loads((out / "curves.json").read_text())
+    assert curves["initial_weights"] == initial and f"`{initial}`" in text and "warm-up" in text
+    assert {r["start_weights"] for r in costs.values()} == {initial}
+    assert {m: c["start_weights"] for m, c in curves["modes"].items()} == dict.fromkeys(
+        ("trajectory", "step_wise", "step_wise_merged"), initial)
+    # the KL loss ran in the replay and in the training runs
+    assert all(math.isfinite(r["kl_loss"]) for r in costs.values())
+    assert all(math.isfinite(c["steps"][0]["policy/kl_loss"]) for c in curves["modes"].values())
+    assert (out / "curves.png").stat().st_size > 10_000

@@ -1,4 +1,5 @@
-"""Trainer config, merged-vs-step-wise loss/gradient equality on SmolLM2, and FSDP2 on 2 gloo ranks."""
+"""Trainer config, merged-vs-step-wise loss/gradient equality on SmolLM2, FSDP2 on 2 gloo ranks, and the
+worker's snapshots, weight checksums and skipped steps (on a tiny random Llama, one rank)."""
 
 from __future__ import annotations
 
@@ -213,6 +214,8 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, tmp: str) -> N
     cfg = _fsdp_cfg(world, model_path, os.path.join(tmp, "ckpt"))
     worker = PolicyWorker(cfg)
     batch = _fsdp_batch(worker.model.config.vocab_size)
+    initial = worker.weights_checksum()
+    worker.snapshot()
     before = worker.compute_logprobs(batch)
     batch.ref_logprobs = before
     metrics = worker.train_step(batch)
@@ -233,10 +236,18 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, tmp: str) -> N
     optimizer_equal = len(saved_opt) == len(loaded_opt) > 0 and all(
         torch.equal(a, b) for a, b in zip(saved_opt, loaded_opt))
     lrs = [worker.scheduler.get_last_lr()[0], fresh.scheduler.get_last_lr()[0]]
+    trained = worker.weights_checksum()
+    worker.restore_snapshot()  # back to the start: sharded weights, empty optimizer, schedule at step 0
+    rewound = worker.compute_logprobs(batch)
+    with open(os.path.join(tmp, f"checksums_rank{rank}.json"), "w") as f:
+        json.dump({"initial": initial, "trained": trained, "rewound": worker.weights_checksum(),
+                   "rewound_optimizer_empty": not worker.optimizer.state,
+                   "rewound_lr": worker.scheduler.get_last_lr()[0]}, f)
     if rank == 0:
         with open(os.path.join(tmp, "result.json"), "w") as f:
             json.dump({"before": before, "after": after, "restored": restored, "metrics": metrics, "state": state,
-                       "changed": changed, "total": total, "optimizer_equal": optimizer_equal, "lrs": lrs}, f)
+                       "changed": changed, "total": total, "optimizer_equal": optimizer_equal, "lrs": lrs,
+                       "rewound": rewound}, f)
     elif not optimizer_equal:
         raise AssertionError(f"rank {rank}: AdamW state shards differ after load_checkpoint")
     worker.shutdown()
@@ -271,3 +282,119 @@ def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
     assert r["restored"] == r["after"]
     assert r["optimizer_equal"]
     assert r["lrs"][0] == r["lrs"][1] == pytest.approx(0.9 * cfg.optim.lr)
+    # snapshot/restore on sharded weights: both ranks agree on the full-weight checksums, which match the plain
+    # model's, and the restore is exact (same logprobs as before the step, fresh optimizer and schedule)
+    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+
+    sums = [json.loads((tmp_path / f"checksums_rank{k}.json").read_text()) for k in range(2)]
+    assert sums[0] == sums[1]
+    assert sums[0]["initial"] == sums[0]["rewound"] == weights_checksum(model.named_parameters()) != sums[0]["trained"]
+    assert sums[0]["rewound_optimizer_empty"] and sums[0]["rewound_lr"] == cfg.optim.lr
+    assert r["rewound"] == r["before"]
+
+
+# ------------------------------------------------------------ snapshots and skipped steps, tiny model, 1 rank
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialised 2-layer Llama saved as an HF folder: a real PolicyWorker in a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).save_pretrained(path)
+    return path
+
+
+def _tiny_worker(path, **optim):
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+    cfg = _fsdp_cfg(1, path, path / "ckpt")
+    cfg.optim.lr = 1e-2  # big enough that one step visibly moves a random tiny model
+    cfg.algorithm.use_kl_loss = False
+    for key, value in optim.items():
+        setattr(cfg.optim, key, value)
+    return PolicyWorker(cfg)
+
+
+def _optimizer_state(worker) -> dict:
+    return {i: {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in s.items()}
+            for i, s in enumerate(worker.optimizer.state[p] for p in worker.model.parameters())}
+
+
+def test_weights_checksum_of_a_sharded_worker_equals_the_plain_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    worker = _tiny_worker(tiny_model_dir)
+    digest = worker.weights_checksum()
+    assert len(digest) == 16 and digest == weights_checksum(plain.named_parameters())
+    worker.train_step(_fsdp_batch(128))
+    assert worker.weights_checksum() != digest
+
+
+def test_restore_snapshot_taken_before_any_step_gives_a_fresh_worker(tiny_model_dir):
+    worker = _tiny_worker(tiny_model_dir)
+    batch = _fsdp_batch(128)
+    initial = worker.weights_checksum()
+    worker.snapshot()
+    first = worker.train_step(batch)
+    assert worker.optimizer.state and worker.scheduler.last_epoch == 1
+    worker.restore_snapshot()
+    # Optimizer.load_state_dict replaced the state: no AdamW moments left, the schedule is back at step 0
+    assert not worker.optimizer.state and worker.scheduler.last_epoch == 0
+    assert worker.scheduler.get_last_lr() == [worker.cfg.optim.lr]
+    assert worker.weights_checksum() == initial
+    again = worker.train_step(batch)  # the same update from the same start: same loss, gradient, weights
+    after = worker.weights_checksum()
+    assert after != initial
+    for key in ("policy/loss", "train/grad_norm", "train/lr"):
+        assert again[key] == first[key], key
+    worker.restore_snapshot()  # the snapshot survived the restore and the step after it
+    assert worker.weights_checksum() == initial and not worker.optimizer.state
+    worker.train_step(batch)
+    assert worker.weights_checksum() == after
+
+
+def test_restore_snapshot_brings_back_optimizer_scheduler_and_rng(tiny_model_dir):
+    worker = _tiny_worker(tiny_model_dir, scheduler="linear", num_training_steps=10)
+    batch = _fsdp_batch(128)
+    worker.train_step(batch)
+    worker.snapshot()
+    weights, moments, lr = worker.weights_checksum(), _optimizer_state(worker), worker.scheduler.get_last_lr()
+    draws = torch.rand(3)
+    worker.train_step(batch)
+    worker.train_step(batch)
+    assert worker.weights_checksum() != weights and worker.scheduler.get_last_lr() != lr
+    worker.restore_snapshot()
+    assert worker.weights_checksum() == weights and worker.scheduler.get_last_lr() == lr
+    restored = _optimizer_state(worker)
+    assert restored.keys() == moments.keys() and all(
+        restored[i].keys() == moments[i].keys() and all(torch.equal(restored[i][k], moments[i][k]) for k in moments[i])
+        for i in moments)
+    assert torch.equal(torch.rand(3), draws)
+
+
+def test_restore_snapshot_without_snapshot_says_so(tiny_model_dir):
+    with pytest.raises(RuntimeError, match="call snapshot"):
+        _tiny_worker(tiny_model_dir).restore_snapshot()
+
+
+def test_skipped_step_does_not_advance_the_lr_schedule(tiny_model_dir):
+    worker = _tiny_worker(tiny_model_dir, scheduler="constant_with_warmup", num_warmup_steps=4)
+    good = _fsdp_batch(128)
+    bad = _fsdp_batch(128)
+    bad.advantages = [[float("nan")] * len(a) for a in bad.advantages]  # nan loss -> nan gradient norm
+    weights = worker.weights_checksum()
+    m = worker.train_step(bad)
+    assert m["train/skipped_step"] == 1.0 and not math.isfinite(m["train/grad_norm"])
+    assert worker.scheduler.last_epoch == 0 and worker.scheduler.get_last_lr() == [0.0]  # still warming up from 0
+    assert worker.weights_checksum() == weights
+    lrs = [worker.train_step(b)["train/lr"] for b in (good, bad, good)]
+    # the skipped middle step reports the LR it would have used, and the next good step uses that same LR
+    assert lrs == pytest.approx([0.0, 0.25 * worker.cfg.optim.lr, 0.25 * worker.cfg.optim.lr])
+    assert worker.scheduler.last_epoch == 2
