@@ -133,9 +133,7 @@ async def _ablate(cfg, rows) -> Path:
     from transformers import AutoTokenizer
 
     from skyrl_stepwise.ablation.report import write_report
-    from skyrl_stepwise.envs.base import EnvRegistry
-    from skyrl_stepwise.envs.search import register_search_env
-    from skyrl_stepwise.envs.toy import KeywordEnv
+    from skyrl_stepwise.envs.builtin import build_env_registry
     from skyrl_stepwise.generator import StepwiseGenerator
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
@@ -147,9 +145,7 @@ async def _ablate(cfg, rows) -> Path:
     ensure_ray()
     out_dir = Path(cfg.ablation.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    registry = EnvRegistry()
-    register_search_env(registry, cfg.environment.search)
-    registry.register("keyword", KeywordEnv)
+    registry = build_env_registry(cfg.environment)
     engine = create_engine(cfg.engine)
     n = cfg.generator.n_samples_per_prompt
     try:
@@ -223,20 +219,23 @@ def _log_to_wandb(cfg, out_dir: Path, cost_rows: list[dict]) -> None:
 
 
 def run(cfg) -> Path:
+    """The ablation with the run's console quiet and library output in <logging.output_dir>/run.log."""
+    from skyrl_stepwise.logging_setup import run_logging
     from skyrl_stepwise.train import prepared
 
-    with prepared(cfg) as (train_rows, _):
-        report = asyncio.run(_ablate(cfg, train_rows[: cfg.ablation.num_prompts]))
-    print(f"\n{report.read_text()}\nreport: {report.resolve()}", flush=True)
+    with run_logging(cfg.logging.output_dir, cfg.logging.console_level, cfg.logging.file_level):
+        with prepared(cfg) as (train_rows, _):
+            report = asyncio.run(_ablate(cfg, train_rows[: cfg.ablation.num_prompts]))
+        print(f"\n{report.read_text()}\nreport: {report.resolve()}", flush=True)
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: `skyrl-stepwise ablate experiment=search_r1_tiny ablation.num_prompts=8`."""
-    from skyrl_stepwise.train import load_config
+    """CLI entry, a Hydra application like `train` (--help, --cfg job, -m):
+    `skyrl-stepwise ablate experiment=search_r1_tiny ablation.num_prompts=8`."""
+    from skyrl_stepwise.train import hydra_entry
 
-    run(load_config(list(sys.argv[1:] if argv is None else argv)))
-    return 0
+    return hydra_entry(run, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ COMMANDS = {
     ("data", "prepare"): ("skyrl_stepwise.data.embedded", "build the embedded Search-R1 corpus and QA splits"),
     ("retriever", "serve"): ("skyrl_stepwise.retrieval.server", "serve BM25/dense retrieval over HTTP"),
     ("demo",): ("skyrl_stepwise.inference.demo", "generate for a few chat prompts with the vLLM engine"),
-    ("train",): ("skyrl_stepwise.train", "Hydra-configured step-wise RL training"),
-    ("ablate",): ("skyrl_stepwise.ablate", "step-wise vs merged vs whole-trajectory ablation"),
+    ("train",): ("skyrl_stepwise.train", "step-wise RL training (a Hydra app: `train --help`)"),
+    ("sft",): ("skyrl_stepwise.sft", "supervised warm start on demonstrations (cached model folder)"),
+    ("data", "demos"): ("skyrl_stepwise.data.demonstrations", "build the Search-R1 SFT demonstrations"),
+    ("ablate",): ("skyrl_stepwise.ablate", "step-wise vs merged vs whole-trajectory ablation (a Hydra app)"),
 }
 
 
@@ -22,7 +24,8 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch to `<module>.main(rest_of_argv)` so every command is also runnable as a module."""
+    """Dispatch to `<module>.main(rest_of_argv)` so every command is also runnable as a module; Hydra apps
+    (train, ablate) then parse the rest themselves (overrides, --help, --cfg, -m)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     for words, (module, _) in COMMANDS.items():
         if tuple(argv[: len(words)]) == words:

@@ -14,6 +14,7 @@ from skyrl_stepwise.envs.tool import ToolEnvConfig
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.trainer.config import TrainerConfig
+from skyrl_stepwise.trainer.sft import SFTConfig
 
 
 @dataclass
@@ -49,12 +50,17 @@ class EnvironmentConfig:
 
 @dataclass
 class LoggingConfig:
-    """Console always; wandb offline unless WANDB_API_KEY is set and mode is online."""
+    """Where a run writes: the run dir (metrics.jsonl, run.log, report.md, curves.png, ckpts/, wandb/, .hydra/),
+    what the console shows, and wandb (offline unless WANDB_API_KEY is set and mode is online)."""
 
     project: str = "skyrl_stepwise"
     run_name: str = "run"
-    output_dir: str = "outputs/${logging.run_name}"
+    # Hydra's run dir (outputs/<date>/<time>_<run_name>, a sweep's multirun/.../<job>) unless set; outside a
+    # Hydra app (train.load_config) the same layout is filled in at compose time.
+    output_dir: str = "${hydra:runtime.output_dir}"
     wandb_mode: str = "offline"  # offline | online | disabled
+    console_level: str = "INFO"  # our own lines at this level and up; other components' at WARNING and up
+    file_level: str = "INFO"  # <output_dir>/run.log: every component (vLLM, Ray, transformers, ...) at this level
 
 
 @dataclass
@@ -80,11 +86,13 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def validate(self) -> None:
         """Every rule that spans sections, with the key path in the message."""
         self.generator.validate()
         self.trainer.validate()
+        self.sft.validate()
         if self.total_steps <= 0:
             raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
         if self.data.train_batch_size <= 0:
@@ -116,7 +124,7 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    """Make `RunConfig` the schema of conf/config.yaml."""
+    """Make `RunConfig` the schema of conf/config.yaml, so a misspelt key fails at composition, naming it."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="run_schema", node=RunConfig)

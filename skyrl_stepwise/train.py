@@ -1,7 +1,9 @@
-"""`skyrl-stepwise train [hydra overrides]` / `python -m skyrl_stepwise.train`: the main job.
+"""`skyrl-stepwise train [overrides] [hydra flags]` / `python -m skyrl_stepwise.train`: the main job.
 
-Builds every component from the config (model, data, local retriever, engines, generator, FSDP2
-policy workers on Ray, tracker), then hands them to RLTrainer.
+A Hydra application over conf/ (schema: skyrl_stepwise.config.RunConfig), so Hydra's conventions hold: `--help`,
+`--cfg job`, `-m` sweeps, one output directory per run. Builds every component from the config (model, data,
+local retriever, engines, generator, FSDP2 policy workers on Ray, tracker), hands them to RLTrainer, and writes
+the run report (report.md, curves.png) into the run directory at the end, also when the run fails.
 """
 
 from __future__ import annotations
@@ -9,26 +11,102 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import logging
+import re
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+logger = logging.getLogger("skyrl_stepwise.train")  # not __name__: `python -m` would make it "__main__"
+
+# `logging.output_dir=DIR` on the command line (also with + or ++)
+_OUTPUT_DIR_OVERRIDE = re.compile(r"^\+{0,2}logging\.output_dir=(.+)$")
+
+
+def default_output_dir(run_name: str) -> str:
+    """The run dir of a config composed outside a Hydra app (load_config): Hydra's layout, so every run still
+    gets a directory of its own."""
+    return time.strftime(f"outputs/%Y-%m-%d/%H-%M-%S_{run_name}")
+
+
+def to_run_config(composed, in_hydra_job: bool = True):
+    """A composed DictConfig as a validated RunConfig; a bad value or combination fails naming its key.
+
+    Outside a Hydra job there is no `${hydra:runtime.output_dir}` to resolve, so an unset logging.output_dir
+    falls back to `default_output_dir`.
+    """
+    from omegaconf import OmegaConf
+
+    from skyrl_stepwise.config import LoggingConfig
+    from skyrl_stepwise.logging_setup import parse_level
+
+    if not in_hydra_job and OmegaConf.to_container(composed.logging)["output_dir"] == LoggingConfig.output_dir:
+        composed.logging.output_dir = default_output_dir(composed.logging.run_name)
+    cfg = OmegaConf.to_object(composed)
+    cfg.validate()
+    parse_level(cfg.logging.console_level, "logging.console_level")
+    parse_level(cfg.logging.file_level, "logging.file_level")
+    return cfg
 
 
 def load_config(overrides: list[str] | None = None, config_name: str = "config"):
-    """Compose conf/ + overrides into a validated RunConfig (a wrong key or combination fails here)."""
+    """Compose conf/ + overrides into a validated RunConfig without running a Hydra app (tests, benchmarks,
+    notebooks); a wrong key or combination fails here."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    from skyrl_stepwise.config import RunConfig, register_configs
+    from skyrl_stepwise.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         composed = compose(config_name=config_name, overrides=list(overrides or []))
-    cfg: RunConfig = OmegaConf.to_object(composed)
-    cfg.validate()
-    return cfg
+    return to_run_config(composed, in_hydra_job=False)
+
+
+def _with_run_dir(argv: list[str]) -> list[str]:
+    """`logging.output_dir=DIR` also makes DIR Hydra's run dir, so .hydra/ (the composed config and overrides)
+    lands next to the metrics instead of in a second, otherwise empty outputs/<date>/<time> directory."""
+    if any(a in ("-m", "--multirun") for a in argv) or any(a.startswith("hydra.run.dir=") for a in argv):
+        return argv
+    for arg in argv:
+        match = _OUTPUT_DIR_OVERRIDE.match(arg)
+        if match:
+            return [*argv, f"hydra.run.dir={match.group(1)}"]
+    return argv
+
+
+def hydra_entry(task: Callable, argv: list[str] | None = None) -> int:
+    """Run `task(cfg: RunConfig)` as a Hydra application over conf/ with `argv` as its command line.
+
+    hydra.main reads sys.argv, so it is set for the call (`skyrl-stepwise train ...` dispatches here with the
+    words after the command). Hydra handles --help, --cfg, -m, the run dir, and exits non-zero on a bad
+    override; validation errors of RunConfig are reported the same compact way, naming the key.
+    """
+    import hydra
+    from hydra.errors import ConfigCompositionException
+
+    from skyrl_stepwise.config import register_configs
+
+    register_configs()
+
+    @functools.wraps(task)  # Hydra names the job after the task's module: train, ablate
+    def job(composed):
+        try:
+            cfg = to_run_config(composed)
+        except ValueError as e:
+            raise ConfigCompositionException(str(e)) from e
+        return task(cfg)
+
+    app = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(job)
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "skyrl-stepwise", *_with_run_dir(list(argv or []))]
+    try:
+        app()
+    finally:
+        sys.argv = saved
+    return 0
 
 
 def _datasets(cfg):
@@ -47,6 +125,10 @@ def _datasets(cfg):
     return rows
 
 
+def _since(start: float) -> str:
+    return f"{time.perf_counter() - start:.1f} s"
+
+
 async def _run(cfg, train_rows, val_rows) -> dict:
     import ray
     from transformers import AutoTokenizer
@@ -55,79 +137,132 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.generator import StepwiseGenerator
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
+    from skyrl_stepwise.run_report import fsdp_backend
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
     from skyrl_stepwise.trainer.tracking import Tracker
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
-    ensure_ray()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    registry = build_env_registry(cfg.environment)
-    engine = create_engine(cfg.engine)
-    policy = PolicyGroup(cfg.trainer)
-    reference = PolicyGroup(cfg.trainer, trainable=False) if cfg.trainer.algorithm.use_kl_loss else None
-    tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
-                      dataclasses.asdict(cfg))
-    probe = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                          tokenize=False, add_generation_prompt=True)
-    trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator),
-                        StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator)),
-                        engine, policy, reference, tracker, train_rows, val_rows,
-                        tokenizer(probe, add_special_tokens=False)["input_ids"])
+    engine = policy = reference = tracker = None
     try:
+        start = time.perf_counter()
+        ensure_ray()
+        tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+        registry = build_env_registry(cfg.environment)
+        engine = create_engine(cfg.engine)
+        logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
+                    f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
+        start = time.perf_counter()
+        policy = PolicyGroup(cfg.trainer)
+        reference = PolicyGroup(cfg.trainer, trainable=False) if cfg.trainer.algorithm.use_kl_loss else None
+        logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
+                    f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
+        tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
+                          dataclasses.asdict(cfg))
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                              tokenize=False, add_generation_prompt=True)
+        trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator),
+                            StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator)),
+                            engine, policy, reference, tracker, train_rows, val_rows,
+                            tokenizer(probe, add_special_tokens=False)["input_ids"])
+        g = cfg.generator
+        mode = ("step-wise, merged" if g.merge_stepwise_output else "step-wise") if g.step_wise_trajectories \
+            else "whole trajectories"
+        logger.info(f"training {cfg.total_steps} steps: {cfg.data.train_batch_size} prompts x "
+                    f"{g.n_samples_per_prompt} samples, {mode}, {g.history} history")
         return await trainer.fit()
+    except BaseException as e:
+        if tracker is not None:
+            _report(cfg, tracker, e)
+            tracker = None
+        raise
     finally:
-        tracker.finish()
+        if tracker is not None:
+            _report(cfg, tracker, None)
         for group in (policy, reference):
             if group is not None:
                 group.shutdown()
-        getattr(engine, "shutdown", lambda: None)()
+        if engine is not None:
+            getattr(engine, "shutdown", lambda: None)()
         if owns_ray:
             ray.shutdown()
+
+
+def _report(cfg, tracker, failure: BaseException | None) -> None:
+    """report.md + curves.png from what was logged, the plots into wandb, then close the tracker; a report that
+    cannot be written is logged and never hides the run's own error."""
+    from skyrl_stepwise.run_report import write_run_report
+
+    try:
+        report = write_run_report(cfg, Path(cfg.logging.output_dir), tracker.history, failure=failure)
+        steps = [r["step"] for r in tracker.history]
+        tracker.log_image("report/curves", report.parent / "curves.png", max(steps) if steps else None)
+    except Exception:
+        logger.exception("the run report could not be written")
+    finally:
+        tracker.finish()
 
 
 @contextlib.contextmanager
 def prepared(cfg):
     """Model and data on disk, the local retriever up for as long as the block runs; yields the rows."""
+    from skyrl_stepwise.logging_setup import active_run_log, children_output_to
     from skyrl_stepwise.models import resolve_model_path
     from skyrl_stepwise.retrieval.launch import local_retriever
 
+    start = time.perf_counter()
     model = str(resolve_model_path(cfg.model_path))
     cfg.engine.model_path = cfg.trainer.model_path = model
+    logger.info(f"model ready: {model} ({_since(start)})")
     train_rows, val_rows = _datasets(cfg)
+    logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
     needs_search = any(r.env_class in ("search", "tool") for r in train_rows + val_rows)
     retriever = cfg.environment.retriever
-    with (local_retriever(retriever.corpus, retriever.kind, retriever.port)
-          if needs_search and retriever.start_local else contextlib.nullcontext(None)) as url:
-        if url:
+    with contextlib.ExitStack() as stack:
+        url = None
+        if needs_search and retriever.start_local:
+            start = time.perf_counter()
+            with children_output_to(active_run_log()):  # the server's start-up lines and index bars: run.log
+                url = stack.enter_context(local_retriever(retriever.corpus, retriever.kind, retriever.port))
             cfg.environment.search.search_url = url
+            logger.info(f"retriever up at {url} ({retriever.kind} over the {retriever.corpus} corpus, "
+                        f"{_since(start)})")
         yield train_rows, val_rows
 
 
+# the last step's metrics printed at the end (the report has every step)
+SUMMARY_KEYS = ("reward/mean", "reward/pass_at_n", "environment/em", "eval/reward/mean", "eval/reward/pass_at_n",
+                "policy/loss", "policy/kl_loss", "train/grad_norm", "generate/batch_padded_seq_len",
+                "generate/merge_rate")
+
+
 def run(cfg) -> dict:
-    """Train, then say where everything is."""
-    start = time.perf_counter()
-    with prepared(cfg) as (train_rows, val_rows):
-        metrics = asyncio.run(_run(cfg, train_rows, val_rows))
-    print(f"\ndone: {cfg.total_steps} steps in {time.perf_counter() - start:.0f} s; "
-          f"metrics in {Path(cfg.logging.output_dir).resolve()}/metrics.jsonl, "
-          f"checkpoints in {Path(cfg.trainer.ckpt_dir).resolve()}", flush=True)
-    for key in sorted(metrics):
-        if key.startswith(("reward/", "eval/", "train/loss", "policy/", "generate/batch_padded")):
-            print(f"  {key:40s} {metrics[key]:.4g}")
-    if metrics.get("train/grad_norm") == 0.0:
-        print("note: in the last step every prompt group's trajectories scored the same (with SmolLM2-135M on "
-              "Search-R1: all 0), so every GRPO advantage was 0 and the step had no policy gradient (only AdamW's "
-              "weight decay and momentum moved the weights). "
-              "`python benchmarks/reward_learning.py` trains on a task this model can learn.", flush=True)
+    """Train with the console quiet and library output in run.log, then say where everything is."""
+    from skyrl_stepwise.logging_setup import run_logging
+
+    out = Path(cfg.logging.output_dir)
+    with run_logging(out, cfg.logging.console_level, cfg.logging.file_level) as run_log:
+        logger.info(f"run dir: {out.resolve()} (vLLM, Ray and library output: {run_log.name})")
+        start = time.perf_counter()
+        with prepared(cfg) as (train_rows, val_rows):
+            metrics = asyncio.run(_run(cfg, train_rows, val_rows))
+        logger.info(f"done: {cfg.total_steps} steps in {time.perf_counter() - start:.0f} s; "
+                    f"report in {(out / 'report.md').resolve()} (plots: curves.png), "
+                    f"checkpoints in {Path(cfg.trainer.ckpt_dir).resolve()}")
+        for key in (k for k in SUMMARY_KEYS if k in metrics):
+            logger.info(f"  {key:40s} {metrics[key]:.4g}")
+        if metrics.get("train/grad_norm") == 0.0:
+            logger.info("note: in the last step every prompt group's trajectories scored the same (with SmolLM2-135M "
+                        "on Search-R1: all 0), so every GRPO advantage was 0 and the step had no policy gradient (only "
+                        "AdamW's weight decay and momentum moved the weights). "
+                        "`python benchmarks/reward_learning.py` trains on a task this model can learn.")
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: Hydra-style overrides (`key=value`, `+experiment=search_r1_tiny`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    run(load_config(argv))
-    return 0
+    """CLI entry: Hydra overrides (`experiment=search_r1_tiny total_steps=10`) and flags (`--help`, `--cfg job`,
+    `-m`)."""
+    return hydra_entry(run, list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 from skyrl_stepwise.trainer.tracking import Tracker, scrub
 
@@ -13,7 +14,8 @@ def test_scrub_drops_credentials_and_keeps_token_counts():
     assert scrub(config) == {"logging": {"project": "p"}, "trainer": {"micro_batch_tokens": 4096}, "max_tokens": 8}
 
 
-def test_rewind_drops_steps_logged_after_the_checkpoint(tmp_path, capsys):
+def test_rewind_drops_steps_logged_after_the_checkpoint(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="skyrl_stepwise")
     tracker = Tracker(tmp_path, "p", "r", "disabled", {})
     for step in (1, 2, 3):
         tracker.log({"reward/mean": float(step)}, step, {"prompts": [f"q{step}"]})
@@ -28,4 +30,4 @@ def test_rewind_drops_steps_logged_after_the_checkpoint(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert records[0]["prompts"] == ["q1"]
-    assert "step 3: reward=30" in capsys.readouterr().out
+    assert "step 3: reward=30" in caplog.text  # the console line, through the skyrl_stepwise logger

@@ -25,16 +25,24 @@ def ensure_ray() -> None:
     """Join the cluster named by RAY_ADDRESS (multi-node runs), else start a small local Ray.
 
     The local one has few prestarted workers and no dashboard, which is what a 2-core box can afford;
-    a cluster brings its own resources, so nothing is capped there.
+    a cluster brings its own resources, so nothing is capped there. Inside a run (logging_setup.run_logging)
+    the workers' output goes to the run's run.log and only their warnings and errors reach the console.
     """
     import ray
 
+    from skyrl_stepwise.logging_setup import adopt_library_loggers, ray_init_options
+
     if ray.is_initialized():
         return
+    options = ray_init_options()
+    if options:
+        adopt_library_loggers()  # the driver's `ray` logger: INFO to run.log, warnings to the console
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, **options)
     else:
-        ray.init(num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True, **options)
+    if options:
+        adopt_library_loggers()  # again: ray.init resets the `ray` logger
 
 
 def to_vllm_sampling(sampling: SamplingParams):

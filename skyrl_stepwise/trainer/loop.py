@@ -15,6 +15,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from tqdm.auto import tqdm
+
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
@@ -108,6 +110,27 @@ class Timer(dict):
         self[f"timing/{name}_s"] = self.get(f"timing/{name}_s", 0.0) + time.perf_counter() - start
 
 
+class PhaseBar:
+    """One progress bar over the phases of a step after the rollouts (ref logprobs, old logprobs, each
+    mini-batch update, weight sync), naming the phase under way: where a slow step spends its time is visible
+    while it runs, in one line, not only in the step's timing/* metrics afterwards."""
+
+    def __init__(self, step: int, ref_logprobs: bool, num_mini_batches: int, enabled: bool = True) -> None:
+        total = int(ref_logprobs) + int(num_mini_batches > 1) + num_mini_batches + 1
+        self.bar = tqdm(total=total, desc=f"step {step} update", unit="phase", disable=not enabled,
+                        bar_format="{desc}: {n_fmt}/{total_fmt} phases |{bar:20}| {elapsed}{postfix}")
+
+    @contextmanager
+    def phase(self, name: str):
+        self.bar.set_postfix_str(name)
+        yield
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.set_postfix_str("done")
+        self.bar.close()
+
+
 class RLTrainer:
     """Owns the step; every component is passed in, so tests and the ablation can swap any of them."""
 
@@ -174,22 +197,28 @@ class RLTrainer:
 
         advantages = compute_advantages(output, cfg.trainer.algorithm)
         batch = TrainBatch.from_output(output, advantages)
-        if cfg.trainer.algorithm.use_kl_loss:
-            with timer.phase("ref_logprobs"):
-                batch.ref_logprobs = self.reference.call("compute_logprobs", batch)
         mini_batches = prompt_mini_batches(batch.instance_ids, cfg.trainer.policy_mini_batch_size)
+        bar = PhaseBar(self.step + 1, cfg.trainer.algorithm.use_kl_loss, len(mini_batches),
+                       enabled=cfg.generator.show_progress)
+        if cfg.trainer.algorithm.use_kl_loss:
+            with timer.phase("ref_logprobs"), bar.phase("ref logprobs"):
+                batch.ref_logprobs = self.reference.call("compute_logprobs", batch)
         if len(mini_batches) > 1:  # later mini-batches are off-policy: score them before any update
-            with timer.phase("old_logprobs"):
+            with timer.phase("old_logprobs"), bar.phase("old logprobs"):
                 batch.old_logprobs = self.policy.call("compute_logprobs", batch)
         with timer.phase("train"):
-            train = combine_train_metrics([self.policy.call("train_step", batch.select(indices))
-                                           for indices in mini_batches])
+            per_mini_batch = []
+            for k, indices in enumerate(mini_batches):
+                with bar.phase(f"update {k + 1}/{len(mini_batches)}"):
+                    per_mini_batch.append(self.policy.call("train_step", batch.select(indices)))
+            train = combine_train_metrics(per_mini_batch)
         metrics.update(train)
 
-        with timer.phase("weight_sync"):
+        with timer.phase("weight_sync"), bar.phase("weight sync"):
             await sync_weights(self.policy, self.engine)
             probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                          temperature=cfg.trainer.temperature)
+        bar.close()
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
                         "sync/probe_logprob_mean_diff": probe.mean_abs_diff})
 

@@ -27,7 +27,7 @@ class SFTConfig:
 
     enabled: bool = False  # the main job runs SFT before RL (cached: redone only when its inputs change)
     data: str = "embedded"  # "embedded" (Search-R1 demonstrations) or a parquet with a `messages` column
-    max_rows: int = 256
+    max_rows: int = 64
     epochs: int = 2
     batch_size: int = 16  # conversations per optimizer step
     lr: float = 5.0e-5

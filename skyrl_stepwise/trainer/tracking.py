@@ -1,7 +1,8 @@
 """Metrics go three places: a console line per step, metrics.jsonl in the run dir, and wandb.
 
-wandb runs offline unless `logging.wandb_mode=online` and WANDB_API_KEY is set; the config logged
-to wandb never contains secrets (keys that look like tokens or passwords are dropped).
+wandb runs offline unless `logging.wandb_mode=online` and WANDB_API_KEY is set, and silently (its banner and
+sync hints would bury the step lines; report.md says where its files are); the config logged to wandb never
+contains secrets (keys that look like tokens or passwords are dropped).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Tracker:
             if mode == "online" and not online:
                 logger.warning("logging.wandb_mode=online but WANDB_API_KEY is not set: logging offline")
             self.wandb = wandb.init(project=project, name=run_name, dir=str(self.dir), config=scrub(config),
-                                    mode="online" if online else "offline", reinit="finish_previous")
+                                    mode="online" if online else "offline", reinit="finish_previous",
+                                    settings=wandb.Settings(silent=True))
 
     def rewind(self, step: int) -> None:
         """Drop records after `step` (a run killed between logging a step and checkpointing it), so a resumed
@@ -75,7 +77,16 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         shown = " ".join(f"{label}={metrics[k]:.4g}" for label, k in CONSOLE_KEYS.items() if k in metrics)
-        print(f"step {step}: {shown}", flush=True)
+        logger.info(f"step {step}: {shown}")
+
+    def log_image(self, key: str, path: str | Path, step: int | None = None) -> None:
+        """A figure (the run report's curves.png) into wandb next to the metrics it plots; a no-op without
+        wandb or without the file."""
+        if self.wandb is None or not Path(path).is_file():
+            return
+        import wandb
+
+        self.wandb.log({key: wandb.Image(str(path))}, step=step)
 
     def finish(self) -> None:
         self.jsonl.close()

@@ -1,0 +1,263 @@
+"""The run report: `report.md` (what ran, every step, where the files are) and `curves.png`, in the run directory.
+
+Written at the end of every run, also one that failed or was interrupted after some steps, from what was logged
+(metrics.jsonl, which also holds the steps of earlier launches of a resumed run; else the tracker's history), so
+a researcher can look at reward, cost and time per step without opening wandb or parsing JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+# (title, y label, kind, [(metric, legend label)]); eval series are drawn dashed. kind "fraction": the y axis
+# shows 0..1 whenever the values lie in it (a flat 0.5 is not drawn as a wild swing); "count": integer y ticks
+PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    ("Reward, EM and pass@n", "score", "fraction", [
+        ("reward/mean", "train reward"), ("environment/em", "train EM"), ("reward/pass_at_n", "train pass@n"),
+        ("eval/reward/mean", "eval reward (greedy)"), ("eval/reward/pass_at_n", "eval pass@1")]),
+    ("Tokens per step", "tokens", "count", [
+        ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
+        ("train/packed_tokens", "packed for the update"), ("generate/response_tokens_trained", "trained (loss mask)")]),
+    ("Sequence length", "tokens", "count", [
+        ("generate/batch_padded_seq_len", "batch_padded_seq_len"), ("generate/tokens_per_sample_max", "longest sample"),
+        ("generate/tokens_per_sample_mean", "mean sample")]),
+    ("Time per phase", "seconds", "", []),  # every timing/*_s logged, see _timing_series
+    ("Merge rate", "fraction of step samples merged", "fraction", [("generate/merge_rate", "merge rate")]),
+    ("Bridge fallbacks and failures", "count per step", "count", [
+        ("generate/bridge_fallbacks", "bridge fallbacks"), ("generate/retokenize_drift_steps", "retokenize drift steps"),
+        ("generate/failed_trajectories", "failed trajectories")]),
+]
+TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_sync", "eval", "step"]
+TIMING_LABELS = {"generate": "rollouts", "train": "update", "step": "whole step"}  # as the progress bars say
+# per-step table: (metric, column title); columns no step has are left out
+TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("environment/em", "EM"),
+                 ("eval/reward/mean", "eval reward"), ("eval/reward/pass_at_n", "eval pass@1"),
+                 ("policy/loss", "loss"), ("policy/kl_loss", "KL"), ("train/grad_norm", "grad norm"),
+                 ("generate/num_samples", "samples"), ("generate/real_tokens", "tokens"),
+                 ("generate/batch_padded_seq_len", "padded len"), ("generate/merge_rate", "merge rate"),
+                 ("generate/bridge_fallbacks", "fallbacks"), ("timing/generate_s", "generate s"),
+                 ("timing/train_s", "update s"), ("timing/weight_sync_s", "sync s"), ("timing/step_s", "step s")]
+STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"), ("X", ":")]
+
+
+def load_history(metrics_path: Path, fallback: list[dict] | None = None) -> list[dict]:
+    """Every step once, in order: metrics.jsonl when it exists (a line cut short by a kill is skipped, a step
+    logged twice keeps its last record), else `fallback`."""
+    records = []
+    if metrics_path.is_file():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    records = [r for r in records or list(fallback or []) if isinstance(r, dict) and "step" in r]
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _numeric(history: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], float(r[key])) for r in history
+             if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+             and math.isfinite(float(r[key]))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _timing_series(history: list[dict]) -> list[tuple[str, str]]:
+    names = {k[len("timing/"):-2] for r in history for k in r if k.startswith("timing/") and k.endswith("_s")}
+    ordered = [n for n in TIMING_ORDER if n in names] + sorted(names - set(TIMING_ORDER))
+    return [(f"timing/{n}_s", TIMING_LABELS.get(n, n.replace("_", " "))) for n in ordered]
+
+
+def plot_curves(history: list[dict], path: Path, title: str = "") -> Path:
+    """Six panels over steps (reward/EM/pass@n, tokens, sequence length, time per phase, merge rate, bridge
+    fallbacks): labelled axes, integer steps, a legend per panel; a panel with nothing logged says so."""
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    for ax, (panel_title, ylabel, kind, series) in zip(axes.flat, PANELS):
+        series = series or _timing_series(history)
+        drawn, values = 0, []
+        for k, (key, label) in enumerate(series):
+            xs, ys = _numeric(history, key)
+            if not xs:
+                continue
+            marker, line = STYLES[k % len(STYLES)]
+            if key.startswith("eval/"):
+                line = "--"
+            if key == "timing/step_s":
+                marker, line = "o", ":"
+            ax.plot(xs, ys, marker=marker, linestyle=line, label=label, markersize=7 - (k % 3), alpha=0.85)
+            drawn += 1
+            values += ys
+        ax.set_title(panel_title, fontsize=11)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if kind == "fraction" and values and 0 <= min(values) and max(values) <= 1:
+            ax.set_ylim(-0.05, 1.05)
+        if kind == "count" and values:
+            top = max(max(values), 1.0)  # all zero: 0 and 1 on the axis, not -0.045 .. 0.045
+            ax.set_ylim(min(min(values), 0.0) - 0.05 * top, top * 1.05)
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.set_yticks([])
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _column_format(values: list) -> str:
+    """One number format per column, so a column reads evenly: counts as integers, the rest to a precision that
+    fits the column's magnitude."""
+    numbers = [abs(float(v)) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if all(float(v).is_integer() for v in numbers):
+        return "{:.0f}"
+    top = max(numbers, default=0.0)
+    if top >= 100:
+        return "{:.0f}"
+    if top >= 10:
+        return "{:.1f}"
+    if 0 < top < 1e-3:
+        return "{:.2e}"
+    return "{:.3f}"
+
+
+def _cell(value, fmt: str) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return fmt.format(value)
+    return "" if value is None else str(value)
+
+
+def step_table(history: list[dict]) -> str:
+    """One markdown row per step with the columns that were logged."""
+    columns = [(k, t) for k, t in TABLE_COLUMNS if any(k in r for r in history)]
+    head = ["step"] + [t for _, t in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    formats = {k: _column_format([r[k] for r in history if k in r]) for k, _ in columns}
+    for r in history:
+        cells = [str(r["step"])] + [_cell(r[k], formats[k]) if k in r else "" for k, _ in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _hydra_job() -> tuple[dict, list[str]]:
+    """Hydra's config-group choices and the command-line overrides, when this runs inside a Hydra job."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return {}, []
+        hc = HydraConfig.get()
+        choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/") and v is not None}
+        return choices, list(hc.overrides.task)
+    except Exception:  # the report never fails over its header
+        return {}, []
+
+
+def fsdp_backend(fsdp) -> str:
+    """The collective backend the policy ranks use (`auto` resolved the way the workers resolve it)."""
+    if fsdp.backend != "auto":
+        return fsdp.backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def config_summary(cfg) -> list[str]:
+    """The settings that decide what a run's curves mean, as markdown bullets."""
+    g, t, a = cfg.generator, cfg.trainer, cfg.trainer.algorithm
+    choices, overrides = _hydra_job()
+    mode = ("step-wise, merged" if g.merge_stepwise_output else "step-wise") if g.step_wise_trajectories \
+        else "whole trajectories"
+    kl = f"KL loss {a.kl_loss_type} x {a.kl_loss_coef}" if a.use_kl_loss else "no KL loss"
+    lines = []
+    if choices:
+        lines.append("- recipe: " + ", ".join(f"`{k}={v}`" for k, v in sorted(choices.items())))
+    if overrides:
+        lines.append("- command-line overrides: " + " ".join(f"`{o}`" for o in overrides))
+    lines += [
+        f"- model: `{cfg.model_path}` ({t.model_path})",
+        f"- {cfg.total_steps} steps, eval " + (f"every {cfg.eval_interval} steps and " if cfg.eval_interval else "")
+        + f"at the end; "
+        f"{cfg.data.train_batch_size} prompts x {g.n_samples_per_prompt} samples per step, "
+        f"up to {g.max_turns} turns",
+        f"- samples: {mode}, `{g.history}` history, renderer `{g.renderer}`, "
+        f"T={g.sampling.temperature}, max {g.sampling.max_generate_length} tokens per turn",
+        f"- algorithm: {a.advantage_estimator}, {kl}, lr {t.optim.lr}, mini-batch {t.policy_mini_batch_size} prompts, "
+        f"TIS clip {a.tis_ratio_clip_high}",
+        f"- engine: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}); policy: FSDP2 on "
+        f"{t.fsdp.world_size} rank(s) ({fsdp_backend(t.fsdp)}), {t.attn_implementation}, "
+        f"{t.micro_batch_tokens} tokens per micro-batch",
+        f"- seeds: trainer {t.seed}, data {cfg.data.seed}, engine {cfg.engine.seed}; wandb {cfg.logging.wandb_mode}",
+    ]
+    return lines
+
+
+def _status(history: list[dict], total_steps: int, failure: BaseException | None) -> str:
+    done = max((r["step"] for r in history), default=0)
+    if failure is None:
+        return f"finished: {done} of {total_steps} steps."
+    what = "interrupted" if isinstance(failure, KeyboardInterrupt) else \
+        f"failed with `{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}`"
+    return f"**{what}** after step {done} of {total_steps}; the steps below were logged before that."
+
+
+def _files(cfg, run_dir: Path) -> list[str]:
+    """Where everything is, relative to the run dir where possible, only what exists."""
+    from skyrl_stepwise.trainer.checkpoint import complete_checkpoints
+
+    def rel(p: Path) -> str:
+        try:
+            return str(p.resolve().relative_to(run_dir.resolve()))
+        except ValueError:
+            return str(p.resolve())
+
+    lines = [f"Run directory: `{run_dir.resolve()}`", ""]
+    entries = [(run_dir / "metrics.jsonl", "every step's metrics, one JSON object per line"),
+               (run_dir / "curves.png", "the plots above"),
+               (run_dir / "run.log", "vLLM, Ray, transformers and retrieval-server output, our own log lines"),
+               (run_dir / ".hydra" / "config.yaml", "the composed config (`overrides.yaml`: the command line)")]
+    for path, what in entries:
+        if path.exists():
+            lines.append(f"- `{rel(path)}`: {what}")
+    ckpt_dir = Path(cfg.trainer.ckpt_dir)
+    ckpts = complete_checkpoints(ckpt_dir) if ckpt_dir.is_dir() else []
+    if ckpts:
+        lines.append(f"- `{rel(ckpt_dir)}/`: complete checkpoints {', '.join(c.name for c in ckpts)} "
+                     "(`trainer.resume=auto` with this run dir continues from the last)")
+    wandb_dir = run_dir / "wandb"
+    if wandb_dir.is_dir():
+        runs = sorted(p for p in wandb_dir.glob("*run-*") if p.is_dir())
+        hint = f"; upload with `wandb sync {runs[-1].resolve()}`" if runs and "offline" in runs[-1].name else ""
+        lines.append(f"- `{rel(wandb_dir)}/`: wandb files ({cfg.logging.wandb_mode}){hint}")
+    return lines
+
+
+def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None,
+                     failure: BaseException | None = None) -> Path:
+    """report.md + curves.png in `run_dir` from metrics.jsonl (else `history`); returns report.md's path."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    steps = load_history(run_dir / "metrics.jsonl", history)
+    title = f"{cfg.logging.run_name}: {Path(str(cfg.model_path)).name}, {len(steps)} of {cfg.total_steps} steps"
+    plot_curves(steps, run_dir / "curves.png", title)
+    parts = [f"# Run report: {cfg.logging.run_name}", "", _status(steps, cfg.total_steps, failure), "",
+             "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
+             "## Steps", "", step_table(steps) if steps else "No step was logged.", "",
+             "## Files", "", *_files(cfg, run_dir), ""]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(parts))
+    return path

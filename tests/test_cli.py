@@ -1,0 +1,198 @@
+"""The commands are Hydra applications, the console is quiet, and every run leaves a report.
+
+Fast: no engine or Ray starts here. The sweep runs a stand-in for `train.run`, so Hydra's machinery (multirun,
+one directory per job, the RunConfig each job gets) is exercised without training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from skyrl_stepwise import train
+from skyrl_stepwise.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cfg_job_prints_the_composed_config_as_yaml():
+    """The real entry point (`skyrl-stepwise train`, through cli.py) in a subprocess."""
+    out = subprocess.run([sys.executable, "-m", "skyrl_stepwise.cli", "train", "experiment=search_r1_tiny",
+                          "generator.max_turns=2", "--cfg", "job"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = yaml.safe_load(out.stdout)
+    assert cfg["generator"]["step_wise_trajectories"] is True
+    assert cfg["generator"]["max_turns"] == 2 and cfg["total_steps"] == 3  # override, then the recipe
+    assert cfg["logging"]["output_dir"] == "${hydra:runtime.output_dir}"
+    assert cfg["trainer"]["ckpt_dir"] == "${logging.output_dir}/ckpts"
+
+
+@pytest.mark.parametrize("override, key", [("trainer.not_a_key=1", "trainer.not_a_key"),
+                                           ("total_stepz=2", "total_stepz"),
+                                           ("total_steps=0", "total_steps"),  # RunConfig.validate
+                                           ("logging.console_level=LOUD", "logging.console_level")])
+def test_a_wrong_key_or_value_exits_nonzero_naming_it(override, key, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("a bad config must not run"))
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["experiment=search_r1_tiny", override, f"hydra.run.dir={tmp_path}"])
+    assert exit_.value.code not in (0, None)
+    assert key in capsys.readouterr().err
+
+
+def test_help_lists_the_recipes_and_main_keys(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "skyrl-stepwise train" in text and "experiment=search_r1_tiny" in text
+    for recipe in (REPO / "conf" / "experiment").glob("*.yaml"):  # a new recipe must be listed too
+        assert f"experiment={recipe.stem}" in text, recipe.stem
+    for key in ("total_steps", "generator.step_wise_trajectories", "logging.output_dir", "logging.console_level"):
+        assert key in text
+    assert "--multirun" in text and "--cfg" in text
+
+
+def test_ablate_is_a_hydra_app_too(capsys):
+    from skyrl_stepwise import ablate
+
+    with pytest.raises(SystemExit) as exit_:
+        ablate.main(["--help"])
+    assert exit_.value.code == 0
+    assert "skyrl-stepwise ablate" in capsys.readouterr().out
+
+
+def _record_runs(monkeypatch) -> list[RunConfig]:
+    runs: list[RunConfig] = []
+
+    def fake_run(cfg):
+        runs.append(cfg)
+        Path(cfg.logging.output_dir, "ran").write_text(str(cfg.trainer.seed))
+        return {}
+
+    monkeypatch.setattr(train, "run", fake_run)
+    return runs
+
+
+def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path, monkeypatch):
+    runs = _record_runs(monkeypatch)
+    sweep = tmp_path / "sweep"
+    assert train.main(["-m", "experiment=search_r1_tiny", "trainer.seed=1,2", "total_steps=1",
+                       f"hydra.sweep.dir={sweep}"]) == 0
+    assert [(c.trainer.seed, c.total_steps) for c in runs] == [(1, 1), (2, 1)]
+    dirs = [Path(c.logging.output_dir) for c in runs]
+    assert dirs == [sweep / "0", sweep / "1"]
+    for cfg, d in zip(runs, dirs):
+        assert (d / "ran").read_text() == str(cfg.trainer.seed)
+        assert Path(cfg.trainer.ckpt_dir) == d / "ckpts"
+        assert f"trainer.seed={cfg.trainer.seed}" in (d / ".hydra" / "overrides.yaml").read_text()
+
+
+def test_run_dir_is_hydras_unless_output_dir_is_set(tmp_path, monkeypatch):
+    runs = _record_runs(monkeypatch)
+    train.main(["experiment=search_r1_tiny", f"hydra.run.dir={tmp_path / 'hydra_dir'}"])
+    train.main(["experiment=search_r1_tiny", f"logging.output_dir={tmp_path / 'mine'}"])
+    assert [Path(c.logging.output_dir) for c in runs] == [tmp_path / "hydra_dir", tmp_path / "mine"]
+    assert (tmp_path / "mine" / ".hydra" / "config.yaml").is_file()  # the config is kept next to the metrics
+
+
+def test_load_config_outside_hydra_still_gets_a_run_dir():
+    cfg = train.load_config(["experiment=search_r1_tiny"])
+    assert cfg.logging.output_dir.startswith("outputs/") and cfg.logging.output_dir.endswith("_search_r1_tiny")
+    assert cfg.trainer.ckpt_dir == f"{cfg.logging.output_dir}/ckpts"
+    assert train.load_config(["logging.output_dir=/tmp/x"]).trainer.ckpt_dir == "/tmp/x/ckpts"
+
+
+def test_console_shows_our_lines_and_warnings_run_log_gets_everything(tmp_path, capsys):
+    from skyrl_stepwise.logging_setup import run_logging
+
+    with run_logging(tmp_path, "INFO", "INFO") as run_log:
+        logging.getLogger("skyrl_stepwise.train").info("engines up")
+        logging.getLogger("vllm.engine").info("chatter from a library")
+        logging.getLogger("vllm.engine").warning("a library warning")
+        logging.getLogger("skyrl_stepwise.train").debug("debug detail")
+    console = capsys.readouterr().out
+    assert "engines up" in console and "a library warning" in console
+    assert "chatter" not in console and "debug detail" not in console
+    text = run_log.read_text()
+    assert "engines up" in text and "chatter from a library" in text and "a library warning" in text
+    logging.getLogger("skyrl_stepwise.train").info("after the run")
+    assert "after the run" not in run_log.read_text()  # handlers removed at the end
+
+
+def test_ray_worker_output_goes_to_run_log_and_warnings_to_the_console(tmp_path):
+    """`route_worker_logs` in a plain subprocess standing in for a Ray worker: its stderr is what Ray forwards."""
+    run_log = tmp_path / "run.log"
+    code = ("import logging, os, sys\n"
+            "from skyrl_stepwise.logging_setup import route_worker_logs\n"
+            "route_worker_logs()\n"
+            "print('INFO 12:00 [kv_cache_utils.py] vllm chatter')\n"
+            "os.write(2, b'weights 100%\\n')\n"
+            "logging.getLogger('vllm.worker').info('engine info')\n"
+            "logging.getLogger('vllm.worker').warning('engine warning')\n")
+    env = dict(os.environ, SKYRL_STEPWISE_RUN_LOG=str(run_log), SKYRL_STEPWISE_FILE_LEVEL="INFO")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "engine warning" in out.stderr and "chatter" not in out.stderr + out.stdout
+    assert "engine info" not in out.stderr
+    text = run_log.read_text()
+    for line in ("vllm chatter", "weights 100%", "engine info", "engine warning"):
+        assert line in text
+
+
+def _history(steps: int) -> list[dict]:
+    rows = []
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "reward/mean": 0.1 * s, "reward/pass_at_n": 0.25 * s, "environment/em": 0.1 * s,
+                     "policy/loss": 0.5 / s, "train/grad_norm": 1.0 / s, "generate/num_samples": 8 + s,
+                     "generate/real_tokens": 1000 + 100 * s, "generate/padded_tokens": 1500 + 90 * s,
+                     "train/packed_tokens": 1100 + 50 * s, "generate/response_tokens_trained": 300 + 10 * s,
+                     "generate/batch_padded_seq_len": 400 + 7 * s, "generate/tokens_per_sample_max": 380 + 5 * s,
+                     "generate/tokens_per_sample_mean": 200.0 + s, "generate/merge_rate": 0.5,
+                     "generate/bridge_fallbacks": s % 2, "generate/failed_trajectories": 0,
+                     "timing/generate_s": 20.0 + s, "timing/train_s": 40.0, "timing/weight_sync_s": 2.0,
+                     "timing/step_s": 62.0 + s, "prompts": ["q1", "q2"]})
+    rows[-1].update({"eval/reward/mean": 0.3, "eval/reward/pass_at_n": 0.3, "timing/eval_s": 5.0})
+    return rows
+
+
+def test_run_report_from_a_metrics_history(tmp_path):
+    import matplotlib.image
+
+    from skyrl_stepwise.run_report import write_run_report
+
+    cfg = RunConfig()
+    cfg.total_steps = 4
+    cfg.trainer.ckpt_dir = str(tmp_path / "ckpts")
+    history = _history(4)
+    with open(tmp_path / "metrics.jsonl", "w") as f:  # what the tracker wrote, the last line cut by a kill
+        f.writelines(json.dumps(r) + "\n" for r in history)
+        f.write('{"step": 5, "reward/me')
+    report = write_run_report(cfg, tmp_path, history=[])
+    text = report.read_text()
+    assert "finished: 4 of 4 steps" in text
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| step | reward | pass@n | EM | eval reward")
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["1", "2", "3", "4"]
+    assert "`metrics.jsonl`" in text and "![curves](curves.png)" in text and "- model:" in text
+    image = matplotlib.image.imread(tmp_path / "curves.png")
+    assert image.shape[0] > 600 and image.shape[1] > 1200 and image.std() > 0.05
+    assert (tmp_path / "curves.png").stat().st_size > 40_000
+
+
+def test_a_failed_run_still_gets_its_report(tmp_path):
+    from skyrl_stepwise.run_report import write_run_report
+
+    cfg = RunConfig()
+    cfg.trainer.ckpt_dir = str(tmp_path / "ckpts")
+    report = write_run_report(cfg, tmp_path, history=_history(2)[:2], failure=RuntimeError("engine died"))
+    text = report.read_text()
+    assert "failed with `RuntimeError: engine died`" in text and "after step 2 of 4" in text
+    assert (tmp_path / "curves.png").is_file()
