@@ -77,6 +77,7 @@ class AblationConfig:
 @dataclass
 class RunConfig:
     model_path: str = "smollm2"  # "smollm2" (embedded), a local HF folder, or a hub id
+    seed: int = 42  # the run's seed: trainer.seed follows it (conf/config.yaml), so `-m seed=1,2,3` sweeps seeds
     total_steps: int = 4
     eval_interval: int = 0  # RL steps between evals; 0: only at the end
     engine: EngineConfig = field(default_factory=EngineConfig)

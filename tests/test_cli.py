@@ -84,7 +84,7 @@ def _record_runs(monkeypatch) -> list[RunConfig]:
 def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path, monkeypatch):
     runs = _record_runs(monkeypatch)
     sweep = tmp_path / "sweep"
-    assert train.main(["-m", "experiment=search_r1_tiny", "trainer.seed=1,2", "total_steps=1",
+    assert train.main(["-m", "experiment=search_r1_tiny", "seed=1,2", "total_steps=1",
                        f"hydra.sweep.dir={sweep}"]) == 0
     assert [(c.trainer.seed, c.total_steps) for c in runs] == [(1, 1), (2, 1)]
     dirs = [Path(c.logging.output_dir) for c in runs]
@@ -92,7 +92,7 @@ def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path, monkeypatch):
     for cfg, d in zip(runs, dirs):
         assert (d / "ran").read_text() == str(cfg.trainer.seed)
         assert Path(cfg.trainer.ckpt_dir) == d / "ckpts"
-        assert f"trainer.seed={cfg.trainer.seed}" in (d / ".hydra" / "overrides.yaml").read_text()
+        assert f"seed={cfg.trainer.seed}" in (d / ".hydra" / "overrides.yaml").read_text()
 
 
 def test_run_dir_is_hydras_unless_output_dir_is_set(tmp_path, monkeypatch):
