@@ -228,3 +228,24 @@ def test_missing_model_path_is_named(backend, tmp_path):
     missing = tmp_path / "missing_model"
     with pytest.raises(FileNotFoundError, match="missing_model"):
         create_engine(EngineConfig(backend=backend, model_path=str(missing)))
+
+
+def test_vllm_engine_computes_on_every_core(vllm_engine):
+    """Ray gives an actor that reserves no CPU one OpenMP thread; the engine must get the node's cores."""
+    import os
+
+    import ray
+
+    def threads(actor):
+        import torch as actor_torch
+        return os.environ.get("OMP_NUM_THREADS"), actor_torch.get_num_threads()
+
+    env_threads, torch_threads = ray.get(vllm_engine.actor.__ray_call__.remote(threads))
+    assert env_threads == str(os.cpu_count())
+    assert torch_threads == os.cpu_count()
+
+
+@pytest.mark.parametrize("key, value", [("num_threads", 0), ("num_engines", 0), ("dtype", "int8")])
+def test_engine_config_names_the_bad_key(key, value):
+    with pytest.raises(ValueError, match=f"EngineConfig.{key}"):
+        EngineConfig(**{key: value})

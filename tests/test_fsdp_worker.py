@@ -34,6 +34,7 @@ from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
     ("fsdp.backend", "mpi", "trainer.fsdp.backend"),
     ("micro_batch_tokens", 0, "trainer.micro_batch_tokens"),
     ("max_ckpts_to_keep", 0, "trainer.max_ckpts_to_keep"),
+    ("fsdp.num_threads_per_rank", 0, "trainer.fsdp.num_threads_per_rank"),
 ])
 def test_config_errors_name_the_key_path(key, value, message):
     cfg = TrainerConfig()
@@ -44,6 +45,14 @@ def test_config_errors_name_the_key_path(key, value, message):
     setattr(target, leaf, value)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         cfg.validate()
+
+
+def test_ranks_share_the_node_cores_unless_told():
+    from skyrl_stepwise.trainer.config import FSDPConfig
+
+    assert FSDPConfig(world_size=2).threads_per_rank(cores=16) == 8
+    assert FSDPConfig(world_size=4).threads_per_rank(cores=2) == 1
+    assert FSDPConfig(world_size=2, num_threads_per_rank=3).threads_per_rank(cores=16) == 3
 
 
 def test_config_is_a_hydra_structured_config():

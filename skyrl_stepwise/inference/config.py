@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,9 @@ class EngineConfig:
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: fast start, weights reload cleanly
     cpu_kvcache_gib: int = 1  # CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)
     num_gpus_per_engine: float | None = None  # None -> 1 if CUDA is visible, else 0
+    # CPU threads the engine computes with. Ray gives an actor that reserves no CPU one OpenMP thread, so
+    # without this the engine decodes on one core of a multi-core box. None -> every core of the node.
+    num_threads: int | None = None
     # transformers knobs
     max_batch_size: int = 32  # requests decoded together by one HFEngine forward
     batch_wait_s: float = 0.005  # how long the first request of a batch waits for company
@@ -42,5 +46,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.num_engines must be >= 1, got {self.num_engines}")
         if self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"EngineConfig.num_threads must be >= 1 (or null for every core), got {self.num_threads}")
         if self.max_batch_size < 1:
             raise ValueError(f"EngineConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    def threads(self) -> int:
+        """The engine's thread budget on this node: the configured count, else every core."""
+        return self.num_threads or os.cpu_count() or 1

@@ -193,6 +193,7 @@ class VLLMEngine:
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs the model itself: one process fewer
             "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kvcache_gib),
+            "OMP_NUM_THREADS": str(cfg.threads()),  # Ray's default for a num_cpus=0 actor is 1 thread
         }
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
         self.actor = actor_cls.remote(cfg, self.model_path)

@@ -6,6 +6,7 @@ Every `validate` names the full key path of the bad value, e.g. `trainer.algorit
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
@@ -101,13 +102,22 @@ class FSDPConfig:
     mixed_precision: bool = True
     gradient_checkpointing: bool = False
     reshard_after_forward: bool = True
+    # CPU threads of each rank (torch and OpenMP). None -> the node's cores shared evenly by its ranks; Ray
+    # would otherwise give a rank that reserves no CPU a single OpenMP thread.
+    num_threads_per_rank: int | None = None
 
     def validate(self, prefix: str = "trainer.fsdp") -> None:
         """World size and backend are the usual sources of a hang at start-up; check them first."""
         if self.world_size < 1:
             raise ValueError(f"{prefix}.world_size must be >= 1, got {self.world_size}")
+        if self.num_threads_per_rank is not None and self.num_threads_per_rank < 1:
+            raise ValueError(f"{prefix}.num_threads_per_rank must be >= 1 (or null), got {self.num_threads_per_rank}")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"{prefix}.backend must be auto, nccl or gloo, got {self.backend!r}")
+
+    def threads_per_rank(self, cores: int | None = None) -> int:
+        """Each rank's thread budget: configured, else this node's cores split over the ranks (at least 1)."""
+        return self.num_threads_per_rank or max(1, (cores or os.cpu_count() or 1) // self.world_size)
 
 
 @dataclass

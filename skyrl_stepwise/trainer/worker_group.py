@@ -43,9 +43,10 @@ class PolicyGroup:
     def __init__(self, cfg: TrainerConfig, trainable: bool = True) -> None:
         world = cfg.fsdp.world_size
         gpus = 1 if torch.cuda.is_available() and cfg.fsdp.backend != "gloo" else 0
-        self.ranks = [_PolicyRank.options(num_gpus=gpus).remote() for _ in range(world)]
+        threads = cfg.fsdp.threads_per_rank()
+        env = {"OMP_NUM_THREADS": str(threads)}  # before torch starts its pools in the actor
+        self.ranks = [_PolicyRank.options(num_gpus=gpus, runtime_env={"env_vars": env}).remote() for _ in range(world)]
         master = ray.get(self.ranks[0].address.remote())
-        threads = max(1, (os.cpu_count() or 1) // world)
         ray.get([r.start.remote(cfg, i, master, threads, trainable) for i, r in enumerate(self.ranks)])
 
     def call(self, method: str, *args):
