@@ -200,6 +200,19 @@ class HFEngine:
                 for name, tensor in tensors:
                     state[name].copy_(tensor)
 
+    @property
+    def node_id(self) -> str:
+        """In-process: the driver's node."""
+        from skyrl_stepwise.inference.weights import current_node_id
+
+        return current_node_id()
+
+    async def update_weights_from_file(self, path: str) -> None:
+        """Reload from a safetensors file written by the trainer on this node (see inference/weights.py)."""
+        from skyrl_stepwise.inference.weights import load_weights_file
+
+        await self.update_weights(load_weights_file(path).items())
+
     async def health(self) -> bool:
         """The model lives in this process: healthy unless the batching task died with an error."""
         worker = getattr(self, "_worker", None)

@@ -58,6 +58,10 @@ class EnginePool:
         tensors = list(named_tensors)
         await asyncio.gather(*(engine.update_weights(tensors) for engine in self.engines))
 
+    async def update_weights_from_file(self, path: str) -> None:
+        """Every engine reads the same file."""
+        await asyncio.gather(*(engine.update_weights_from_file(path) for engine in self.engines))
+
     async def health(self) -> bool:
         """Healthy only if every engine is: a dead engine would silently strand its sessions."""
         return all(await asyncio.gather(*(engine.health() for engine in self.engines)))

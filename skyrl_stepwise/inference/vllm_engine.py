@@ -18,6 +18,7 @@ import torch
 
 from skyrl_stepwise.inference.base import GenerationResult, SamplingParams, validate_prompt
 from skyrl_stepwise.inference.config import EngineConfig
+from skyrl_stepwise.inference.weights import pack_weights
 from skyrl_stepwise.models.prepare import resolve_model_path
 
 
@@ -65,10 +66,10 @@ def to_vllm_sampling(sampling: SamplingParams):
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`): loads weights shipped as safetensors bytes.
+    """Mixed into vLLM's worker (`worker_extension_cls`): loads weights from a safetensors file or bytes.
 
-    AsyncLLM's collective_rpc msgpack-encodes its arguments without type info, so raw tensors arrive
-    as lists; bytes survive, and safetensors keeps names, dtypes and shapes without pickle.
+    AsyncLLM's collective_rpc msgpack-encodes its arguments without type info, so raw tensors would arrive
+    as lists; a path or bytes survive, and safetensors keeps names, dtypes and shapes without pickle.
     """
 
     def reload_weights_from_bytes(self, blob: bytes) -> None:
@@ -77,21 +78,11 @@ class WeightSyncExtension:
         tensors = load(bytes(blob))
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
 
+    def reload_weights_from_file(self, path: str) -> None:
+        from skyrl_stepwise.inference.weights import load_weights_file
 
-def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> bytes:
-    """CPU safetensors bytes in the engine's dtype (half the bytes for bf16, no cast warnings in vLLM);
-    tied tensors (shared storage) are cloned since safetensors refuses aliases."""
-    from safetensors.torch import save
-
-    tensors, seen = {}, set()
-    for name, tensor in named_tensors:
-        if name in tensors:
-            raise ValueError(f"update_weights: parameter {name!r} given twice")
-        tensor = tensor.detach().to("cpu", dtype).contiguous()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        tensors[name] = tensor.clone() if key in seen else tensor
-        seen.add(key)
-    return save(tensors)
+        tensors = load_weights_file(path)
+        self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
 
 
 def checkpoint_weight_names(model_path: str, tied_embeddings: bool) -> set[str] | None:
@@ -136,9 +127,12 @@ class VLLMWorker:
         )
         self.engine = AsyncLLM.from_engine_args(args)
 
-    def ready(self) -> bool:
-        """Answered once __init__ finished: the client blocks on it to surface startup errors."""
-        return True
+    def ready(self) -> str:
+        """Answered once __init__ finished (the client blocks on it to surface startup errors): the node id,
+        so a trainer on the same node can hand over weights as a file."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationResult:
         """Ids in, ids out (TokensPrompt): nothing is re-tokenized, so the history stays exact."""
@@ -163,6 +157,11 @@ class VLLMWorker:
         """In-place reload in the engine core; requests in flight continue with the new weights."""
         await self.engine.collective_rpc("reload_weights_from_bytes", args=(blob,))
         await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
+
+    async def update_weights_from_file(self, path: str) -> None:
+        """The same reload from a safetensors file the trainer wrote on this node (no bytes through Ray)."""
+        await self.engine.collective_rpc("reload_weights_from_file", args=(path,))
+        await self.engine.reset_prefix_cache()
 
     async def health(self) -> bool:
         """Raises if the engine core died; the client turns that into False."""
@@ -197,7 +196,7 @@ class VLLMEngine:
         }
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
         self.actor = actor_cls.remote(cfg, self.model_path)
-        ray.get(self.actor.ready.remote())  # surface startup errors here, not on the first generate
+        self.node_id = ray.get(self.actor.ready.remote())  # startup errors surface here, not on the first generate
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        session_id: str | None = None) -> GenerationResult:
@@ -225,6 +224,10 @@ class VLLMEngine:
             raise KeyError(f"update_weights: unknown parameter name(s) {unknown[:5]}; expected HF checkpoint names "
                            f"such as {sorted(self.weight_names)[0]!r}")
         await self.actor.update_weights.remote(pack_weights(tensors, getattr(torch, self.cfg.dtype)))
+
+    async def update_weights_from_file(self, path: str) -> None:
+        """Reload from a safetensors file in this engine's dtype on the engine's node (see inference/weights.py)."""
+        await self.actor.update_weights_from_file.remote(str(path))
 
     async def health(self) -> bool:
         """True when the actor answers and its engine core is alive."""

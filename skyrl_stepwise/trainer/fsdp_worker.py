@@ -294,6 +294,18 @@ class PolicyWorker:
             self.scheduler.load_state_dict(_cloned(self._snapshot["scheduler"]))
         checkpoint._set_rng_state(self._snapshot["rng"])
 
+    def export_weights(self, path: str, dtype: str) -> dict[str, int]:
+        """Gather the full weights and let rank 0 write them to `path` as safetensors in the engines' dtype;
+        collective. The engines read the file on this node, so no weights go through the driver or Ray."""
+        from skyrl_stepwise.inference.weights import write_weights_file
+
+        state = self.full_state_dict()
+        out = {"params": sum(t.numel() for t in state.values()), "bytes": 0}
+        if self.rank == 0:
+            out["bytes"] = write_weights_file(state.items(), getattr(torch, dtype), path)
+        dist.barrier()
+        return out
+
     def save_checkpoint(self, step: int, trainer_state: dict | None = None) -> Path:
         """Atomic checkpoint of model, optimizer, scheduler, RNG and trainer_state (see checkpoint.py)."""
         return checkpoint.save_checkpoint(self.cfg.ckpt_dir, step, self.model, self.optimizer, self.scheduler,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
+from skyrl_stepwise.inference.weights import current_node_id, weights_file
 from skyrl_stepwise.trainer.batching import TrainBatch
 
 
@@ -15,8 +16,32 @@ class ProbeResult:
     num_tokens: int
 
 
+def engine_dtype(engine) -> str:
+    """The dtype the engines run in (a pool's engines share one config)."""
+    first = engine.engines[0] if hasattr(engine, "engines") else engine
+    return getattr(getattr(first, "cfg", None), "dtype", "float32")
+
+
+def can_sync_through_a_file(group, engine) -> bool:
+    """Every engine can read a weights file and runs on the node where the trainer's rank 0 writes it."""
+    trainer_node = getattr(group, "node_id", None) or current_node_id()
+    engines = engine.engines if hasattr(engine, "engines") else [engine]
+    return all(hasattr(e, "update_weights_from_file") and getattr(e, "node_id", None) == trainer_node
+               for e in engines)
+
+
 async def sync_weights(group, engine: InferenceEngine) -> int:
-    """Gather the full state dict from the FSDP shards (rank 0) and load it into every engine."""
+    """Load the trainer's current weights into every engine; returns the number of parameters.
+
+    Same node: rank 0 writes one safetensors file in the engines' dtype to shared memory and the engines read
+    it, so the driver only passes a path. Otherwise (an engine on another node, or one that cannot read files)
+    the full state dict goes through the driver as before.
+    """
+    if can_sync_through_a_file(group, engine):
+        with weights_file() as path:
+            exported = group.call("export_weights", str(path), engine_dtype(engine))
+            await engine.update_weights_from_file(str(path))
+        return exported["params"]
     state = group.call("full_state_dict")
     await engine.update_weights(list(state.items()))
     return sum(t.numel() for t in state.values())

@@ -18,10 +18,10 @@ from skyrl_stepwise.trainer.config import TrainerConfig
 class _PolicyRank:
     """Holds one PolicyWorker; env vars tell torch.distributed which rank it is."""
 
-    def address(self) -> tuple[str, int]:
+    def address(self) -> tuple[str, int, str]:
         from skyrl_stepwise.trainer.fsdp_worker import _free_port
 
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), _free_port(), ray.get_runtime_context().get_node_id()
 
     def start(self, cfg: TrainerConfig, rank: int, master: tuple[str, int], threads: int, trainable: bool) -> bool:
         from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
@@ -46,7 +46,7 @@ class PolicyGroup:
         threads = cfg.fsdp.threads_per_rank()
         env = {"OMP_NUM_THREADS": str(threads)}  # before torch starts its pools in the actor
         self.ranks = [_PolicyRank.options(num_gpus=gpus, runtime_env={"env_vars": env}).remote() for _ in range(world)]
-        master = ray.get(self.ranks[0].address.remote())
+        *master, self.node_id = ray.get(self.ranks[0].address.remote())  # rank 0 writes weight files here
         ray.get([r.start.remote(cfg, i, master, threads, trainable) for i, r in enumerate(self.ranks)])
 
     def call(self, method: str, *args):

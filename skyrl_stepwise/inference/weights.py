@@ -1,0 +1,88 @@
+"""How updated weights travel from the trainer to the engines: safetensors in the engine's dtype.
+
+Two carriers. On the same node (every run on one machine), the trainer's rank 0 writes one file in shared
+memory (`/dev/shm`) and each engine maps it: the weights never pass through the driver, and the bytes are the
+engine's dtype (bf16: half of the fp32 master weights). Across nodes the same tensors go as safetensors bytes.
+safetensors keeps names, dtypes and shapes without pickle, and vLLM's msgpack RPC passes bytes and paths intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+
+def engine_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, in the engine's dtype; tied tensors (shared storage) cloned since safetensors refuses
+    aliases; a name given twice is an error (the second would silently win)."""
+    tensors, seen = {}, set()
+    for name, tensor in named_tensors:
+        if name in tensors:
+            raise ValueError(f"update_weights: parameter {name!r} given twice")
+        tensor = tensor.detach().to("cpu", dtype).contiguous()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        tensors[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return tensors
+
+
+def pack_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> bytes:
+    """Safetensors bytes (the cross-node carrier)."""
+    from safetensors.torch import save
+
+    return save(engine_tensors(named_tensors, dtype))
+
+
+def write_weights_file(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, path: str | Path) -> int:
+    """Write a safetensors file atomically (a reader never sees half a file); returns its size in bytes."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(engine_tensors(named_tensors, dtype), str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file, named as the trainer's HF state dict names them."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def current_node_id() -> str:
+    """The Ray node this process runs on (the hostname without Ray): a file written here is readable here."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except ImportError:
+        pass
+    import socket
+
+    return socket.gethostname()
+
+
+def shared_memory_dir() -> Path:
+    """RAM-backed where the OS has it (Linux /dev/shm), else the temp dir: the file is read once, right away."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+@contextlib.contextmanager
+def weights_file() -> Iterator[Path]:
+    """A fresh path for one update's weights, removed afterwards, also when the update fails."""
+    path = shared_memory_dir() / f"skyrl_stepwise_weights_{uuid.uuid4().hex}.safetensors"
+    try:
+        yield path
+    finally:
+        for stale in (path, path.with_name(path.name + ".tmp")):
+            stale.unlink(missing_ok=True)
