@@ -34,7 +34,7 @@ def main() -> None:
 
     out = Path(tempfile.mkdtemp(prefix="reward_learning_"))
     cfg = load_config(["experiment=search_r1_tiny", f"total_steps={args.steps}",
-                       f"data.train_path={write_dataset(out / 'train.parquet')}", "data.val_path=",
+                       f"data.train_path={write_dataset(out / 'train.parquet')}", "data.val_path=", "sft.enabled=false",
                        "data.train_batch_size=3", "generator.n_samples_per_prompt=8", "generator.max_turns=1",
                        "generator.sampling.max_generate_length=16", "generator.sampling.stop=[]",
                        "trainer.optim.lr=2e-5", "trainer.ckpt_interval=0", "trainer.policy_mini_batch_size=3",

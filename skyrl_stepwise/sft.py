@@ -44,7 +44,7 @@ def cache_key(cfg, data_digest: str) -> str:
     model = Path(cfg.trainer.model_path)
     weights = sorted((p.name, p.stat().st_size) for p in model.glob("*.safetensors")) if model.is_dir() else []
     inputs = {"model": str(cfg.trainer.model_path), "weights": weights, "data": data_digest,
-              "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k != "enabled"},
+              "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k not in ("enabled", "ckpt_interval")},
               "renderer": [cfg.generator.renderer, dict(cfg.generator.chat_template_kwargs),
                            cfg.generator.thinking_retention, list(cfg.generator.sampling.stop)],
               "trainer": [cfg.trainer.fsdp.mixed_precision, cfg.trainer.micro_batch_tokens, cfg.trainer.seed]}
@@ -87,11 +87,13 @@ def sft_model(cfg, log=print) -> Path:
     log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "
         f"({cfg.sft.epochs} epochs of {cfg.sft.batch_size})")
     optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant", num_warmup_steps=0)
-    policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_interval=0))
+    ckpts = out.with_name(out.name + ".ckpts")  # an interrupted SFT resumes from here
+    policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
+                                             ckpt_interval=cfg.sft.ckpt_interval))
     try:
-        history = train_sft(policy, batches, on_step=lambda step, m: log(
-            f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g}")
-            if step == 1 or step % 5 == 0 or step == len(batches) else None)
+        history = train_sft(policy, batches, cfg.sft.ckpt_interval, str(ckpts), on_step=lambda step, m: log(
+            f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g} "
+            f"({m['train/step_time_s']:.0f} s)"))
         state = policy.call("full_state_dict")
     finally:
         policy.shutdown()
@@ -102,6 +104,7 @@ def sft_model(cfg, log=print) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     (out / COMPLETE).write_text("ok\n")
+    shutil.rmtree(ckpts, ignore_errors=True)  # the model folder is complete: nothing left to resume
     log(f"sft: done in {time.perf_counter() - start:.0f} s, loss {history[0]['sft/loss']:.3f} -> "
         f"{history[-1]['sft/loss']:.3f}; model in {out}")
     return out

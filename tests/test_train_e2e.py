@@ -41,7 +41,8 @@ def _command(data: Path, out: Path, steps: int) -> list[str]:
             f"data.train_path={data}", "data.val_path=", "data.train_batch_size=2", "data.shuffle=false",
             "generator.n_samples_per_prompt=4", "generator.max_turns=2", "generator.sampling.max_generate_length=48",
             "trainer.optim.weight_decay=0.0", "engine.dtype=float32", "trainer.fsdp.mixed_precision=false", "trainer.ckpt_interval=1", "trainer.max_ckpts_to_keep=-1",
-            f"logging.output_dir={out}", "logging.wandb_mode=offline"]
+            "trainer.fsdp.world_size=2",  # the recipe's one rank is faster on 2 cores; this keeps FSDP's 2-rank path
+            "sft.enabled=false", f"logging.output_dir={out}", "logging.wandb_mode=offline"]
 
 
 def _records(out: Path) -> list[dict]:
@@ -102,3 +103,28 @@ def test_train_kill_and_resume(tmp_path, model_path):
     final = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
     changed = any(not torch.equal(final[k].float(), initial[k].float()) for k in initial if k in final)
     assert changed == (any(learned) or records[2]["train/grad_norm"] > 0)
+
+
+def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path):
+    """The main job's shape at toy size: eval the base model, SFT (2 demonstrations), eval, 1 RL step, eval."""
+    from skyrl_stepwise.trainer.evaluation import load_evals
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "skyrl_stepwise.train", "experiment=search_r1_tiny", "total_steps=1",
+               "sft.max_rows=2", "sft.batch_size=2", "data.max_eval_prompts=3", "data.train_batch_size=1",
+               "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
+               "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled"]
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stages = load_evals(out)
+    assert [s.stage for s in stages] == ["before SFT", "after SFT", "after RL (step 1)"]
+    for stage in stages:
+        assert stage.num_prompts == 3 and stage.ci_low <= stage.mean <= stage.ci_high
+    console = done.stdout + done.stderr
+    assert "sft step 1/1" in console and "eval after SFT: reward" in console
+    report = (out / "report.md").read_text()
+    assert "## Evaluation" in report and "| after RL (step 1) |" in report
+    assert "of 1 RL steps had non-zero advantages" in report
+    record = _records(out)[-1]
+    assert record["advantages/groups_with_signal"] in (0.0, 1.0) and "eval/reward/ci_high" in record

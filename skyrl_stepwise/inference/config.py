@@ -27,7 +27,9 @@ class EngineConfig:
     # vLLM knobs
     gpu_memory_utilization: float = 0.5  # GPU only: leaves room for the trainer on the same device
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: fast start, weights reload cleanly
-    cpu_kvcache_gib: int = 1  # CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    # CPU only: KV cache size in GiB, fractions allowed (vLLM's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE only
+    # takes whole GiB). SmolLM2-135M in bf16 keeps 23 KiB per token: 0.5 GiB holds ~23k tokens.
+    cpu_kvcache_gib: float = 1.0
     num_gpus_per_engine: float | None = None  # None -> 1 if CUDA is visible, else 0
     # CPU threads the engine computes with. Ray gives an actor that reserves no CPU one OpenMP thread, so
     # without this the engine decodes on one core of a multi-core box. None -> every core of the node.
@@ -48,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 (or null for every core), got {self.num_threads}")
+        if self.cpu_kvcache_gib <= 0:
+            raise ValueError(f"EngineConfig.cpu_kvcache_gib must be > 0, got {self.cpu_kvcache_gib}")
         if self.max_batch_size < 1:
             raise ValueError(f"EngineConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
 

@@ -124,6 +124,8 @@ class VLLMWorker:
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
+            # CPU: the KV cache size in bytes (GPU: gpu_memory_utilization decides)
+            kv_cache_memory_bytes=None if torch.cuda.is_available() else int(cfg.cpu_kvcache_gib * (1 << 30)),
         )
         self.engine = AsyncLLM.from_engine_args(args)
 
@@ -191,7 +193,6 @@ class VLLMEngine:
             num_gpus = 1 if torch.cuda.is_available() else 0
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs the model itself: one process fewer
-            "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kvcache_gib),
             "OMP_NUM_THREADS": str(cfg.threads()),  # Ray's default for a num_cpus=0 actor is 1 thread
         }
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)

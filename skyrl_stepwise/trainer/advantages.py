@@ -60,6 +60,15 @@ def group_advantages(scores: dict[TrajectoryID, float], estimator: str = "grpo",
     return advantages
 
 
+def groups_with_signal(scores: dict[TrajectoryID, float]) -> tuple[int, int]:
+    """(prompt groups whose trajectories scored differently, all groups): only the former give GRPO/RLOO a
+    gradient, so this is how much of a step could learn anything."""
+    groups: dict[str, set[float]] = defaultdict(set)
+    for tid, score in scores.items():
+        groups[tid.instance_id].add(score)
+    return sum(len(v) > 1 for v in groups.values()), len(groups)
+
+
 def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:
     """Per-token advantages parallel to response_ids: the trajectory's advantage times the sample's loss mask."""
     adv = group_advantages(trajectory_scores(output), cfg.advantage_estimator, cfg.norm_adv_by_std,

@@ -20,9 +20,10 @@ from tqdm.auto import tqdm
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
-from skyrl_stepwise.trainer.advantages import compute_advantages
+from skyrl_stepwise.trainer.advantages import compute_advantages, groups_with_signal, trajectory_scores
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
+from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.trainer.weight_sync import probe_logprobs, sync_weights
 
 
@@ -141,9 +142,10 @@ class RLTrainer:
         self.generator, self.eval_generator, self.engine = generator, eval_generator, engine
         self.policy, self.reference, self.tracker = policy, reference, tracker
         self.loader = PromptLoader(train_rows, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
-        self.val_rows = val_rows[: cfg.data.max_eval_prompts]
+        self.val_rows = eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed)
         self.probe_ids = probe_ids
         self.step = 0
+        self.last_eval: EvalResult | None = None
         self.run_id = uuid.uuid4().hex[:12]  # tags this launch's checkpoints: pruning touches only its lineage
         self.lineage: list[dict] = []
 
@@ -196,6 +198,9 @@ class RLTrainer:
             return metrics
 
         advantages = compute_advantages(output, cfg.trainer.algorithm)
+        signal, groups = groups_with_signal(trajectory_scores(output))
+        metrics.update({"advantages/groups_with_signal": float(signal),
+                        "advantages/groups_with_signal_frac": signal / max(groups, 1)})
         batch = TrainBatch.from_output(output, advantages)
         mini_batches = prompt_mini_batches(batch.instance_ids, cfg.trainer.policy_mini_batch_size)
         bar = PhaseBar(self.step + 1, cfg.trainer.algorithm.use_kl_loss, len(mini_batches),
@@ -232,14 +237,25 @@ class RLTrainer:
         return metrics
 
     async def evaluate(self) -> dict[str, float]:
-        """Greedy rollouts on the validation prompts: reward (EM for Search-R1) and pass@1."""
+        """Greedy rollouts on the validation prompts: reward (EM for Search-R1) with its 95% interval."""
         if not self.val_rows:
             return {}
-        start = time.perf_counter()
-        output = await self.eval_generator.generate(*expand(self.val_rows, 1, f"eval{self.step}"))
-        metrics = reward_metrics(output, "eval/reward")
-        metrics["timing/eval_s"] = time.perf_counter() - start
-        return metrics
+        self.last_eval = await evaluate_prompts(self.eval_generator, self.val_rows, f"step {self.step}")
+        result = self.last_eval
+        return {"eval/reward/mean": result.mean, "eval/reward/ci_low": result.ci_low,
+                "eval/reward/ci_high": result.ci_high, "eval/num_prompts": float(result.num_prompts),
+                "timing/eval_s": result.seconds}
+
+
+async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str) -> EvalResult:
+    """One greedy rollout per prompt, scored by its trajectory reward; the same rows give the same prompts at
+    every stage, so stages compare. A trajectory whose infrastructure failed is left out, not scored 0."""
+    start = time.perf_counter()
+    output = await eval_generator.generate(*expand(rows, 1, f"eval/{stage}"))
+    scores = trajectory_scores(output) if output.trajectory_ids is not None else {}
+    done = sorted(scores, key=lambda t: int(t.instance_id.rsplit("/", 1)[1]))  # expand() ends ids with the row index
+    sources = [rows[int(t.instance_id.rsplit("/", 1)[1])].data_source or "unknown" for t in done]
+    return eval_result(stage, [scores[t] for t in done], time.perf_counter() - start, sources)
 
 
 def eval_config(generator_cfg):

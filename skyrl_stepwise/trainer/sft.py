@@ -32,10 +32,14 @@ class SFTConfig:
     batch_size: int = 16  # conversations per optimizer step
     lr: float = 5.0e-5
     seed: int = 0
-    output_dir: str = "${logging.output_dir}/sft"
+    # optimizer steps between checkpoints (next to the cached model: <cache>/sft/<key>.ckpts); an interrupted SFT
+    # continues from the last one, exactly. 0 disables.
+    ckpt_interval: int = 2
 
     def validate(self, prefix: str = "sft") -> None:
         """Name the key of the first impossible value."""
+        if self.ckpt_interval < 0:
+            raise ValueError(f"{prefix}.ckpt_interval must be >= 0 (0 disables), got {self.ckpt_interval}")
         for key in ("max_rows", "epochs", "batch_size"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{prefix}.{key} must be > 0, got {getattr(self, key)}")
@@ -118,14 +122,33 @@ def sft_batches(samples: GeneratorOutput, batch_size: int, epochs: int, seed: in
     return out
 
 
-def train_sft(policy, batches: list[TrainBatch], tracker=None, on_step=None) -> list[dict[str, float]]:
-    """One optimizer step per batch with the cross-entropy objective; returns each step's metrics."""
-    history = []
+def train_sft(policy, batches: list[TrainBatch], ckpt_interval: int = 0, ckpt_dir: str | None = None,
+              on_step=None) -> list[dict[str, float]]:
+    """One optimizer step per batch with the cross-entropy objective; returns each step's metrics.
+
+    With `ckpt_interval`, the policy checkpoints itself (into its own `ckpt_dir`, which must be `ckpt_dir`) every
+    that many steps, and a later call with the same batches resumes after the latest complete checkpoint:
+    weights, AdamW, schedule, RNG and the metrics so far come back, and the batches are a pure function of the
+    seed, so the resumed run ends with exactly the weights of an uninterrupted one.
+    """
+    from skyrl_stepwise.trainer.checkpoint import lineage_entry, resolve_resume
+
+    history: list[dict[str, float]] = []
+    lineage: list[dict] = []  # earlier SFT checkpoints: the worker keeps only the newest (trainer.max_ckpts_to_keep)
+    resume_from = resolve_resume("auto", ckpt_dir) if ckpt_interval and ckpt_dir else None
+    if resume_from is not None:
+        state = policy.call("load_checkpoint", str(resume_from))
+        history = list(state["history"])
+        lineage = list(state["lineage"]) + [lineage_entry(state["step"], state["run_id"])]
     for step, batch in enumerate(batches, 1):
+        if step <= len(history):
+            continue
         metrics = policy.call("train_step", batch, "sft")
         history.append(metrics)
-        if tracker is not None:
-            tracker.log({k: v for k, v in metrics.items() if k.startswith(("sft/", "train/"))}, step)
+        if ckpt_interval and step % ckpt_interval == 0 and step < len(batches):
+            policy.call("save_checkpoint", step, {"step": step, "history": history, "run_id": "sft",
+                                                  "lineage": lineage})
+            lineage.append(lineage_entry(step, "sft"))
         if on_step is not None:
             on_step(step, metrics)
     return history

@@ -20,6 +20,7 @@ logger = logging.getLogger("skyrl_stepwise")
 _SECRET = re.compile(r"(^|_)(api_?key|token|secret|password)($|_)", re.IGNORECASE)
 # label on the console line -> metric key
 CONSOLE_KEYS = {"reward": "reward/mean", "pass@n": "reward/pass_at_n", "eval_reward": "eval/reward/mean",
+                "signal_groups": "advantages/groups_with_signal",
                 "loss": "policy/loss", "kl": "policy/kl_loss", "clip_frac": "policy/clip_frac",
                 "entropy": "policy/entropy", "grad_norm": "train/grad_norm", "samples": "generate/num_samples",
                 "padded_len": "generate/batch_padded_seq_len", "step_s": "timing/step_s"}

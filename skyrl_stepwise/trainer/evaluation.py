@@ -1,0 +1,104 @@
+"""Greedy eval on a fixed validation subset, reported as a mean with a 95% bootstrap interval.
+
+A tiny eval set (tens of prompts) makes "EM went from 0.05 to 0.20" meaningless without its uncertainty, so
+every eval keeps the per-prompt scores and resamples them (percentile bootstrap over prompts). The main job
+evaluates the same prompts at each stage (before SFT, after SFT, after RL) and saves the stages to
+`evals.json` in the run dir, where the run report reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+EVALS_FILE = "evals.json"
+
+
+@dataclass
+class EvalResult:
+    """One eval: per-prompt scores (trajectory reward; EM for Search-R1) and their bootstrap interval."""
+
+    stage: str  # e.g. "before SFT", "after SFT", "after RL (step 3)"
+    scores: list[float]
+    mean: float
+    ci_low: float
+    ci_high: float
+    seconds: float = 0.0
+    by_source: dict[str, float] = field(default_factory=dict)  # mean score per data_source
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.scores)
+
+    def describe(self) -> str:
+        """One line for the console: `EM 0.250 [0.141, 0.375] on 32 prompts`."""
+        line = f"{self.mean:.3f} [{self.ci_low:.3f}, {self.ci_high:.3f}] on {self.num_prompts} prompts"
+        if len(self.by_source) > 1:
+            line += " (" + ", ".join(f"{k} {v:.3f}" for k, v in self.by_source.items()) + ")"
+        return line
+
+
+def bootstrap_interval(scores: list[float], level: float = 0.95, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap of the mean over prompts; seeded, so the same scores give the same interval."""
+    if not scores:
+        return 0.0, 0.0
+    rng = random.Random(seed)
+    n = len(scores)
+    means = sorted(sum(rng.choices(scores, k=n)) / n for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return means[int(tail * resamples)], means[min(resamples - 1, int((1.0 - tail) * resamples))]
+
+
+def eval_result(stage: str, scores: list[float], seconds: float = 0.0, sources: list[str] | None = None) -> EvalResult:
+    """Mean and 95% interval of per-prompt scores (and the mean per data source, when given)."""
+    low, high = bootstrap_interval(scores)
+    by_source: dict[str, list[float]] = {}
+    for score, source in zip(scores, sources or []):
+        by_source.setdefault(source, []).append(score)
+    return EvalResult(stage, list(scores), sum(scores) / max(len(scores), 1), low, high, seconds,
+                      {k: sum(v) / len(v) for k, v in sorted(by_source.items())})
+
+
+def eval_subset(rows: list, size: int, seed: int = 0) -> list:
+    """The fixed validation subset every stage evaluates: a seeded sample of `size` rows in their file order.
+
+    Validation files are often grouped by source (the embedded one: 72 FanOutQA questions, then 200 held-out
+    description questions), so the first `size` rows would test one source only.
+    """
+    if size >= len(rows):
+        return list(rows)
+    keep = sorted(random.Random(seed).sample(range(len(rows)), size))
+    return [rows[i] for i in keep]
+
+
+def save_evals(run_dir: str | Path, results: list[EvalResult]) -> Path:
+    """All stages so far, rewritten after each eval: a crash later still leaves the earlier ones."""
+    path = Path(run_dir) / EVALS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return path
+
+
+def load_evals(run_dir: str | Path) -> list[EvalResult]:
+    """The stages saved by `save_evals`, or [] when the run did none."""
+    path = Path(run_dir) / EVALS_FILE
+    if not path.is_file():
+        return []
+    return [EvalResult(**r) for r in json.loads(path.read_text())]
+
+
+def eval_table(results: list[EvalResult], metric: str = "EM") -> str:
+    """A markdown table of the stages, each with its interval."""
+    rows = [f"| stage | {metric} | 95% interval | prompts |", "|---|---:|---|---:|"]
+    sources = sorted({k for r in results for k in r.by_source})
+    if len(sources) > 1:  # one column per source when the subset mixes them
+        rows[0] += "".join(f" {s} |" for s in sources)
+        rows[1] += "---:|" * len(sources)
+    for r in results:
+        cells = "".join(f" {r.by_source[s]:.3f} |" if s in r.by_source else " - |" for s in sources) \
+            if len(sources) > 1 else ""
+        rows.append(f"| {r.stage} | {r.mean:.3f} | [{r.ci_low:.3f}, {r.ci_high:.3f}] | {r.num_prompts} |{cells}")
+    return "\n".join(rows)

@@ -1,0 +1,59 @@
+"""Eval intervals: the bootstrap must bracket the mean, shrink with more prompts, and be reproducible."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_stepwise.trainer.advantages import groups_with_signal
+from skyrl_stepwise.trainer.evaluation import (bootstrap_interval, eval_result, eval_subset, eval_table, load_evals,
+                                              save_evals)
+from skyrl_stepwise.generator import TrajectoryID
+
+
+def test_bootstrap_interval_brackets_the_mean_and_shrinks_with_more_prompts():
+    small = [1.0] * 3 + [0.0] * 7
+    large = small * 10
+    lo_s, hi_s = bootstrap_interval(small)
+    lo_l, hi_l = bootstrap_interval(large)
+    assert lo_s < 0.3 < hi_s and lo_l < 0.3 < hi_l
+    assert hi_l - lo_l < (hi_s - lo_s) / 2  # ~1/sqrt(10) of the width
+    # the normal approximation for 100 Bernoulli(0.3): 0.3 +- 1.96 * sqrt(0.21 / 100) = [0.210, 0.390]
+    assert lo_l == pytest.approx(0.21, abs=0.03) and hi_l == pytest.approx(0.39, abs=0.03)
+    assert bootstrap_interval(small) == (lo_s, hi_s)  # seeded
+
+
+def test_constant_scores_have_a_zero_width_interval():
+    assert bootstrap_interval([0.0] * 16) == (0.0, 0.0)
+    assert bootstrap_interval([]) == (0.0, 0.0)
+
+
+def test_stages_round_trip_through_the_run_dir(tmp_path):
+    stages = [eval_result("before SFT", [0.0, 0.0, 1.0]), eval_result("after SFT", [1.0, 1.0, 0.0], seconds=3.0)]
+    save_evals(tmp_path, stages)
+    assert load_evals(tmp_path) == stages
+    assert load_evals(tmp_path / "missing") == []
+    table = eval_table(stages)
+    assert "| after SFT | 0.667 |" in table and table.count("\n") == 3
+    assert stages[0].describe().startswith("0.333 [0.000, ") and stages[0].describe().endswith("on 3 prompts")
+
+
+def test_groups_with_signal_counts_groups_whose_scores_differ():
+    scores = {TrajectoryID("a", 0): 1.0, TrajectoryID("a", 1): 0.0,
+              TrajectoryID("b", 0): 0.0, TrajectoryID("b", 1): 0.0,
+              TrajectoryID("c", 0): 1.0}
+    assert groups_with_signal(scores) == (1, 3)
+
+
+def test_eval_subset_is_fixed_and_mixes_sources_of_a_grouped_file():
+    rows = ["fanout"] * 72 + ["description"] * 200
+    subset = eval_subset(rows, 32, seed=0)
+    assert subset == eval_subset(rows, 32, seed=0) and len(subset) == 32
+    assert 2 <= subset.count("fanout") <= 20 and subset.count("description") >= 12
+    assert eval_subset(rows[:5], 32) == rows[:5]
+
+
+def test_per_source_means_show_in_the_table_and_the_console_line():
+    result = eval_result("after SFT", [1.0, 0.0, 1.0, 1.0], sources=["a", "b", "a", "b"])
+    assert result.by_source == {"a": 1.0, "b": 0.5}
+    assert result.describe().endswith("on 4 prompts (a 1.000, b 0.500)")
+    assert "| after SFT | 0.750 | [" in eval_table([result]) and "| 1.000 | 0.500 |" in eval_table([result])
