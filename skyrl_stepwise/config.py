@@ -13,6 +13,7 @@ from skyrl_stepwise.envs.search import SearchEnvConfig
 from skyrl_stepwise.envs.tool import ToolEnvConfig
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.inference.config import EngineConfig
+from skyrl_stepwise.placement import PlacementConfig
 from skyrl_stepwise.trainer.config import TrainerConfig
 from skyrl_stepwise.trainer.sft import SFTConfig
 
@@ -88,12 +89,14 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def validate(self) -> None:
         """Every rule that spans sections, with the key path in the message."""
         self.generator.validate()
         self.trainer.validate()
         self.sft.validate()
+        self.placement.validate()
         if self.total_steps <= 0:
             raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
         if self.data.train_batch_size <= 0:

@@ -51,23 +51,18 @@ def cache_key(cfg, data_digest: str) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def export_hf(state: dict, base_model: str | Path, out_dir: Path) -> None:
-    """A loadable HF folder: the base folder's config and tokenizer files, the trained weights in safetensors."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
+def export_hf_config(base_model: str | Path, out_dir: Path) -> None:
+    """Make `out_dir` (which holds the trained model.safetensors) a loadable HF folder: the base folder's config,
+    tokenizer and generation files, not its weights."""
     for f in Path(base_model).iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")) and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out_dir / f.name)
-    config = json.loads((Path(base_model) / "config.json").read_text())
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    if config.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)  # tied to embed_tokens, as in the base checkpoint
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def sft_model(cfg, log=print) -> Path:
-    """The warm-started model folder for this config: from the cache, or trained now (then cached)."""
+def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
+    """The warm-started model folder for this config: from the cache, or trained now (then cached).
+
+    `actor_options`: the policy ranks' placement (placement.py), so SFT runs on the GPUs the run reserved."""
     from transformers import AutoTokenizer
 
     from skyrl_stepwise.models.prepare import cache_root
@@ -89,17 +84,19 @@ def sft_model(cfg, log=print) -> Path:
     optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant", num_warmup_steps=0)
     ckpts = out.with_name(out.name + ".ckpts")  # an interrupted SFT resumes from here
     policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
-                                             ckpt_interval=cfg.sft.ckpt_interval))
+                                             ckpt_interval=cfg.sft.ckpt_interval), actor_options=actor_options)
     try:
         history = train_sft(policy, batches, cfg.sft.ckpt_interval, str(ckpts), on_step=lambda step, m: log(
             f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g} "
             f"({m['train/step_time_s']:.0f} s)"))
-        state = policy.call("full_state_dict")
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # rank 0 writes the weights itself: the driver never holds them (same node: the cache is local)
+        policy.call("export_weights", str(tmp / "model.safetensors"), "float32")
     finally:
         policy.shutdown()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_hf(state, cfg.trainer.model_path, tmp)
+    export_hf_config(cfg.trainer.model_path, tmp)
     (tmp / "sft_metrics.json").write_text(json.dumps(history, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -137,6 +137,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.generator import StepwiseGenerator
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
+    from skyrl_stepwise.placement import cluster_gpus, create_placement_group, plan_run_layout, role_options
     from skyrl_stepwise.run_report import fsdp_backend
     from skyrl_stepwise.sft import sft_model
     from skyrl_stepwise.trainer.evaluation import eval_subset
@@ -146,23 +147,28 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
-    engine = policy = reference = tracker = None
+    engine = policy = reference = tracker = placement_group = None
     try:
         start = time.perf_counter()
         ensure_ray()
         tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
         registry = build_env_registry(cfg.environment)
-        engine = create_engine(cfg.engine)
+        layout = plan_run_layout(cfg, gpus_requested=sum(cluster_gpus().values()) > 0)
+        placement_group = create_placement_group(layout, cfg.placement.ready_timeout_s)  # fails fast if it cannot fit
+        logger.info(layout.describe())
+        engine = create_engine(cfg.engine, role_options(placement_group, layout.engines))
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed))
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
             await evals.run("before SFT")
-            cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info))
+            cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
+                                                                 role_options(placement_group, layout.policy)))
         start = time.perf_counter()
-        policy = PolicyGroup(cfg.trainer)
-        reference = PolicyGroup(cfg.trainer, trainable=False) if cfg.trainer.algorithm.use_kl_loss else None
+        policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy))
+        reference = PolicyGroup(cfg.trainer, trainable=False, actor_options=role_options(
+            placement_group, layout.reference)) if cfg.trainer.algorithm.use_kl_loss else None
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
         if cfg.sft.enabled:
@@ -197,6 +203,8 @@ async def _run(cfg, train_rows, val_rows) -> dict:
                 group.shutdown()
         if engine is not None:
             getattr(engine, "shutdown", lambda: None)()
+        if placement_group is not None:
+            ray.util.remove_placement_group(placement_group)
         if owns_ray:
             ray.shutdown()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,8 +112,9 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
     from skyrl_stepwise.trainer.evaluation import load_evals
 
     out = tmp_path / "run"
+    # a seed of its own: the SFT cache key changes, so SFT really runs (and its folder is removed afterwards)
     command = [sys.executable, "-m", "skyrl_stepwise.train", "experiment=search_r1_tiny", "total_steps=1",
-               "sft.max_rows=2", "sft.batch_size=2", "data.max_eval_prompts=3", "data.train_batch_size=1",
+               "sft.max_rows=2", "sft.batch_size=2", f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
                "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
                "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled"]
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -122,7 +125,13 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
     for stage in stages:
         assert stage.num_prompts == 3 and stage.ci_low <= stage.mean <= stage.ci_high
     console = done.stdout + done.stderr
-    assert "sft step 1/1" in console and "eval after SFT: reward" in console
+    sft_dir = Path(re.search(r"model in (\S+)\n", console).group(1))
+    try:
+        assert "sft step 1/1" in console and "eval after SFT: reward" in console
+        # rank 0 wrote the weights; the folder loads as an HF model (config and tokenizer copied next to them)
+        assert {"model.safetensors", "config.json", "tokenizer.json", "COMPLETE"} <= {p.name for p in sft_dir.iterdir()}
+    finally:
+        shutil.rmtree(sft_dir, ignore_errors=True)
     report = (out / "report.md").read_text()
     assert "## Evaluation" in report and "| after RL (step 1) |" in report
     assert "of 1 RL steps had non-zero advantages" in report

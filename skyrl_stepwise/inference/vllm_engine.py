@@ -178,7 +178,8 @@ class VLLMWorker:
 class VLLMEngine:
     """InferenceEngine client for one vLLM actor; construction blocks until the engine is up."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, actor_options: dict | None = None) -> None:
+        """`actor_options`: Ray `.options()` placing the actor (a placement-group bundle and its GPU share)."""
         import ray
         from transformers import AutoConfig
 
@@ -196,7 +197,7 @@ class VLLMEngine:
             "OMP_NUM_THREADS": str(cfg.threads()),  # Ray's default for a num_cpus=0 actor is 1 thread
         }
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
-        self.actor = actor_cls.remote(cfg, self.model_path)
+        self.actor = actor_cls.options(**(actor_options or {})).remote(cfg, self.model_path)
         self.node_id = ray.get(self.actor.ready.remote())  # startup errors surface here, not on the first generate
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,

@@ -40,12 +40,15 @@ class _PolicyRank:
 class PolicyGroup:
     """`group.call("train_step", batch)` runs on every rank and returns rank 0's result."""
 
-    def __init__(self, cfg: TrainerConfig, trainable: bool = True) -> None:
+    def __init__(self, cfg: TrainerConfig, trainable: bool = True, actor_options: list[dict] | None = None) -> None:
+        """`actor_options[i]`: rank i's Ray `.options()` (its placement-group bundle and GPU share, placement.py);
+        without them each rank asks for a whole GPU when CUDA is visible."""
         world = cfg.fsdp.world_size
         gpus = 1 if torch.cuda.is_available() and cfg.fsdp.backend != "gloo" else 0
         threads = cfg.fsdp.threads_per_rank()
         env = {"OMP_NUM_THREADS": str(threads)}  # before torch starts its pools in the actor
-        self.ranks = [_PolicyRank.options(num_gpus=gpus, runtime_env={"env_vars": env}).remote() for _ in range(world)]
+        placed = actor_options or [{"num_gpus": gpus}] * world
+        self.ranks = [_PolicyRank.options(runtime_env={"env_vars": env}, **placed[i]).remote() for i in range(world)]
         *master, self.node_id = ray.get(self.ranks[0].address.remote())  # rank 0 writes weight files here
         ray.get([r.start.remote(cfg, i, master, threads, trainable) for i, r in enumerate(self.ranks)])
 
