@@ -274,8 +274,8 @@ def prepared(cfg):
 
 
 # the last step's metrics printed at the end (the report has every step)
-SUMMARY_KEYS = ("reward/mean", "reward/pass_at_n", "environment/em", "eval/reward/mean", "eval/reward/ci_low", "eval/reward/ci_high",
-                "policy/loss", "policy/kl_loss", "train/grad_norm", "generate/batch_padded_seq_len",
+SUMMARY_KEYS = ("reward/mean", "reward/pass_at_n", "environment/em", "eval/reward/mean", "eval/reward/ci_low",
+                "eval/reward/ci_high", "policy/loss", "policy/kl_loss", "train/grad_norm", "generate/batch_padded_seq_len",
                 "generate/merge_rate")
 
 
@@ -302,10 +302,12 @@ def run(cfg) -> dict:
         if learning:
             logger.info(f"  {learning}")
         if metrics.get("train/grad_norm") == 0.0:
-            logger.info("note: in the last step every prompt group's trajectories scored the same (with SmolLM2-135M "
-                        "on Search-R1: all 0), so every GRPO advantage was 0 and the step had no policy gradient (only "
-                        "AdamW's weight decay and momentum moved the weights). "
-                        "`python benchmarks/reward_learning.py` trains on a task this model can learn.")
+            hint = "" if cfg.sft.enabled else (" A small model rarely answers Search-R1 in the expected tags without "
+                                               "a warm start: `sft.enabled=true` (the tiny recipe's default) gives "
+                                               "RL rewards to compare.")
+            logger.info("note: in the last step every prompt group's trajectories scored the same, so every GRPO "
+                        "advantage was 0 and the step had no policy gradient (only AdamW's weight decay and momentum "
+                        "moved the weights)." + hint)
     return metrics
 
 

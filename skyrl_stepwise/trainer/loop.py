@@ -220,7 +220,9 @@ class RLTrainer:
         metrics.update(train)
 
         with timer.phase("weight_sync"), bar.phase("weight sync"):
+            sync_start = time.perf_counter()
             await sync_weights(self.policy, self.engine)
+            metrics["sync/seconds"] = time.perf_counter() - sync_start  # without the probe below
             probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                          temperature=cfg.trainer.temperature)
         bar.close()
