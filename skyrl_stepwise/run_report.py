@@ -23,7 +23,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("Reward, EM and pass@n", "score", "fraction", [
         ("reward/mean", "train reward"), ("environment/em", "train EM"), ("reward/pass_at_n", "train pass@n"),
         ("eval/reward/mean", "eval reward (greedy)"),
-        ("advantages/groups_with_signal_frac", "prompt groups with reward variance")]),
+        ("advantages/groups_with_signal_frac", "prompt groups with reward variance"),
+        ("dynamic_sampling/generated_signal_frac", "generated groups with variance (dynamic sampling)")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
         ("train/packed_tokens", "packed for the update"), ("generate/response_tokens_trained", "trained (loss mask)")]),
@@ -40,7 +41,7 @@ TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_syn
 TIMING_LABELS = {"generate": "rollouts", "train": "update", "step": "whole step"}  # as the progress bars say
 # per-step table: (metric, column title); columns no step has are left out
 TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("environment/em", "EM"),
-                 ("advantages/groups_with_signal", "groups w/ signal"),
+                 ("advantages/groups_with_signal", "groups w/ signal"), ("dynamic_sampling/draws", "draws"),
                  ("eval/reward/mean", "eval reward"), ("eval/reward/ci_low", "eval 95% low"),
                  ("eval/reward/ci_high", "eval 95% high"),
                  ("policy/loss", "loss"), ("policy/kl_loss", "KL"), ("train/grad_norm", "grad norm"),
@@ -255,8 +256,17 @@ def learning_summary(history: list[dict]) -> str | None:
     if not counts:
         return None
     fracs = [r.get("advantages/groups_with_signal_frac", 0.0) for r in history if "advantages/groups_with_signal" in r]
-    return (f"{sum(c > 0 for c in counts)} of {len(counts)} RL steps had non-zero advantages; "
-            f"{sum(f >= 0.5 for f in fracs)} had reward variance in at least half of their prompt groups.")
+    summary = (f"{sum(c > 0 for c in counts)} of {len(counts)} RL steps had non-zero advantages; "
+               f"{sum(f >= 0.5 for f in fracs)} had reward variance in at least half of their prompt groups.")
+    draws = [r for r in history if "dynamic_sampling/draws" in r]
+    if draws:  # the trained groups were filtered: say what it took to find them
+        generated = sum(r["dynamic_sampling/generated_groups"] for r in draws)
+        signal = sum(r["dynamic_sampling/generated_signal_frac"] * r["dynamic_sampling/generated_groups"]
+                     for r in draws)
+        summary += (f" Dynamic sampling kept only groups with variance: {sum(r['dynamic_sampling/draws'] for r in draws):.0f}"
+                    f" prompt batches drawn for {len(draws)} steps, {signal:.0f} of {generated:.0f} generated groups "
+                    f"({signal / max(generated, 1):.0%}) had variance.")
+    return summary
 
 
 def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:

@@ -163,6 +163,8 @@ async def _run(cfg, train_rows, val_rows) -> dict:
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed))
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
             await evals.run("before SFT")
+            if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
+                await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
             cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
                                                                  role_options(placement_group, layout.policy)))
         start = time.perf_counter()

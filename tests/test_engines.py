@@ -259,3 +259,16 @@ def test_vllm_engine_kv_cache_is_the_configured_size(vllm_engine):
         return actor.engine.vllm_config.cache_config.kv_cache_memory_bytes
 
     assert ray.get(vllm_engine.actor.__ray_call__.remote(kv_bytes)) == int(vllm_engine.cfg.cpu_kvcache_gib * (1 << 30))
+
+
+async def test_vllm_engine_releases_its_idle_kv_cache_and_refills_it_exactly(vllm_engine, prompts):
+    """Between rollouts the KV cache's pages go back to the OS (vLLM's sleep mode is CUDA-only); the next
+    rollout refills them and samples exactly what it would have."""
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    before = await asyncio.gather(*(vllm_engine.generate(p, greedy) for p in prompts))
+    released = await vllm_engine.release_memory()
+    kv = int(vllm_engine.cfg.cpu_kvcache_gib * (1 << 30))
+    assert 0.99 * kv <= released <= kv  # whole pages of the cache tensors: all but their unaligned edges
+    after = await asyncio.gather(*(vllm_engine.generate(p, greedy) for p in prompts))
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+    assert [r.logprobs for r in after] == [r.logprobs for r in before]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,29 @@ class GeneratorOutput:
                                  f"{len(self.rollout_logprobs[i])} rollout_logprobs")
             if self.rewards and isinstance(self.rewards[i], list) and len(self.rewards[i]) != len(resp):
                 raise ValueError(f"sample {i}: {len(resp)} response ids but {len(self.rewards[i])} rewards")
+
+    @classmethod
+    def concat(cls, outputs: list[GeneratorOutput]) -> GeneratorOutput:
+        """The samples of several generate() calls as one output (e.g. the draws of a dynamically sampled step).
+
+        Per-sample fields are concatenated (an optional one is kept only if every output has it); rollout
+        metrics become the mean over the outputs that report them, so counts read as "per generate() call".
+        """
+        if not outputs:
+            raise ValueError("GeneratorOutput.concat needs at least one output")
+        merged = {}
+        for f in fields(cls):
+            if f.name == "rollout_metrics":
+                continue
+            values = [getattr(o, f.name) for o in outputs]
+            merged[f.name] = None if any(v is None for v in values) else [x for v in values for x in v]
+        sums: dict[str, list[float]] = {}
+        for o in outputs:
+            for k, v in o.rollout_metrics.items():
+                if isinstance(v, (int, float)):
+                    sums.setdefault(k, []).append(float(v))
+        merged["rollout_metrics"] = {k: sum(v) / len(v) for k, v in sums.items()}
+        return cls(**merged)
 
     def trajectory_rewards(self) -> list[float]:
         """Total reward of each sample (sum of per-token rewards)."""

@@ -34,6 +34,9 @@ class EngineConfig:
     # CPU threads the engine computes with. Ray gives an actor that reserves no CPU one OpenMP thread, so
     # without this the engine decodes on one core of a multi-core box. None -> every core of the node.
     num_threads: int | None = None
+    # CPU: return the idle KV cache's pages to the OS while the trainer updates (vLLM's sleep mode is CUDA-only;
+    # on one box the update and the cache share RAM). It refills on the next rollout.
+    release_kv_during_update: bool = True
     # transformers knobs
     max_batch_size: int = 32  # requests decoded together by one HFEngine forward
     batch_wait_s: float = 0.005  # how long the first request of a batch waits for company

@@ -62,6 +62,11 @@ class EnginePool:
         """Every engine reads the same file."""
         await asyncio.gather(*(engine.update_weights_from_file(path) for engine in self.engines))
 
+    async def release_memory(self) -> int:
+        """Engines that can free idle memory between rollouts do (vLLM on CPU); returns the bytes released."""
+        released = await asyncio.gather(*(e.release_memory() for e in self.engines if hasattr(e, "release_memory")))
+        return sum(released)
+
     async def health(self) -> bool:
         """Healthy only if every engine is: a dead engine would silently strand its sessions."""
         return all(await asyncio.gather(*(engine.health() for engine in self.engines)))

@@ -84,6 +84,23 @@ class WeightSyncExtension:
         tensors = load_weights_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
 
+    def release_kv_cache(self) -> int:
+        """Give the KV cache's pages back to the OS while the trainer updates; returns the bytes released.
+
+        vLLM's sleep mode needs CUDA (on CPU it only logs a warning), yet on a CPU box the idle KV cache sits
+        in the same RAM the update needs. madvise(MADV_DONTNEED) drops the pages of the cache tensors: they
+        read as zeros when touched again and fill back on the next rollout. Only call it with no request in
+        flight and the prefix cache reset, since the cached KV is gone.
+        """
+        from skyrl_stepwise.inference.host_memory import release_pages
+
+        storages = {}
+        for tensor in getattr(self.model_runner, "kv_caches", []) or []:
+            if tensor is not None and tensor.device.type == "cpu":
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(release_pages(ptr, nbytes) for ptr, nbytes in storages.items())
+
 
 def checkpoint_weight_names(model_path: str, tied_embeddings: bool) -> set[str] | None:
     """Names a weight update may use, read from the safetensors headers (None for hub ids: unknown).
@@ -165,6 +182,15 @@ class VLLMWorker:
         await self.engine.collective_rpc("reload_weights_from_file", args=(path,))
         await self.engine.reset_prefix_cache()
 
+    async def release_memory(self) -> int:
+        """Between rollouts and the next weight update: drop the prefix cache and the KV cache's pages (CPU);
+        returns the bytes released. Refuses (returns 0) while a request is in flight: its KV is live."""
+        if torch.cuda.is_available() or self.engine.output_processor.has_unfinished_requests():
+            return 0
+        await self.engine.reset_prefix_cache()
+        released = await self.engine.collective_rpc("release_kv_cache")
+        return int(sum(released))
+
     async def health(self) -> bool:
         """Raises if the engine core died; the client turns that into False."""
         await self.engine.check_health()
@@ -230,6 +256,10 @@ class VLLMEngine:
     async def update_weights_from_file(self, path: str) -> None:
         """Reload from a safetensors file in this engine's dtype on the engine's node (see inference/weights.py)."""
         await self.actor.update_weights_from_file.remote(str(path))
+
+    async def release_memory(self) -> int:
+        """Return the idle KV cache's memory to the OS until the next rollout (see VLLMWorker.release_memory)."""
+        return await self.actor.release_memory.remote()
 
     async def health(self) -> bool:
         """True when the actor answers and its engine core is alive."""

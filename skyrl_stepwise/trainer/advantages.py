@@ -60,13 +60,19 @@ def group_advantages(scores: dict[TrajectoryID, float], estimator: str = "grpo",
     return advantages
 
 
-def groups_with_signal(scores: dict[TrajectoryID, float]) -> tuple[int, int]:
-    """(prompt groups whose trajectories scored differently, all groups): only the former give GRPO/RLOO a
-    gradient, so this is how much of a step could learn anything."""
+def signal_groups(scores: dict[TrajectoryID, float]) -> dict[str, bool]:
+    """Each prompt group (instance_id, in first-seen order) -> whether its trajectories scored differently:
+    only such groups give GRPO/RLOO a non-zero advantage, hence a gradient."""
     groups: dict[str, set[float]] = defaultdict(set)
     for tid, score in scores.items():
         groups[tid.instance_id].add(score)
-    return sum(len(v) > 1 for v in groups.values()), len(groups)
+    return {instance: len(values) > 1 for instance, values in groups.items()}
+
+
+def groups_with_signal(scores: dict[TrajectoryID, float]) -> tuple[int, int]:
+    """(prompt groups whose trajectories scored differently, all groups): how much of a step could learn."""
+    signal = signal_groups(scores)
+    return sum(signal.values()), len(signal)
 
 
 def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:

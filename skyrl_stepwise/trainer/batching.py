@@ -71,6 +71,17 @@ class TrainBatch:
                 if value is not None and len(value[i]) != r:
                     raise ValueError(f"TrainBatch sample {i}: {r} response ids but {len(value[i])} {name}")
 
+    @classmethod
+    def concat(cls, batches: list[TrainBatch]) -> TrainBatch:
+        """One batch of all these samples in order; an optional field is kept only if every batch has it."""
+        if not batches:
+            raise ValueError("TrainBatch.concat needs at least one batch")
+        merged = {}
+        for f in fields(cls):
+            values = [getattr(b, f.name) for b in batches]
+            merged[f.name] = None if any(v is None for v in values) else [x for v in values for x in v]
+        return cls(**merged)
+
     def select(self, indices: list[int]) -> TrainBatch:
         """The sub-batch of these samples, in this order (for mini-batches and rank shards)."""
         return TrainBatch(**{f.name: None if getattr(self, f.name) is None

@@ -35,6 +35,12 @@ class AlgorithmConfig:
     # Sum of per-token losses / number of loss-masked tokens in the whole mini-batch (all ranks), so
     # splitting a trajectory into steps or merging steps never changes the loss.
     loss_reduction: str = "token_mean"
+    # DAPO's dynamic sampling: a prompt group whose samples all scored the same has zero GRPO/RLOO advantage
+    # and teaches nothing. When on, a step draws up to `max_sample_batches` batches of prompts until it has
+    # data.train_batch_size groups with different scores, and trains on those only (generation is cheap next
+    # to the update on small models; the data position stays a pure function of the step).
+    dynamic_sampling: bool = False
+    max_sample_batches: int = 3
 
     def validate(self, prefix: str = "trainer.algorithm") -> None:
         """Reject settings that would silently optimise something else than intended."""
@@ -49,6 +55,8 @@ class AlgorithmConfig:
         for key in ("eps_clip_low", "eps_clip_high", "kl_loss_coef"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{prefix}.{key} must be >= 0, got {getattr(self, key)}")
+        if self.max_sample_batches < 1:
+            raise ValueError(f"{prefix}.max_sample_batches must be >= 1, got {self.max_sample_batches}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
             raise ValueError(f"{prefix}.dual_clip_c must be > 1 (or null to disable), got {self.dual_clip_c}")
         if self.tis_ratio_clip_high is not None and self.tis_ratio_clip_high < 0:

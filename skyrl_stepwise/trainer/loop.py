@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
-from skyrl_stepwise.trainer.advantages import compute_advantages, groups_with_signal, trajectory_scores
+from skyrl_stepwise.trainer.advantages import compute_advantages, signal_groups, trajectory_scores
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
@@ -148,6 +148,7 @@ class RLTrainer:
         self.last_eval: EvalResult | None = None
         self.run_id = uuid.uuid4().hex[:12]  # tags this launch's checkpoints: pruning touches only its lineage
         self.lineage: list[dict] = []
+        self.last_prompts: list[str] = []  # instance ids the last step drew, for the metrics log
 
     async def fit(self) -> dict[str, float]:
         """Resume if asked, then train to total_steps; returns the last step's metrics."""
@@ -164,12 +165,11 @@ class RLTrainer:
             await sync_weights(self.policy, self.engine)
         metrics: dict[str, float] = {}
         while self.step < self.cfg.total_steps:
-            prompts = [row.instance_id for row in self.loader.batch(self.step)]
             metrics = await self.train_step()
             self.step += 1
             if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0 or self.step == self.cfg.total_steps:
                 metrics.update(await self.evaluate())
-            self.tracker.log(metrics, self.step, {"prompts": prompts})
+            self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
             ckpt = self.cfg.trainer.ckpt_interval
             if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
                 self.save_checkpoint()
@@ -183,25 +183,65 @@ class RLTrainer:
                                      self.lineage + [lineage_entry(self.step, self.run_id)],
                                      self.cfg.trainer.max_ckpts_to_keep)
 
+    async def sample(self) -> tuple[GeneratorOutput, TrainBatch | None, dict[str, float], list[str]]:
+        """This step's rollouts, the batch to train on, its signal metrics and the prompts drawn.
+
+        Without dynamic sampling: one batch of prompts (data position = the step), every group trained. With it
+        (DAPO): up to max_sample_batches draws (data position = step * max_sample_batches + draw), keeping the
+        groups whose samples scored differently until data.train_batch_size of them; a group that scored the
+        same everywhere has zero advantage and would only dilute the token mean, so it is dropped.
+        """
+        cfg, algo = self.cfg, self.cfg.trainer.algorithm
+        draws = algo.max_sample_batches if algo.dynamic_sampling else 1
+        outputs, kept, prompts = [], [], []
+        signal_of: dict[str, bool] = {}
+        for draw in range(draws):
+            rows = self.loader.batch(self.step * draws + draw)
+            prompts += [row.instance_id for row in rows]
+            tag = f"train{self.step}" if draw == 0 else f"train{self.step}.{draw}"
+            output = await self.generator.generate(*expand(rows, cfg.generator.n_samples_per_prompt, tag))
+            outputs.append(output)
+            if len(output) == 0:
+                continue
+            signal = signal_groups(trajectory_scores(output))
+            signal_of.update(signal)
+            batch = TrainBatch.from_output(output, compute_advantages(output, algo))
+            if algo.dynamic_sampling:
+                room = cfg.data.train_batch_size - sum(len(set(b.instance_ids)) for b in kept)
+                chosen = set([group for group, has_signal in signal.items() if has_signal][:room])
+                batch = batch.select([i for i, group in enumerate(batch.instance_ids) if group in chosen])
+            kept.append(batch)
+            if sum(len(set(b.instance_ids)) for b in kept) >= cfg.data.train_batch_size:
+                break
+        batch = TrainBatch.concat(kept) if kept else None
+        trained = set(batch.instance_ids) if batch else set()
+        with_signal = sum(signal_of[group] for group in trained)
+        metrics = {"advantages/groups_with_signal": float(with_signal),
+                   "advantages/groups_with_signal_frac": with_signal / max(len(trained), 1)}
+        if algo.dynamic_sampling:
+            generated_signal = sum(signal_of.values())
+            metrics.update({"dynamic_sampling/draws": float(len(outputs)),
+                            "dynamic_sampling/generated_groups": float(len(signal_of)),
+                            "dynamic_sampling/generated_signal_frac": generated_signal / max(len(signal_of), 1)})
+        if batch is not None and len(batch) == 0:
+            batch = None
+        return GeneratorOutput.concat(outputs), batch, metrics, prompts
+
     async def train_step(self) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
-        rows = self.loader.batch(self.step)
         with timer.phase("generate"):
-            output = await self.generator.generate(*expand(rows, cfg.generator.n_samples_per_prompt,
-                                                             f"train{self.step}"))
+            output, batch, signal, self.last_prompts = await self.sample()
         metrics = dict(output.rollout_metrics)
         metrics.update(reward_metrics(output, "reward"))
-        if len(output) == 0:  # e.g. every prompt too long: nothing to train on, and nothing made up instead
+        metrics.update(signal)
+        if batch is None:  # e.g. every prompt too long: nothing to train on, and nothing made up instead
             metrics.update({"train/skipped_step": 1.0, "train/optimizer_steps": 0.0, **timer,
                             "timing/step_s": time.perf_counter() - start})
             return metrics
 
-        advantages = compute_advantages(output, cfg.trainer.algorithm)
-        signal, groups = groups_with_signal(trajectory_scores(output))
-        metrics.update({"advantages/groups_with_signal": float(signal),
-                        "advantages/groups_with_signal_frac": signal / max(groups, 1)})
-        batch = TrainBatch.from_output(output, advantages)
+        if cfg.engine.release_kv_during_update and hasattr(self.engine, "release_memory"):
+            metrics["memory/engine_released_gib"] = await self.engine.release_memory() / 2**30
         mini_batches = prompt_mini_batches(batch.instance_ids, cfg.trainer.policy_mini_batch_size)
         bar = PhaseBar(self.step + 1, cfg.trainer.algorithm.use_kl_loss, len(mini_batches),
                        enabled=cfg.generator.show_progress)

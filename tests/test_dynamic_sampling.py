@@ -1,0 +1,108 @@
+"""DAPO dynamic sampling: a step keeps drawing prompt batches until it has train_batch_size groups whose samples
+scored differently, trains on those only, and says how much it generated to get them."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
+from skyrl_stepwise.inference.pool import EnginePool
+from skyrl_stepwise.inference.scripted import ScriptedEngine
+
+# rows "same*" answer yes in every sample (no signal); "mixed*" answer yes in sample 0 and no in sample 1
+ROWS = ("same1", "mixed1", "same2", "mixed2", "same3", "same4", "mixed3", "same5")
+
+
+class YesEnv:
+    async def reset(self, prompt_messages, extras):
+        return list(prompt_messages)
+
+    async def step(self, action_text):
+        return StepResult([], reward=float("yes" in action_text), done=True)
+
+
+def _row(name: str):
+    from skyrl_stepwise.data.dataset import PromptRow
+
+    return PromptRow(prompt=[{"role": "user", "content": "Is the sky blue?"}], env_class="yes", reward_spec={},
+                     data_source="toy", instance_id=name)
+
+
+def _trainer(tokenizer, tmp_path, dynamic: bool):
+    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
+    from skyrl_stepwise.trainer.tracking import Tracker
+
+    def script(prompt, session, index):  # session: "<tag>/<row>/<index>_<rep>"
+        row, rep = session.split("/")[1], int(session.rsplit("_", 1)[1])
+        answer = "no" if row.startswith("mixed") and rep == 1 else "yes"
+        return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    cfg = RunConfig(total_steps=2)
+    cfg.generator = GeneratorConfig(max_turns=1, max_input_length=512, n_samples_per_prompt=2, show_progress=False,
+                                    sampling=GeneratorSamplingConfig(max_generate_length=8))
+    cfg.data.train_batch_size, cfg.data.shuffle = 2, False
+    cfg.trainer.algorithm.dynamic_sampling, cfg.trainer.algorithm.max_sample_batches = dynamic, 3
+    registry = EnvRegistry()
+    registry.register("yes", YesEnv)
+    engine = EnginePool([ScriptedEngine(script, tokenizer)])
+    return RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator),
+                     StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator)), engine, None, None,
+                     Tracker(tmp_path, "p", "r", "disabled", {}), [_row(r) for r in ROWS], [], [1])
+
+
+def _groups(batch) -> list[str]:
+    return sorted({iid.split("/")[1] for iid in batch.instance_ids})
+
+
+async def test_dynamic_sampling_draws_until_enough_groups_have_signal_and_trains_only_those(tokenizer, tmp_path):
+    trainer = _trainer(tokenizer, tmp_path, dynamic=True)
+    output, batch, metrics, prompts = await trainer.sample()
+    # draw 0: same1 mixed1 (1 with signal), draw 1: same2 mixed2 (2 with signal): stop, same* dropped
+    assert prompts == ["same1", "mixed1", "same2", "mixed2"]
+    assert _groups(batch) == ["mixed1", "mixed2"] and len(batch) == 4
+    assert all(any(a[0] > 0 for a in batch.advantages[i:i + 2]) for i in (0, 2))  # GRPO within each group
+    assert metrics == {"advantages/groups_with_signal": 2.0, "advantages/groups_with_signal_frac": 1.0,
+                       "dynamic_sampling/draws": 2.0, "dynamic_sampling/generated_groups": 4.0,
+                       "dynamic_sampling/generated_signal_frac": 0.5}
+    assert len(output) == 8  # every generated sample is reported (reward metrics cover all of them)
+
+    trainer.step = 1  # data position = step * max_sample_batches + draw: step 1 starts at batch 3 (rows 6, 7)
+    _, batch, metrics, prompts = await trainer.sample()
+    assert prompts == ["mixed3", "same5", "same1", "mixed1"]  # batch 4 wraps around the 8 rows
+    assert _groups(batch) == ["mixed1", "mixed3"] and metrics["dynamic_sampling/draws"] == 2.0
+
+
+async def test_dynamic_sampling_out_of_draws_trains_the_groups_it_found(tokenizer, tmp_path):
+    trainer = _trainer(tokenizer, tmp_path, dynamic=True)
+    trainer.cfg.trainer.algorithm.max_sample_batches = 1
+    _, batch, metrics, prompts = await trainer.sample()
+    assert prompts == ["same1", "mixed1"] and _groups(batch) == ["mixed1"]
+    assert metrics["dynamic_sampling/draws"] == 1.0 and metrics["advantages/groups_with_signal"] == 1.0
+
+
+async def test_without_dynamic_sampling_every_group_is_trained_and_counted(tokenizer, tmp_path):
+    trainer = _trainer(tokenizer, tmp_path, dynamic=False)
+    _, batch, metrics, prompts = await trainer.sample()
+    assert prompts == ["same1", "mixed1"] and _groups(batch) == ["mixed1", "same1"]
+    assert metrics == {"advantages/groups_with_signal": 1.0, "advantages/groups_with_signal_frac": 0.5}
+
+
+def test_max_sample_batches_is_validated():
+    from skyrl_stepwise.trainer.config import AlgorithmConfig
+
+    with pytest.raises(ValueError, match="trainer.algorithm.max_sample_batches must be >= 1, got 0"):
+        AlgorithmConfig(max_sample_batches=0).validate()
+
+
+def test_the_report_says_what_dynamic_sampling_generated_to_find_its_groups():
+    from skyrl_stepwise.run_report import learning_summary
+
+    history = [{"advantages/groups_with_signal": 4.0, "advantages/groups_with_signal_frac": 1.0,
+                "dynamic_sampling/draws": d, "dynamic_sampling/generated_groups": 4.0 * d,
+                "dynamic_sampling/generated_signal_frac": f} for d, f in ((2.0, 0.5), (1.0, 1.0))]
+    assert learning_summary(history) == (
+        "2 of 2 RL steps had non-zero advantages; 2 had reward variance in at least half of their prompt groups. "
+        "Dynamic sampling kept only groups with variance: 3 prompt batches drawn for 2 steps, 8 of 12 generated "
+        "groups (67%) had variance.")
