@@ -98,7 +98,7 @@ async def raw_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats: i
         model=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed,
         enforce_eager=cfg.enforce_eager, gpu_memory_utilization=cfg.gpu_memory_utilization,
         enable_prefix_caching=True, logprobs_mode="processed_logprobs", disable_log_stats=True,
-        kv_cache_memory_bytes=None if torch.cuda.is_available() else int(cfg.cpu_kvcache_gib * (1 << 30)))
+        kv_cache_memory_bytes=None if torch.cuda.is_available() else cfg.kv_cache_bytes())
     with _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(cfg.threads())):  # as the actor's env
         engine = AsyncLLM.from_engine_args(args)
 

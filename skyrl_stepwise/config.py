@@ -133,6 +133,15 @@ class RunConfig:
                              "trainer logprobs must score the distribution the rollouts sampled from")
 
 
+    def kv_cache_tokens(self) -> int:
+        """Tokens of KV the run keeps in flight at most: every trajectory of a step (all its draws' worth at
+        once is never needed: draws run one after another) or every eval prompt, each at its longest."""
+        per_trajectory = min(self.generator.max_input_length + self.generator.sampling.max_generate_length,
+                             self.engine.max_model_len)
+        in_flight = max(self.data.train_batch_size * self.generator.n_samples_per_prompt, self.data.max_eval_prompts, 1)
+        return in_flight * per_trajectory
+
+
 def _has_cuda() -> bool:
     import torch
 

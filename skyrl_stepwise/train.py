@@ -249,6 +249,24 @@ def _report(cfg, tracker, failure: BaseException | None) -> None:
 
 
 @contextlib.contextmanager
+def size_kv_cache(cfg) -> None:
+    """CPU engines get the KV cache the run keeps in flight (engine.cpu_kvcache_gib=null), not a fixed guess:
+    the issue's run held 46k tokens of cache for at most 16k in use."""
+    import math
+
+    import torch
+    from transformers import AutoConfig
+
+    from skyrl_stepwise.inference.config import kv_cache_gib
+
+    if cfg.engine.cpu_kvcache_gib is not None or cfg.engine.backend != "vllm" or torch.cuda.is_available():
+        return
+    tokens = math.ceil(cfg.kv_cache_tokens() / cfg.engine.num_engines)
+    cfg.engine.cpu_kvcache_gib = kv_cache_gib(tokens, AutoConfig.from_pretrained(cfg.engine.model_path),
+                                              cfg.engine.dtype)
+    logger.info(f"KV cache sized to the run: {tokens} tokens per engine ({cfg.engine.cpu_kvcache_gib:g} GiB)")
+
+
 def prepared(cfg):
     """Model and data on disk, the local retriever up for as long as the block runs; yields the rows."""
     from skyrl_stepwise.logging_setup import active_run_log, children_output_to
@@ -259,6 +277,7 @@ def prepared(cfg):
     model = str(resolve_model_path(cfg.model_path))
     cfg.engine.model_path = cfg.trainer.model_path = model
     logger.info(f"model ready: {model} ({_since(start)})")
+    size_kv_cache(cfg)
     train_rows, val_rows = _datasets(cfg)
     logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
     needs_search = any(r.env_class in ("search", "tool") for r in train_rows + val_rows)

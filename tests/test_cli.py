@@ -204,3 +204,20 @@ def test_a_failed_run_still_gets_its_report(tmp_path):
     text = report.read_text()
     assert "failed with `RuntimeError: engine died`" in text and "after step 2 of 4" in text
     assert (tmp_path / "curves.png").is_file()
+
+
+def test_the_tiny_recipe_sizes_its_kv_cache_to_what_it_keeps_in_flight(model_path):
+    from skyrl_stepwise.train import load_config, size_kv_cache
+
+    cfg = load_config(["experiment=search_r1_tiny"])
+    cfg.engine.model_path = str(model_path)
+    assert cfg.engine.cpu_kvcache_gib is None
+    # 32 eval prompts at once (more than 4 prompts x 4 samples) x (1536 prompt + 128 generated) tokens
+    assert cfg.kv_cache_tokens() == 32 * 1664
+    size_kv_cache(cfg)
+    # SmolLM2: 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes (bf16) = 23,040 bytes a token -> 1.14 GiB
+    assert cfg.engine.cpu_kvcache_gib == 1.1875 and cfg.engine.kv_cache_bytes() == int(1.1875 * 2**30)
+    cfg.engine.num_engines = 2  # each engine holds half
+    cfg.engine.cpu_kvcache_gib = None
+    size_kv_cache(cfg)
+    assert cfg.engine.cpu_kvcache_gib == 0.625

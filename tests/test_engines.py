@@ -231,18 +231,20 @@ def test_missing_model_path_is_named(backend, tmp_path):
 
 
 def test_vllm_engine_computes_on_every_core(vllm_engine):
-    """Ray gives an actor that reserves no CPU one OpenMP thread; the engine must get the node's cores."""
+    """Ray gives an actor that reserves no CPU one OpenMP thread, at nice 15; the engine must get the node's
+    cores at the driver's priority."""
     import os
 
     import ray
 
     def threads(actor):
         import torch as actor_torch
-        return os.environ.get("OMP_NUM_THREADS"), actor_torch.get_num_threads()
+        return os.environ.get("OMP_NUM_THREADS"), actor_torch.get_num_threads(), os.nice(0)
 
-    env_threads, torch_threads = ray.get(vllm_engine.actor.__ray_call__.remote(threads))
+    env_threads, torch_threads, niceness = ray.get(vllm_engine.actor.__ray_call__.remote(threads))
     assert env_threads == str(os.cpu_count())
     assert torch_threads == os.cpu_count()
+    assert niceness == os.nice(0)
 
 
 @pytest.mark.parametrize("key, value", [("num_threads", 0), ("num_engines", 0), ("dtype", "int8")])
@@ -258,7 +260,7 @@ def test_vllm_engine_kv_cache_is_the_configured_size(vllm_engine):
     def kv_bytes(actor):
         return actor.engine.vllm_config.cache_config.kv_cache_memory_bytes
 
-    assert ray.get(vllm_engine.actor.__ray_call__.remote(kv_bytes)) == int(vllm_engine.cfg.cpu_kvcache_gib * (1 << 30))
+    assert ray.get(vllm_engine.actor.__ray_call__.remote(kv_bytes)) == vllm_engine.cfg.kv_cache_bytes()
 
 
 async def test_vllm_engine_releases_its_idle_kv_cache_and_refills_it_exactly(vllm_engine, prompts):
@@ -267,7 +269,7 @@ async def test_vllm_engine_releases_its_idle_kv_cache_and_refills_it_exactly(vll
     greedy = SamplingParams(max_tokens=16, temperature=0)
     before = await asyncio.gather(*(vllm_engine.generate(p, greedy) for p in prompts))
     released = await vllm_engine.release_memory()
-    kv = int(vllm_engine.cfg.cpu_kvcache_gib * (1 << 30))
+    kv = vllm_engine.cfg.kv_cache_bytes()
     assert 0.99 * kv <= released <= kv  # whole pages of the cache tensors: all but their unaligned edges
     after = await asyncio.gather(*(vllm_engine.generate(p, greedy) for p in prompts))
     assert [r.token_ids for r in after] == [r.token_ids for r in before]

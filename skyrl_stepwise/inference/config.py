@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -28,8 +29,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5  # GPU only: leaves room for the trainer on the same device
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: fast start, weights reload cleanly
     # CPU only: KV cache size in GiB, fractions allowed (vLLM's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE only
-    # takes whole GiB). SmolLM2-135M in bf16 keeps 23 KiB per token: 0.5 GiB holds ~23k tokens.
-    cpu_kvcache_gib: float = 1.0
+    # takes whole GiB). SmolLM2-135M in bf16 keeps 23 KiB per token: 0.5 GiB holds ~23k tokens. None: a run sizes
+    # it to what it keeps in flight (RunConfig.kv_cache_tokens); an engine started on its own takes 1 GiB.
+    cpu_kvcache_gib: float | None = None
     num_gpus_per_engine: float | None = None  # None -> 1 if CUDA is visible, else 0
     # CPU threads the engine computes with. Ray gives an actor that reserves no CPU one OpenMP thread, so
     # without this the engine decodes on one core of a multi-core box. None -> every core of the node.
@@ -53,11 +55,30 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1 (or null for every core), got {self.num_threads}")
-        if self.cpu_kvcache_gib <= 0:
-            raise ValueError(f"EngineConfig.cpu_kvcache_gib must be > 0, got {self.cpu_kvcache_gib}")
+        if self.cpu_kvcache_gib is not None and self.cpu_kvcache_gib <= 0:
+            raise ValueError(f"EngineConfig.cpu_kvcache_gib must be > 0 (or null: sized to the run), "
+                             f"got {self.cpu_kvcache_gib}")
         if self.max_batch_size < 1:
             raise ValueError(f"EngineConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
+
+    def kv_cache_bytes(self) -> int:
+        """The CPU KV cache in bytes: configured (or sized by the run), else 1 GiB for an engine on its own."""
+        return int((self.cpu_kvcache_gib or 1.0) * (1 << 30))
 
     def threads(self) -> int:
         """The engine's thread budget on this node: the configured count, else every core."""
         return self.num_threads or os.cpu_count() or 1
+
+
+def kv_bytes_per_token(hf_config, dtype: str) -> int:
+    """K and V of every layer for one token: 2 x layers x kv heads x head dim x the engine dtype's size."""
+    import torch
+
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * heads * head_dim * getattr(torch, dtype).itemsize
+
+
+def kv_cache_gib(tokens: int, hf_config, dtype: str) -> float:
+    """GiB for `tokens` tokens of KV, rounded up to 1/16 GiB (vLLM then carves whole blocks out of it)."""
+    return math.ceil(tokens * kv_bytes_per_token(hf_config, dtype) / (1 << 30) * 16) / 16
