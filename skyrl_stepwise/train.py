@@ -248,7 +248,6 @@ def _report(cfg, tracker, failure: BaseException | None) -> None:
         tracker.finish()
 
 
-@contextlib.contextmanager
 def size_kv_cache(cfg) -> None:
     """CPU engines get the KV cache the run keeps in flight (engine.cpu_kvcache_gib=null), not a fixed guess:
     the issue's run held 46k tokens of cache for at most 16k in use."""
@@ -267,6 +266,7 @@ def size_kv_cache(cfg) -> None:
     logger.info(f"KV cache sized to the run: {tokens} tokens per engine ({cfg.engine.cpu_kvcache_gib:g} GiB)")
 
 
+@contextlib.contextmanager
 def prepared(cfg):
     """Model and data on disk, the local retriever up for as long as the block runs; yields the rows."""
     from skyrl_stepwise.logging_setup import active_run_log, children_output_to
