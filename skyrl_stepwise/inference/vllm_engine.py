@@ -41,9 +41,6 @@ def ensure_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, **options)
     else:
-        # Ray starts workers at nice 15, so the engine and the policy ranks (the run's real compute) yield the
-        # cores to the driver and the retrieval server; Ray's own job runner sets 0 for the same reason.
-        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True, **options)
     if options:
         adopt_library_loggers()  # again: ray.init resets the `ray` logger
