@@ -9,7 +9,8 @@ activations, allocator slack, or staging copies of a save.
     python benchmarks/policy_memory.py                              # tiny recipe's settings
     python benchmarks/policy_memory.py --micro-batch-tokens 4096 --gradient-checkpointing
 
-Runs in about 3 minutes on 2 cores. Compare arms by running it twice with different flags.
+Runs in about 5 minutes on 2 cores (7 with gradient checkpointing). Measured: peak 4.4 GiB, idle after a step
+2.0 GiB (3.8 before ranks called malloc_trim), 3.4 GiB peak with --gradient-checkpointing (update +50%).
 """
 
 from __future__ import annotations
