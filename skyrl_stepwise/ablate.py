@@ -169,9 +169,12 @@ async def _ablate(cfg, rows) -> Path:
             await sync_weights(policy, engine)  # the engine still holds the previous mode's trained weights
             curve_starts[mode] = policy.call("weights_checksum")
             # never reads or writes checkpoints: a ckpt_dir of its own keeps any real run's checkpoints out of it
+            # and no dynamic sampling: each mode must train on the prompts the loader gives every mode, not on
+            # whichever groups its own rollouts happened to find informative
             run_cfg = replace(cfg, total_steps=cfg.ablation.train_steps, eval_interval=0,
                               trainer=replace(cfg.trainer, ckpt_interval=0, resume="none",
-                                              ckpt_dir=str(out_dir / mode / "ckpts")))
+                                              ckpt_dir=str(out_dir / mode / "ckpts"),
+                                              algorithm=replace(cfg.trainer.algorithm, dynamic_sampling=False)))
             gen_cfg = replace(cfg.generator, step_wise_trajectories=mode != "trajectory",
                               merge_stepwise_output=mode == "step_wise_merged")
             tracker = Tracker(out_dir / mode, cfg.logging.project, f"{cfg.logging.run_name}-{mode}", "disabled", {})

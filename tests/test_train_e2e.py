@@ -44,6 +44,8 @@ def _command(data: Path, out: Path, steps: int) -> list[str]:
             "generator.n_samples_per_prompt=4", "generator.max_turns=2", "generator.sampling.max_generate_length=48",
             "trainer.optim.weight_decay=0.0", "engine.dtype=float32", "trainer.fsdp.mixed_precision=false", "trainer.ckpt_interval=1", "trainer.max_ckpts_to_keep=-1",
             "trainer.fsdp.world_size=2",  # the recipe's one rank is faster on 2 cores; this keeps FSDP's 2-rank path
+            # every step trains and the data position is the step (dynamic sampling: tests/test_dynamic_sampling.py)
+            "trainer.algorithm.dynamic_sampling=false",
             "sft.enabled=false", f"logging.output_dir={out}", "logging.wandb_mode=offline"]
 
 
