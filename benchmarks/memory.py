@@ -14,6 +14,7 @@ A run of the tiny recipe with a cached SFT model takes about 6 minutes.
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,7 @@ def main() -> None:
         if total > peak_total:
             peak_total, peak_total_at, peak_by_role_at_total = total, time.perf_counter() - start, dict(now)
         time.sleep(1.0)  # reading smaps walks page tables: sampling faster slows the run it measures
+    shutil.rmtree(out / "run" / "ckpts", ignore_errors=True)  # GBs of resumable state nobody will resume
     gib = 1 << 30
     print(f"run: {' '.join(command[2:])}  (exit {child.returncode}, {time.perf_counter() - start:.0f} s; "
           f"console in {out / 'console.log'})")
