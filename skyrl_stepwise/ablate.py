@@ -139,7 +139,7 @@ async def _ablate(cfg, rows) -> Path:
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config, expand
     from skyrl_stepwise.trainer.tracking import Tracker
-    from skyrl_stepwise.trainer.weight_sync import sync_weights
+    from skyrl_stepwise.trainer.weight_sync import WeightSync
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
     ensure_ray()
@@ -154,6 +154,7 @@ async def _ablate(cfg, rows) -> Path:
         initial_weights = policy.call("weights_checksum")
         # the KL loss scores against the initial weights: one frozen copy serves the replay and every mode's run
         reference = LocalPolicy(cfg.trainer, trainable=False) if cfg.trainer.algorithm.use_kl_loss else None
+        weight_sync = WeightSync(cfg.weight_sync, policy, engine)
         cost_rows = []
         for k, history in enumerate(cfg.ablation.histories):
             gen_cfg = replace(cfg.generator, history=history, step_wise_trajectories=True, merge_stepwise_output=False)
@@ -166,7 +167,7 @@ async def _ablate(cfg, rows) -> Path:
         curve_starts: dict[str, str] = {}
         for mode in cfg.ablation.modes if cfg.ablation.train_steps > 0 else []:
             policy.call("restore_snapshot")  # same weights, a fresh optimizer and schedule, same RNG
-            await sync_weights(policy, engine)  # the engine still holds the previous mode's trained weights
+            await weight_sync.sync()  # the engine still holds the previous mode's trained weights
             curve_starts[mode] = policy.call("weights_checksum")
             # never reads or writes checkpoints: a ckpt_dir of its own keeps any real run's checkpoints out of it
             # and no dynamic sampling: each mode must train on the prompts the loader gives every mode, not on
@@ -180,7 +181,8 @@ async def _ablate(cfg, rows) -> Path:
             tracker = Tracker(out_dir / mode, cfg.logging.project, f"{cfg.logging.run_name}-{mode}", "disabled", {})
             trainer = RLTrainer(run_cfg, StepwiseGenerator(tokenizer, engine, registry, gen_cfg),
                                 StepwiseGenerator(tokenizer, engine, registry, eval_config(gen_cfg)), engine, policy,
-                                reference, tracker, rows, [], tokenizer("probe", add_special_tokens=False)["input_ids"])
+                                reference, tracker, rows, [], tokenizer("probe", add_special_tokens=False)["input_ids"],
+                                weight_sync)
             await trainer.fit()
             tracker.finish()
             curves[mode] = tracker.history

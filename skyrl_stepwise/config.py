@@ -16,6 +16,7 @@ from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.placement import PlacementConfig
 from skyrl_stepwise.trainer.config import TrainerConfig
 from skyrl_stepwise.trainer.sft import SFTConfig
+from skyrl_stepwise.trainer.weight_sync import WeightSyncConfig
 
 
 @dataclass
@@ -90,6 +91,7 @@ class RunConfig:
     ablation: AblationConfig = field(default_factory=AblationConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
     def validate(self) -> None:
         """Every rule that spans sections, with the key path in the message."""
@@ -97,6 +99,7 @@ class RunConfig:
         self.trainer.validate()
         self.sft.validate()
         self.placement.validate()
+        self.weight_sync.validate()
         if self.total_steps <= 0:
             raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
         if self.data.train_batch_size <= 0:

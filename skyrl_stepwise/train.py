@@ -143,7 +143,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.trainer.evaluation import eval_subset
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
     from skyrl_stepwise.trainer.tracking import Tracker
-    from skyrl_stepwise.trainer.weight_sync import sync_weights
+    from skyrl_stepwise.trainer.weight_sync import WeightSync
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
@@ -173,8 +173,10 @@ async def _run(cfg, train_rows, val_rows) -> dict:
             placement_group, layout.reference)) if cfg.trainer.algorithm.use_kl_loss else None
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
+        weight_sync = WeightSync(cfg.weight_sync, policy, engine)
+        logger.info(f"weight sync: {weight_sync.method}")
         if cfg.sft.enabled:
-            await sync_weights(policy, engine)  # the engines still hold the base model
+            await weight_sync.sync()  # the engines still hold the base model
             await evals.run("after SFT")
         tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
                           dataclasses.asdict(cfg))
@@ -182,7 +184,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
                                               tokenize=False, add_generation_prompt=True)
         trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator), eval_generator,
                             engine, policy, reference, tracker, train_rows, val_rows,
-                            tokenizer(probe, add_special_tokens=False)["input_ids"])
+                            tokenizer(probe, add_special_tokens=False)["input_ids"], weight_sync)
         g = cfg.generator
         mode = ("step-wise, merged" if g.merge_stepwise_output else "step-wise") if g.step_wise_trajectories \
             else "whole trajectories"

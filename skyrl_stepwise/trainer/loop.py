@@ -24,7 +24,7 @@ from skyrl_stepwise.trainer.advantages import compute_advantages, signal_groups,
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
-from skyrl_stepwise.trainer.weight_sync import probe_logprobs, sync_weights
+from skyrl_stepwise.trainer.weight_sync import WeightSync, probe_logprobs
 
 
 @dataclass
@@ -137,10 +137,12 @@ class RLTrainer:
 
     def __init__(self, cfg, generator: StepwiseGenerator, eval_generator: StepwiseGenerator,
                  engine: InferenceEngine, policy, reference, tracker, train_rows: list[PromptRow],
-                 val_rows: list[PromptRow], probe_ids: list[int]) -> None:
+                 val_rows: list[PromptRow], probe_ids: list[int], weight_sync: WeightSync | None = None) -> None:
+        """`weight_sync`: the run's (it holds a broadcast group across steps); None builds one from cfg."""
         self.cfg = cfg
         self.generator, self.eval_generator, self.engine = generator, eval_generator, engine
         self.policy, self.reference, self.tracker = policy, reference, tracker
+        self.weight_sync = weight_sync or WeightSync(cfg.weight_sync, policy, engine)
         self.loader = PromptLoader(train_rows, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.val_rows = eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed)
         self.probe_ids = probe_ids
@@ -162,7 +164,7 @@ class RLTrainer:
             self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
             self.tracker.rewind(self.step)
-            await sync_weights(self.policy, self.engine)
+            await self.weight_sync.sync()
         metrics: dict[str, float] = {}
         while self.step < self.cfg.total_steps:
             metrics = await self.train_step()
@@ -261,7 +263,7 @@ class RLTrainer:
 
         with timer.phase("weight_sync"), bar.phase("weight sync"):
             sync_start = time.perf_counter()
-            await sync_weights(self.policy, self.engine)
+            await self.weight_sync.sync()
             metrics["sync/seconds"] = time.perf_counter() - sync_start  # without the probe below
             probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                          temperature=cfg.trainer.temperature)

@@ -1,7 +1,9 @@
-"""Trainer -> engines after each update, then proof that the engine now scores like the trainer."""
+"""Trainer -> engines after each update (a shared-memory file, a torch.distributed broadcast, or through the
+driver), then proof that the engine now scores like the trainer."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
@@ -16,35 +18,117 @@ class ProbeResult:
     num_tokens: int
 
 
+METHODS = ("auto", "file", "broadcast", "driver")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How updated weights reach the engines (the `weight_sync` section).
+
+    file: rank 0 writes one safetensors file in the engines' dtype to shared memory and the engines on its node
+    read it. broadcast: rank 0 broadcasts buckets to every engine worker over a torch.distributed group of their
+    own (gloo on CPU, NCCL on GPU; any node). driver: the full state dict through the driver (the fallback for
+    engines that can do neither). auto: file when every engine is on rank 0's node, else broadcast.
+    """
+
+    method: str = "auto"
+    bucket_mb: float = 256  # broadcast: bytes per collective (many small tensors travel in one)
+    timeout_s: float = 600  # broadcast: how long a member waits for the others (group setup and each bucket)
+
+    def validate(self, prefix: str = "weight_sync") -> None:
+        """Name the key: a bad method would otherwise surface after the first RL step."""
+        if self.method not in METHODS:
+            raise ValueError(f"{prefix}.method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"{prefix}.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"{prefix}.timeout_s must be > 0, got {self.timeout_s}")
+
+
 def engine_dtype(engine) -> str:
     """The dtype the engines run in (a pool's engines share one config)."""
     first = engine.engines[0] if hasattr(engine, "engines") else engine
     return getattr(getattr(first, "cfg", None), "dtype", "float32")
 
 
+def engines_of(engine) -> list:
+    """The engines behind a pool, or the engine itself."""
+    return list(engine.engines) if hasattr(engine, "engines") else [engine]
+
+
 def can_sync_through_a_file(group, engine) -> bool:
     """Every engine can read a weights file and runs on the node where the trainer's rank 0 writes it."""
     trainer_node = getattr(group, "node_id", None) or current_node_id()
-    engines = engine.engines if hasattr(engine, "engines") else [engine]
     return all(hasattr(e, "update_weights_from_file") and getattr(e, "node_id", None) == trainer_node
-               for e in engines)
+               for e in engines_of(engine))
 
 
-async def sync_weights(group, engine: InferenceEngine) -> int:
-    """Load the trainer's current weights into every engine; returns the number of parameters.
+def can_sync_by_broadcast(engine) -> bool:
+    """Every engine can join a weight broadcast group (vLLM engines; the in-process HF engine cannot)."""
+    return all(hasattr(e, "update_weights_from_broadcast") for e in engines_of(engine))
 
-    Same node: rank 0 writes one safetensors file in the engines' dtype to shared memory and the engines read
-    it, so the driver only passes a path. Otherwise (an engine on another node, or one that cannot read files)
-    the full state dict goes through the driver as before.
+
+def resolve_method(method: str, group, engine) -> str:
+    """`auto` made concrete; an explicit method the engines cannot use fails here, naming the key."""
+    if method == "auto":
+        if can_sync_through_a_file(group, engine):
+            return "file"
+        return "broadcast" if can_sync_by_broadcast(engine) else "driver"
+    if method == "file" and not can_sync_through_a_file(group, engine):
+        raise ValueError("weight_sync.method=file needs every engine on the trainer's rank-0 node and able to read "
+                         "weight files; use weight_sync.method=broadcast (or auto)")
+    if method == "broadcast" and not can_sync_by_broadcast(engine):
+        raise ValueError(f"weight_sync.method=broadcast: {type(engines_of(engine)[0]).__name__} cannot join a weight "
+                         "broadcast group; use weight_sync.method=file or driver (or auto)")
+    return method
+
+
+class WeightSync:
+    """Trainer -> engines after each update; the driver only coordinates (see WeightSyncConfig for the carriers).
+
+    Holds the broadcast group's setup between steps: it is built on the first sync and reused after.
     """
-    if can_sync_through_a_file(group, engine):
-        with weights_file() as path:
-            exported = group.call("export_weights", str(path), engine_dtype(engine))
-            await engine.update_weights_from_file(str(path))
-        return exported["params"]
-    state = group.call("full_state_dict")
-    await engine.update_weights(list(state.items()))
-    return sum(t.numel() for t in state.values())
+
+    def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine) -> None:
+        cfg.validate()
+        self.cfg, self.group, self.engine = cfg, group, engine
+        self.method = resolve_method(cfg.method, group, engine)
+        self._manifest: list | None = None
+
+    async def sync(self) -> int:
+        """Load the trainer's current weights into every engine; returns the number of parameters sent."""
+        if self.method == "file":
+            with weights_file() as path:
+                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine))
+                await self.engine.update_weights_from_file(str(path))
+            return exported["params"]
+        if self.method == "broadcast":
+            return await self._broadcast()
+        state = self.group.call("full_state_dict")
+        await self.engine.update_weights(list(state.items()))
+        return sum(t.numel() for t in state.values())
+
+    async def _broadcast(self) -> int:
+        engines = engines_of(self.engine)
+        if self._manifest is None:  # the first sync: plan the buckets and form the group
+            self._manifest = self.group.call("weight_manifest", engine_dtype(self.engine),
+                                             int(self.cfg.bucket_mb * 2**20))
+            ranks = [getattr(e, "weight_broadcast_ranks", 1) for e in engines]
+            host, port, backend = self.group.call("open_weight_broadcast", sum(ranks), self.cfg.timeout_s)
+            first_ranks = [1 + sum(ranks[:i]) for i in range(len(engines))]
+            await asyncio.gather(
+                asyncio.to_thread(self.group.call, "join_weight_broadcast"),
+                *[e.join_weight_broadcast(host, port, r, 1 + sum(ranks), backend, self.cfg.timeout_s)
+                  for e, r in zip(engines, first_ranks)])
+        sent, *_ = await asyncio.gather(asyncio.to_thread(self.group.call, "broadcast_weights", self._manifest),
+                                        *[e.update_weights_from_broadcast(self._manifest) for e in engines])
+        return sent["params"]
+
+
+async def sync_weights(group, engine: InferenceEngine, cfg: WeightSyncConfig | None = None) -> int:
+    """One sync with a fresh WeightSync (tests, one-off tools); a training loop keeps one WeightSync instead, so a
+    broadcast group is formed once."""
+    return await WeightSync(cfg or WeightSyncConfig(), group, engine).sync()
 
 
 PROBE_SESSION = "weight-sync-probe"
