@@ -136,6 +136,26 @@ class RunConfig:
                              "trainer logprobs must score the distribution the rollouts sampled from")
 
 
+    def fit_precision_to_host(self) -> list[str]:
+        """Run bf16 only where the host computes it natively; returns what changed, for the log.
+
+        On a CPU-only host without AVX512-BF16/AMX, bf16 matmuls are emulated (3x slower decoding, ~80x slower
+        matmuls than float32, see hardware.py), so the engines and the trainer run float32 there instead: the
+        same recipe then takes minutes, not hours, and the engine and trainer still agree on one dtype.
+        """
+        from skyrl_stepwise.hardware import cpu_bf16_is_native
+
+        if _has_cuda() or cpu_bf16_is_native():
+            return []
+        changed = []
+        if self.engine.dtype == "bfloat16":
+            self.engine.dtype = "float32"
+            changed.append("engine.dtype=bfloat16 -> float32")
+        if self.trainer.fsdp.mixed_precision:
+            self.trainer.fsdp.mixed_precision = False
+            changed.append("trainer.fsdp.mixed_precision=true -> false")
+        return changed
+
     def kv_cache_tokens(self) -> int:
         """Tokens of KV the run keeps in flight at most: every trajectory of a step (all its draws' worth at
         once is never needed: draws run one after another) or every eval prompt, each at its longest."""

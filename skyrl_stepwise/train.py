@@ -47,6 +47,10 @@ def to_run_config(composed, in_hydra_job: bool = True):
         composed.logging.output_dir = default_output_dir(composed.logging.run_name)
     cfg = OmegaConf.to_object(composed)
     cfg.validate()
+    changed = cfg.fit_precision_to_host()
+    if changed:
+        logger.warning(f"this CPU has no native bf16 (AVX512-BF16/AMX; bf16 matmuls would be emulated, 3-80x "
+                       f"slower): {', '.join(changed)}")
     parse_level(cfg.logging.console_level, "logging.console_level")
     parse_level(cfg.logging.file_level, "logging.file_level")
     return cfg

@@ -206,9 +206,10 @@ def test_a_failed_run_still_gets_its_report(tmp_path):
     assert (tmp_path / "curves.png").is_file()
 
 
-def test_the_tiny_recipe_sizes_its_kv_cache_to_what_it_keeps_in_flight(model_path):
+def test_the_tiny_recipe_sizes_its_kv_cache_to_what_it_keeps_in_flight(model_path, monkeypatch):
     from skyrl_stepwise.train import load_config, size_kv_cache
 
+    monkeypatch.setattr("skyrl_stepwise.hardware.cpu_bf16_is_native", lambda: True)  # the recipe's bf16, as written
     cfg = load_config(["experiment=search_r1_tiny"])
     cfg.engine.model_path = str(model_path)
     assert cfg.engine.cpu_kvcache_gib is None
@@ -221,3 +222,21 @@ def test_the_tiny_recipe_sizes_its_kv_cache_to_what_it_keeps_in_flight(model_pat
     cfg.engine.cpu_kvcache_gib = None
     size_kv_cache(cfg)
     assert cfg.engine.cpu_kvcache_gib == 0.625
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_recipes_run_float32_on_cpus_that_would_emulate_bf16(native, monkeypatch):
+    import skyrl_stepwise.hardware as hardware
+    from skyrl_stepwise.train import load_config
+
+    monkeypatch.setattr(hardware, "cpu_bf16_is_native", lambda: native)
+    monkeypatch.setattr("skyrl_stepwise.config._has_cuda", lambda: False)
+    cfg = load_config(["experiment=search_r1_tiny"])
+    if native:  # the recipe as written
+        assert (cfg.engine.dtype, cfg.trainer.fsdp.mixed_precision) == ("bfloat16", True)
+    else:  # engines and trainer agree on float32, and say so
+        assert (cfg.engine.dtype, cfg.trainer.fsdp.mixed_precision) == ("float32", False)
+        cfg.engine.dtype, cfg.trainer.fsdp.mixed_precision = "bfloat16", True
+        assert cfg.fit_precision_to_host() == ["engine.dtype=bfloat16 -> float32",
+                                               "trainer.fsdp.mixed_precision=true -> false"]
+        assert cfg.fit_precision_to_host() == []  # already float32: nothing to change

@@ -65,8 +65,11 @@ def init_distributed(fsdp: FSDPConfig) -> tuple[int, int, torch.device]:
 
 
 def bf16_supported(device: torch.device) -> bool:
-    """CPUs run bf16 in torch everywhere; GPUs only from Ampere on."""
-    return device.type == "cpu" or torch.cuda.is_bf16_supported()
+    """bf16 compute where the hardware has it: GPUs from Ampere on, CPUs with AVX512-BF16/AMX (on AVX2-only CPUs
+    torch emulates bf16 matmuls, ~80x slower than float32: trainer.fsdp.mixed_precision then computes in fp32)."""
+    from skyrl_stepwise.hardware import cpu_bf16_is_native
+
+    return cpu_bf16_is_native() if device.type == "cpu" else torch.cuda.is_bf16_supported()
 
 
 def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device) -> torch.nn.Module:
