@@ -1,15 +1,16 @@
-"""Where the policy ranks, reference ranks and vLLM engines run: one Ray placement group over the GPUs.
+"""Where the policy ranks and vLLM engines run: one Ray placement group over the GPUs.
 
-Asking Ray for a whole GPU per actor makes the Search-R1 recipe (8 policy ranks, 8 reference ranks,
-4 engines) want 20 GPUs on an 8-GPU node, and Ray waits for them forever. Here the plan is made first
-(`plan_layout`, pure), checked against the cluster (`check_fits`, a clear error instead of a hang), then
+Asking Ray for a whole GPU per actor made the Search-R1 recipe (8 policy ranks, 8 reference ranks,
+4 engines) want 20 GPUs on an 8-GPU node, and Ray waited for them forever. The reference model of the KL
+loss lives inside the policy ranks (PolicyWorker(with_reference=True)): it has no actors of its own.
+Here the plan is made first (`plan_layout`, pure), checked against the cluster (`check_fits`, a clear error instead of a hang), then
 reserved as one placement group of 1-GPU bundles (`create_placement_group`, with a timeout); actors
 join a bundle with a fraction of its GPU (`actor_options`).
 
 Modes:
-- colocated: policy rank i, reference rank i and (spread out) the engines share bundle i's GPU with
-  fractional `num_gpus`, so the recipe needs max(world_size, num_engines) GPUs.
-- split: policy + reference share bundles 0..world_size-1, each engine owns a GPU after them.
+- colocated: policy rank i (with its reference shard) and (spread out) the engines share bundle i's GPU
+  with fractional `num_gpus`, so the recipe needs max(world_size, num_engines) GPUs.
+- split: policy rank i owns bundle i's GPU, each engine owns a GPU after them.
 - none: CPU-only, no bundles, every actor asks for 0 GPUs.
 
 Ray's fractions are bookkeeping only: they decide who may share a GPU, not how its memory is divided
@@ -36,9 +37,8 @@ class PlacementConfig:
 
     mode: str = "auto"  # auto | colocated | split | none; auto: colocated when the run asks for GPUs, else none
     gpus_per_node: int | None = None  # None: read from the cluster
-    # colocated: the shares of one GPU (must sum to <= 1); split: policy + reference share one, engines own one
-    policy_gpu_fraction: float = 0.4
-    reference_gpu_fraction: float = 0.1
+    # colocated: the shares of one GPU (must sum to <= 1; the policy's covers its reference shard); split: whole
+    policy_gpu_fraction: float = 0.5
     engine_gpu_fraction: float = 0.4
     cpus_per_bundle: float = 0  # CPUs reserved with each GPU bundle (0: none, the actors ask for no CPU)
     ready_timeout_s: float = 8.0  # how long to wait for the placement group before failing
@@ -49,14 +49,14 @@ class PlacementConfig:
             raise ValueError(f"{prefix}.mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"{prefix}.gpus_per_node must be >= 1 (or null), got {self.gpus_per_node}")
-        for key in ("policy_gpu_fraction", "reference_gpu_fraction", "engine_gpu_fraction"):
+        for key in ("policy_gpu_fraction", "engine_gpu_fraction"):
             value = getattr(self, key)
             if not 0 < value <= 1:
                 raise ValueError(f"{prefix}.{key} must be in (0, 1], got {value}")
-        total = self.policy_gpu_fraction + self.reference_gpu_fraction + self.engine_gpu_fraction
+        total = self.policy_gpu_fraction + self.engine_gpu_fraction
         if total > 1 + _EPS:
-            raise ValueError(f"{prefix}.policy_gpu_fraction + {prefix}.reference_gpu_fraction + "
-                             f"{prefix}.engine_gpu_fraction must be <= 1 (they share one GPU), got {total:g}")
+            raise ValueError(f"{prefix}.policy_gpu_fraction + {prefix}.engine_gpu_fraction must be <= 1 (they share "
+                             f"one GPU), got {total:g}")
         if self.cpus_per_bundle < 0:
             raise ValueError(f"{prefix}.cpus_per_bundle must be >= 0, got {self.cpus_per_bundle}")
         if self.ready_timeout_s <= 0:
@@ -78,23 +78,20 @@ class Layout:
     num_bundles: int
     gpus_needed: int
     policy: list[Slot] = field(default_factory=list)
-    reference: list[Slot] = field(default_factory=list)
     engines: list[Slot] = field(default_factory=list)
     cpus_per_bundle: float = 0
 
     def describe(self) -> str:
         """One line for the run log, so a placement surprise is visible before anything starts."""
         if self.mode == "none":
-            return (f"placement none (CPU): {len(self.policy)} policy ranks, {len(self.reference)} reference ranks, "
-                    f"{len(self.engines)} engines, no GPUs")
-        parts = [_describe_role("policy ranks", self.policy), _describe_role("reference ranks", self.reference),
-                 _describe_role("engines", self.engines)]
+            return f"placement none (CPU): {len(self.policy)} policy ranks, {len(self.engines)} engines, no GPUs"
+        parts = [_describe_role("policy ranks", self.policy), _describe_role("engines", self.engines)]
         return f"placement {self.mode}: {self.gpus_needed} GPUs; " + "; ".join(p for p in parts if p)
 
     def bundle_gpus(self) -> list[float]:
         """GPU fraction claimed on each bundle: every entry must be <= 1 or the actors cannot all start."""
         used = [0.0] * self.num_bundles
-        for slot in self.policy + self.reference + self.engines:
+        for slot in self.policy + self.engines:
             if slot.bundle is not None:
                 used[slot.bundle] += slot.num_gpus
         return used
@@ -116,8 +113,8 @@ def resolve_mode(placement: PlacementConfig, gpus_requested: bool) -> str:
     return "colocated" if gpus_requested else "none"
 
 
-def plan_layout(world_size: int, num_engines: int, use_reference: bool, placement: PlacementConfig,
-                gpus_requested: bool, gpus_per_engine: float | None = 1) -> Layout:
+def plan_layout(world_size: int, num_engines: int, placement: PlacementConfig, gpus_requested: bool,
+                gpus_per_engine: float | None = 1) -> Layout:
     """Decide every actor's bundle before asking Ray, so the GPU count is known (and checkable) up front.
 
     `gpus_per_engine` is `engine.num_gpus_per_engine` (None: 1); tensor-parallel engines (> 1 GPU) would
@@ -133,15 +130,15 @@ def plan_layout(world_size: int, num_engines: int, use_reference: bool, placemen
                          "parallelism) are not supported by the placement planner; use 1 GPU per engine")
     mode = resolve_mode(placement, gpus_requested)
     plan = {"colocated": _colocated, "split": _split, "none": _cpu_only}[mode]
-    layout = plan(world_size, num_engines, use_reference, placement)
+    layout = plan(world_size, num_engines, placement)
     layout.cpus_per_bundle = placement.cpus_per_bundle if layout.num_bundles else 0
     return layout
 
 
 def plan_run_layout(cfg, gpus_requested: bool) -> Layout:
-    """The layout of a run's config (RunConfig): its policy ranks, reference (with the KL loss) and engines."""
-    return plan_layout(cfg.trainer.fsdp.world_size, cfg.engine.num_engines, cfg.trainer.algorithm.use_kl_loss,
-                       cfg.placement, gpus_requested, cfg.engine.num_gpus_per_engine)
+    """The layout of a run's config (RunConfig): its policy ranks (each with its reference shard) and engines."""
+    return plan_layout(cfg.trainer.fsdp.world_size, cfg.engine.num_engines, cfg.placement, gpus_requested,
+                       cfg.engine.num_gpus_per_engine)
 
 
 def role_options(pg: PlacementGroup | None, slots: list[Slot]) -> list[dict] | None:
@@ -149,33 +146,28 @@ def role_options(pg: PlacementGroup | None, slots: list[Slot]) -> list[dict] | N
     return None if pg is None else [actor_options(pg, s.bundle, s.num_gpus) for s in slots]
 
 
-def _colocated(world: int, engines: int, use_ref: bool, p: PlacementConfig) -> Layout:
+def _colocated(world: int, engines: int, p: PlacementConfig) -> Layout:
     bundles = max(world, engines)
     stride = bundles // engines if engines else 0
     return Layout(
         mode="colocated", num_bundles=bundles, gpus_needed=bundles,
         policy=[Slot(i, p.policy_gpu_fraction) for i in range(world)],
-        reference=[Slot(i, p.reference_gpu_fraction) for i in range(world)] if use_ref else [],
         engines=[Slot(j * stride, p.engine_gpu_fraction) for j in range(engines)],
     )
 
 
-def _split(world: int, engines: int, use_ref: bool, p: PlacementConfig) -> Layout:
-    # Without a reference the policy rank has its GPU to itself.
-    policy_share = p.policy_gpu_fraction if use_ref else 1.0
+def _split(world: int, engines: int, p: PlacementConfig) -> Layout:
     return Layout(
         mode="split", num_bundles=world + engines, gpus_needed=world + engines,
-        policy=[Slot(i, policy_share) for i in range(world)],
-        reference=[Slot(i, p.reference_gpu_fraction) for i in range(world)] if use_ref else [],
+        policy=[Slot(i, 1.0) for i in range(world)],
         engines=[Slot(world + j, 1.0) for j in range(engines)],
     )
 
 
-def _cpu_only(world: int, engines: int, use_ref: bool, p: PlacementConfig) -> Layout:
+def _cpu_only(world: int, engines: int, p: PlacementConfig) -> Layout:
     return Layout(
         mode="none", num_bundles=0, gpus_needed=0,
         policy=[Slot(None, 0) for _ in range(world)],
-        reference=[Slot(None, 0) for _ in range(world)] if use_ref else [],
         engines=[Slot(None, 0) for _ in range(engines)],
     )
 
@@ -202,7 +194,7 @@ def _format_gpus(gpus_per_node: dict[str, float]) -> str:
 
 def _hint(layout: Layout) -> str:
     if layout.mode == "split":
-        return " (placement.mode=colocated shares GPUs between policy, reference and engines)"
+        return " (placement.mode=colocated shares GPUs between policy ranks and engines)"
     return " (colocated needs max(trainer.fsdp.world_size, engine.num_engines) GPUs)"
 
 

@@ -148,7 +148,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
     from skyrl_stepwise.trainer.tracking import Tracker
     from skyrl_stepwise.trainer.weight_sync import WeightSync
-    from skyrl_stepwise.trainer.worker_group import PolicyGroup
+    from skyrl_stepwise.trainer.worker_group import PolicyGroup, ReferenceOnPolicyRanks
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
     engine = policy = reference = tracker = placement_group = None
@@ -172,9 +172,10 @@ async def _run(cfg, train_rows, val_rows) -> dict:
             cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
                                                                  role_options(placement_group, layout.policy)))
         start = time.perf_counter()
-        policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy))
-        reference = PolicyGroup(cfg.trainer, trainable=False, actor_options=role_options(
-            placement_group, layout.reference)) if cfg.trainer.algorithm.use_kl_loss else None
+        use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
+        policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy),
+                             with_reference=use_kl)
+        reference = ReferenceOnPolicyRanks(policy) if use_kl else None
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
         weight_sync = WeightSync(cfg.weight_sync, policy, engine)
@@ -206,9 +207,8 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     finally:
         if tracker is not None:
             _report(cfg, tracker, None)
-        for group in (policy, reference):
-            if group is not None:
-                group.shutdown()
+        if policy is not None:
+            policy.shutdown()
         if engine is not None:
             getattr(engine, "shutdown", lambda: None)()
         if placement_group is not None:

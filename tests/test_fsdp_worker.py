@@ -375,6 +375,35 @@ def test_restore_snapshot_brings_back_optimizer_scheduler_and_rng(tiny_model_dir
     assert torch.equal(torch.rand(3), draws)
 
 
+def test_the_reference_in_the_policy_ranks_keeps_the_starting_weights(tiny_model_dir):
+    """The KL loss's reference is a frozen shard inside each policy rank (no second group of actors): it scores
+    like the policy before any step, keeps scoring like the starting weights after, and takes no RNG draws."""
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.trainer.worker_group import ReferenceOnPolicyRanks
+
+    cfg = _tiny_worker(tiny_model_dir).cfg  # a worker seeds torch with cfg.seed when it starts
+    plain_draws = torch.rand(3)
+    worker = PolicyWorker(cfg, with_reference=True)
+    assert torch.equal(torch.rand(3), plain_draws)
+    assert not any(p.requires_grad for p in worker.reference.parameters())
+    batch = _fsdp_batch(128)
+    start = worker.compute_logprobs(batch)
+    assert worker.compute_ref_logprobs(batch) == start
+    worker.train_step(batch)
+    assert worker.compute_logprobs(batch) != start
+    assert worker.compute_ref_logprobs(batch) == start
+
+    class Group:  # PolicyGroup's interface over the one in-process rank
+        def call(self, method, *args):
+            return getattr(worker, method)(*args)
+
+    assert ReferenceOnPolicyRanks(Group()).call("compute_logprobs", batch) == start
+    with pytest.raises(AttributeError, match="only scores"):
+        ReferenceOnPolicyRanks(Group()).call("train_step", batch)
+    with pytest.raises(RuntimeError, match="with_reference=True"):
+        _tiny_worker(tiny_model_dir).compute_ref_logprobs(batch)
+
+
 def test_restore_snapshot_without_snapshot_says_so(tiny_model_dir):
     with pytest.raises(RuntimeError, match="call snapshot"):
         _tiny_worker(tiny_model_dir).restore_snapshot()

@@ -1,4 +1,4 @@
-"""Placement of policy ranks, reference ranks and vLLM engines on GPUs (skyrl_stepwise.placement).
+"""Placement of policy ranks and vLLM engines on GPUs (skyrl_stepwise.placement).
 
 The pure tests check the plans for the Search-R1 recipe. The integration tests reserve the plans on a
 simulated Ray cluster with fake GPUs (ray.cluster_utils.Cluster) and start one tiny actor per role.
@@ -35,15 +35,14 @@ from skyrl_stepwise.placement import (
 
 
 def _recipe_sizes(*overrides: str) -> dict:
-    """World size, engines and reference of conf/experiment/search_r1.yaml as composed by the trainer."""
+    """World size and engines of conf/experiment/search_r1.yaml as composed by the trainer."""
     from skyrl_stepwise.train import load_config
 
     cfg = load_config(["experiment=search_r1", "logging.output_dir=unused", *overrides])
-    return dict(world_size=cfg.trainer.fsdp.world_size, num_engines=cfg.engine.num_engines,
-                use_reference=cfg.trainer.algorithm.use_kl_loss)
+    return dict(world_size=cfg.trainer.fsdp.world_size, num_engines=cfg.engine.num_engines)
 
 
-RECIPE = _recipe_sizes()  # one 8-GPU node: world 8, 4 engines, KL reference
+RECIPE = _recipe_sizes()  # one 8-GPU node: world 8, 4 engines (the KL reference lives in the policy ranks)
 TWO_NODES = _recipe_sizes("trainer.fsdp.world_size=16", "engine.num_engines=8")  # the README's 2-node variant
 RESULT_TAG = "PLACEMENT_RESULT "
 
@@ -56,8 +55,8 @@ def _plan(mode: str = "auto", gpus: bool = True, **sizes) -> Layout:
 
 
 def test_the_recipe_is_what_the_plans_assume():
-    assert RECIPE == dict(world_size=8, num_engines=4, use_reference=True)
-    assert TWO_NODES == dict(world_size=16, num_engines=8, use_reference=True)
+    assert RECIPE == dict(world_size=8, num_engines=4)
+    assert TWO_NODES == dict(world_size=16, num_engines=8)
 
 
 def test_run_layouts_from_configs():
@@ -65,7 +64,7 @@ def test_run_layouts_from_configs():
     from skyrl_stepwise.train import load_config
 
     gpu = plan_run_layout(load_config(["experiment=search_r1", "logging.output_dir=unused"]), gpus_requested=True)
-    assert (gpu.mode, gpu.gpus_needed, len(gpu.reference)) == ("colocated", 8, 8)
+    assert (gpu.mode, gpu.gpus_needed, len(gpu.policy), len(gpu.engines)) == ("colocated", 8, 8, 4)
     tiny = plan_run_layout(load_config(["experiment=search_r1_tiny", "logging.output_dir=unused"]), gpus_requested=False)
     assert (tiny.mode, tiny.num_bundles) == ("none", 0)
 
@@ -73,8 +72,7 @@ def test_run_layouts_from_configs():
 def test_recipe_colocated_fits_on_eight_gpus():
     layout = _plan("colocated")
     assert (layout.gpus_needed, layout.num_bundles) == (8, 8)
-    assert layout.policy == [Slot(i, 0.4) for i in range(8)]
-    assert layout.reference == [Slot(i, 0.1) for i in range(8)]
+    assert layout.policy == [Slot(i, 0.5) for i in range(8)]  # the rank's share covers its reference shard
     assert layout.engines == [Slot(b, 0.4) for b in (0, 2, 4, 6)]
 
 
@@ -82,20 +80,15 @@ def test_auto_is_colocated_with_gpus_and_none_without():
     assert _plan("auto").mode == "colocated"
     cpu = _plan("auto", gpus=False)
     assert (cpu.mode, cpu.num_bundles, cpu.gpus_needed) == ("none", 0, 0)
-    assert len(cpu.policy) == len(cpu.reference) == 8 and len(cpu.engines) == 4
-    assert all(s == Slot(None, 0) for s in cpu.policy + cpu.reference + cpu.engines)
+    assert len(cpu.policy) == 8 and len(cpu.engines) == 4
+    assert all(s == Slot(None, 0) for s in cpu.policy + cpu.engines)
 
 
 def test_recipe_split_needs_twelve_gpus():
     layout = _plan("split")
     assert layout.gpus_needed == 12
-    assert [s.bundle for s in layout.policy] == [s.bundle for s in layout.reference] == list(range(8))
+    assert layout.policy == [Slot(b, 1.0) for b in range(8)]  # each rank (and its reference shard) owns a GPU
     assert layout.engines == [Slot(b, 1.0) for b in range(8, 12)]
-
-
-def test_split_without_reference_gives_policy_whole_gpus():
-    layout = plan_layout(8, 4, False, PlacementConfig(mode="split"), gpus_requested=True)
-    assert layout.reference == [] and all(s.num_gpus == 1.0 for s in layout.policy)
 
 
 def test_two_nodes_colocated_needs_sixteen_gpus():
@@ -105,13 +98,13 @@ def test_two_nodes_colocated_needs_sixteen_gpus():
 
 
 def test_more_engines_than_ranks_gets_a_bundle_per_engine():
-    layout = plan_layout(2, 4, True, PlacementConfig(mode="colocated"), gpus_requested=True)
+    layout = plan_layout(2, 4, PlacementConfig(mode="colocated"), gpus_requested=True)
     assert layout.gpus_needed == 4 and [s.bundle for s in layout.engines] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("mode", ["colocated", "split"])
-@pytest.mark.parametrize("sizes", [RECIPE, TWO_NODES, dict(world_size=8, num_engines=3, use_reference=True),
-                                   dict(world_size=3, num_engines=8, use_reference=False)])
+@pytest.mark.parametrize("sizes", [RECIPE, TWO_NODES, dict(world_size=8, num_engines=3),
+                                   dict(world_size=3, num_engines=8)])
 def test_no_bundle_is_oversubscribed(mode, sizes):
     layout = _plan(mode, **sizes)
     used = layout.bundle_gpus()
@@ -128,12 +121,12 @@ def test_describe_is_one_line():
 
 def test_tensor_parallel_engines_are_refused():
     with pytest.raises(ValueError, match="engine.num_gpus_per_engine"):
-        plan_layout(8, 4, True, PlacementConfig(), gpus_requested=True, gpus_per_engine=2)
+        plan_layout(8, 4, PlacementConfig(), gpus_requested=True, gpus_per_engine=2)
 
 
 @pytest.mark.parametrize("kwargs, key", [
     (dict(mode="packed"), "placement.mode"),
-    (dict(policy_gpu_fraction=0.6), "must be <= 1"),
+    (dict(policy_gpu_fraction=0.7), "must be <= 1"),
     (dict(engine_gpu_fraction=0), "placement.engine_gpu_fraction"),
     (dict(gpus_per_node=0), "placement.gpus_per_node"),
     (dict(cpus_per_bundle=-1), "placement.cpus_per_bundle"),
@@ -146,9 +139,9 @@ def test_validate_names_the_key(kwargs, key):
 
 def test_bad_sizes_name_the_key():
     with pytest.raises(ValueError, match="trainer.fsdp.world_size"):
-        plan_layout(0, 4, True, PlacementConfig(), gpus_requested=True)
+        plan_layout(0, 4, PlacementConfig(), gpus_requested=True)
     with pytest.raises(ValueError, match="engine.num_engines"):
-        plan_layout(8, -1, True, PlacementConfig(), gpus_requested=True)
+        plan_layout(8, -1, PlacementConfig(), gpus_requested=True)
 
 
 # --- fit check and actor options ----------------------------------------------------------------------
@@ -225,10 +218,9 @@ def two_nodes() -> dict:
 
 def _assert_colocated_placement(observed: dict, world: int, engines: int) -> None:
     assert observed["errors"] == []
-    places = {role: [tuple(p) for p in observed[role]] for role in ("policy", "reference", "engines")}
-    assert [len(places[r]) for r in places] == [world, world, engines]
+    places = {role: [tuple(p) for p in observed[role]] for role in ("policy", "engines")}
+    assert [len(places[r]) for r in places] == [world, engines]
     assert all(len(p[1].split(",")) == 1 for r in places for p in places[r]), "one GPU id per actor"
-    assert places["policy"] == places["reference"], "reference rank i shares policy rank i's GPU"
     assert len(set(places["policy"])) == world, "one policy rank per GPU"
     assert set(places["engines"]) <= set(places["policy"]), "every engine shares a policy rank's GPU"
     assert len(set(places["engines"])) == engines
@@ -291,7 +283,7 @@ def _start_probes(layout: Layout, pg) -> dict:
         def raw_gpu_ids(self) -> str:
             return repr(ray.get_gpu_ids())
 
-    roles = {"policy": layout.policy, "reference": layout.reference, "engines": layout.engines}
+    roles = {"policy": layout.policy, "engines": layout.engines}
     actors = {r: [Probe.options(**actor_options(pg, s.bundle, s.num_gpus)).remote() for s in slots]
               for r, slots in roles.items()}
     observed: dict = {"errors": [], "gpus_needed": layout.gpus_needed}
@@ -339,7 +331,7 @@ def _busy() -> dict:
 
     holder = create_placement_group(_plan("colocated"), timeout_s=60)
     try:
-        observed = _failure(_plan("colocated", world_size=4, num_engines=2, use_reference=True), timeout_s=2)
+        observed = _failure(_plan("colocated", world_size=4, num_engines=2), timeout_s=2)
         observed["groups_left"] = sum(g["state"] != "REMOVED" for g in placement_group_table().values())
     finally:
         remove_placement_group(holder)

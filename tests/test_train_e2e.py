@@ -118,7 +118,8 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
     command = [sys.executable, "-m", "skyrl_stepwise.train", "experiment=search_r1_tiny", "total_steps=1",
                "sft.max_rows=2", "sft.batch_size=2", f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
                "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
-               "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled"]
+               "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled",
+               "trainer.algorithm.use_kl_loss=true"]  # the reference inside the policy's Ray ranks
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -139,3 +140,6 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
     assert "of 1 RL steps had non-zero advantages" in report
     record = _records(out)[-1]
     assert record["advantages/groups_with_signal"] in (0.0, 1.0) and "eval/reward/ci_high" in record
+    # the reference is the SFT model the step started from: on the step's one (on-policy) mini-batch the policy
+    # has not moved yet, so its KL to the reference is zero (a reference holding other weights would not be)
+    assert "timing/ref_logprobs_s" in record and abs(record["policy/kl_loss"]) < 1e-4, record.get("policy/kl_loss")

@@ -39,6 +39,10 @@ class EngineConfig:
     # CPU: return the idle KV cache's pages to the OS while the trainer updates (vLLM's sleep mode is CUDA-only;
     # on one box the update and the cache share RAM). It refills on the next rollout.
     release_kv_during_update: bool = True
+    # GPU: vLLM's sleep mode through the update (level 1: KV cache freed, weights offloaded to host memory), so a
+    # colocated trainer gets the GPU's memory; weights wake for the sync, the KV cache after it. Ignored on CPU.
+    # Unverified on GPUs so far (no session with vLLM on a GPU): off by default.
+    sleep_during_update: bool = False
     # transformers knobs
     max_batch_size: int = 32  # requests decoded together by one HFEngine forward
     batch_wait_s: float = 0.005  # how long the first request of a batch waits for company

@@ -153,6 +153,9 @@ class VLLMWorker:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        self.sleep_mode = bool(cfg.sleep_during_update and torch.cuda.is_available())
+        self.asleep = False
+        self._wake_lock = asyncio.Lock()
         args = AsyncEngineArgs(
             model=model_path,
             dtype=cfg.dtype,
@@ -168,6 +171,7 @@ class VLLMWorker:
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
             # CPU: the KV cache size in bytes (GPU: gpu_memory_utilization decides)
             kv_cache_memory_bytes=None if torch.cuda.is_available() else cfg.kv_cache_bytes(),
+            enable_sleep_mode=self.sleep_mode,
         )
         self.engine = AsyncLLM.from_engine_args(args)
 
@@ -182,6 +186,8 @@ class VLLMWorker:
         """Ids in, ids out (TokensPrompt): nothing is re-tokenized, so the history stays exact."""
         from vllm import TokensPrompt
 
+        if self.asleep:  # a rollout after a release without a sync in between (e.g. an eval)
+            await self._wake(None)
         final = None
         async for output in self.engine.generate(
             TokensPrompt(prompt_token_ids=prompt_ids), to_vllm_sampling(sampling), request_id=uuid.uuid4().hex
@@ -197,15 +203,29 @@ class VLLMWorker:
         stop_string = final.stop_reason if isinstance(final.stop_reason, str) else None
         return GenerationResult(list(final.token_ids), logprobs, final.finish_reason, stop_string)
 
+    async def _wake(self, tags: list[str] | None) -> None:
+        """Wake what sleeps (`tags`: "weights", "kv_cache"; None: everything), once, whoever asks first."""
+        async with self._wake_lock:
+            if self.asleep:
+                self.asleep = not await self.engine.wake_up(tags)
+
+    async def _reload(self, method: str, *args) -> None:
+        """Weights in place, then the KV cache back: a sleeping engine wakes its weights first (level 1 kept a
+        host copy, so names the update does not send keep their values), and the rollout after gets its cache."""
+        if self.asleep:
+            await self._wake(["weights"])
+        await self.engine.collective_rpc(method, args=args)
+        await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
+        if self.asleep:
+            await self._wake(["kv_cache"])
+
     async def update_weights(self, blob: bytes) -> None:
         """In-place reload in the engine core; requests in flight continue with the new weights."""
-        await self.engine.collective_rpc("reload_weights_from_bytes", args=(blob,))
-        await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
+        await self._reload("reload_weights_from_bytes", blob)
 
     async def update_weights_from_file(self, path: str) -> None:
         """The same reload from a safetensors file the trainer wrote on this node (no bytes through Ray)."""
-        await self.engine.collective_rpc("reload_weights_from_file", args=(path,))
-        await self.engine.reset_prefix_cache()
+        await self._reload("reload_weights_from_file", path)
 
     async def join_weight_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str,
                                     timeout_s: float) -> None:
@@ -215,14 +235,22 @@ class VLLMWorker:
 
     async def update_weights_from_broadcast(self, manifest: list) -> None:
         """In-place reload from the trainer's broadcast (no bytes through Ray or the driver)."""
-        await self.engine.collective_rpc("reload_weights_from_broadcast", args=(manifest,))
-        await self.engine.reset_prefix_cache()
+        await self._reload("reload_weights_from_broadcast", manifest)
 
     async def release_memory(self) -> int:
-        """Between rollouts and the next weight update: drop the prefix cache and the KV cache's pages (CPU);
-        returns the bytes released. Refuses (returns 0) while a request is in flight: its KV is live."""
-        if torch.cuda.is_available() or self.engine.output_processor.has_unfinished_requests():
+        """Between rollouts and the next weight update: drop the prefix cache and the KV cache's pages (CPU), or
+        sleep (GPU with engine.sleep_during_update); returns the bytes released. Refuses (returns 0) while a
+        request is in flight: its KV is live."""
+        if self.asleep or self.engine.output_processor.has_unfinished_requests():
             return 0
+        if torch.cuda.is_available():
+            if not self.sleep_mode:
+                return 0
+            free_before = torch.cuda.mem_get_info()[0]
+            await self.engine.reset_prefix_cache()
+            await self.engine.sleep(level=1)
+            self.asleep = True
+            return max(0, torch.cuda.mem_get_info()[0] - free_before)
         await self.engine.reset_prefix_cache()
         released = await self.engine.collective_rpc("release_kv_cache")
         return int(sum(released))

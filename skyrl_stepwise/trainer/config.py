@@ -113,6 +113,9 @@ class FSDPConfig:
     # CPU threads of each rank (torch and OpenMP). None -> the node's cores shared evenly by its ranks; Ray
     # would otherwise give a rank that reserves no CPU a single OpenMP thread.
     num_threads_per_rank: int | None = None
+    # GPU, colocated with engines: move weights, gradients, AdamW state (and the reference) to host memory while the
+    # engines generate, and back for the update. A no-op on CPU. Unverified on GPUs so far: off by default.
+    offload_during_rollout: bool = False
 
     def validate(self, prefix: str = "trainer.fsdp") -> None:
         """World size and backend are the usual sources of a hang at start-up; check them first."""

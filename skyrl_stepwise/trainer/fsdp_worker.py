@@ -169,24 +169,43 @@ def sft_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, num_token
     return loss, {"sft/loss": loss.item()}
 
 
+def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool) -> torch.nn.Module:
+    """The checkpoint at cfg.model_path in fp32, sharded per layer over this process group."""
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_stepwise.models import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
+                                                 attn_implementation=cfg.attn_implementation)
+    model.config.use_cache = False
+    if cfg.fsdp.gradient_checkpointing and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = shard_model(model, cfg.fsdp, device)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
 class PolicyWorker:
-    """A causal LM sharded with FSDP2 on this rank; `trainable=False` makes a reference model (no optimizer)."""
+    """A causal LM sharded with FSDP2 on this rank; `trainable=False` makes a frozen model (no optimizer).
 
-    def __init__(self, cfg: TrainerConfig, trainable: bool = True):
-        from transformers import AutoModelForCausalLM, get_scheduler
+    `with_reference=True` also keeps a frozen copy of the starting weights, sharded over the same ranks, for
+    the KL loss: the reference lives on the policy's GPUs and process group instead of in a second group of
+    actors (one process, one CUDA context and one NCCL communicator per GPU fewer).
+    """
 
-        from skyrl_stepwise.models import resolve_model_path
+    def __init__(self, cfg: TrainerConfig, trainable: bool = True, with_reference: bool = False):
+        from transformers import get_scheduler
 
         cfg.validate()
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
-                                                     attn_implementation=cfg.attn_implementation)
-        model.config.use_cache = False
-        if cfg.fsdp.gradient_checkpointing and trainable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = shard_model(model, cfg.fsdp, self.device)
+        self.model = load_sharded_model(cfg, self.device, trainable)
+        self.reference = None
+        if with_reference:
+            with torch.random.fork_rng(devices=[]):  # the policy's RNG stream is the same with or without it
+                self.reference = load_sharded_model(cfg, self.device, trainable=False)
         self.optimizer = self.scheduler = None
         if trainable:
             o = cfg.optim
@@ -195,8 +214,6 @@ class PolicyWorker:
             self.scheduler = get_scheduler(o.scheduler, self.optimizer, num_warmup_steps=o.num_warmup_steps,
                                            num_training_steps=o.num_training_steps if o.num_training_steps > 0
                                            else None)
-        else:
-            self.model.requires_grad_(False)
         self._snapshot: dict | None = None
 
     def _micro_batches(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -209,16 +226,25 @@ class PolicyWorker:
         per_rank = [m + [[] for _ in range(n - len(m))] for m in per_rank]
         return per_rank[self.rank], per_rank
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        """Logprobs of every response token of every sample (old or reference logprobs), on every rank."""
+        """Logprobs of every response token of every sample under the current weights, on every rank."""
+        return self._logprobs(self.model, batch)
+
+    def compute_ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """The same under the reference (the starting weights), for the KL loss."""
+        if self.reference is None:
+            raise RuntimeError("compute_ref_logprobs on a PolicyWorker built without with_reference=True")
+        return self._logprobs(self.reference, batch)
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> list[list[float]]:
         batch.validate()
-        self.model.eval()
+        model.eval()
         mine, _ = self._micro_batches(batch)
         local: dict[int, list[float]] = {}
         for idx in mine:
             mb = pack_micro_batch(batch, idx).to(self.device)
-            logprobs, _ = forward_logprobs(self.model, mb, self.cfg.temperature)
+            logprobs, _ = forward_logprobs(model, mb, self.cfg.temperature)
             local.update(zip(idx, mb.split(logprobs)))
         gathered: list[dict[int, list[float]]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
@@ -331,6 +357,38 @@ class PolicyWorker:
         release_host_memory(self.device)
         dist.barrier()
         return out
+
+    def offload_to_host(self) -> int:
+        """GPU: move this rank's weights, gradients, AdamW state and reference shard to host memory so the engines
+        on the same GPU can generate in it; returns the device bytes freed. A no-op on CPU (and when already off).
+
+        FSDP2 modules move with `.to()` and keep their sharding; the optimizer's state tensors are moved by hand.
+        """
+        if self.device.type != "cuda" or getattr(self, "_offloaded", False):
+            return 0
+        free_before = torch.cuda.mem_get_info()[0]
+        self._move_to(torch.device("cpu"))
+        self._offloaded = True
+        return max(0, torch.cuda.mem_get_info()[0] - free_before)
+
+    def load_to_device(self) -> None:
+        """Undo `offload_to_host` before the next forward or update (a no-op when nothing is offloaded)."""
+        if getattr(self, "_offloaded", False):
+            self._move_to(self.device)
+            self._offloaded = False
+
+    def _move_to(self, device: torch.device) -> None:
+        for model in (self.model, self.reference):
+            if model is not None:
+                model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps `step` on the host
+                        state[key] = value.to(device, non_blocking=True)
+        if device.type == "cpu":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def weight_manifest(self, dtype: str, bucket_bytes: int) -> list:
         """The broadcast's plan (names, full shapes, the engines' dtype, bucket boundaries) in state-dict order;

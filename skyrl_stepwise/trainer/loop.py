@@ -232,18 +232,27 @@ class RLTrainer:
     async def train_step(self) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
+        offload = cfg.trainer.fsdp.offload_during_rollout  # GPU: the engines get the trainer's memory meanwhile
+        if offload:
+            offloaded_bytes = self.policy.call("offload_to_host")
         with timer.phase("generate"):
             output, batch, signal, self.last_prompts = await self.sample()
         metrics = dict(output.rollout_metrics)
         metrics.update(reward_metrics(output, "reward"))
         metrics.update(signal)
+        if offload:
+            metrics["memory/trainer_offloaded_gib"] = offloaded_bytes / 2**30
         if batch is None:  # e.g. every prompt too long: nothing to train on, and nothing made up instead
+            if offload:
+                self.policy.call("load_to_device")
             metrics.update({"train/skipped_step": 1.0, "train/optimizer_steps": 0.0, **timer,
                             "timing/step_s": time.perf_counter() - start})
             return metrics
 
         if cfg.engine.release_kv_during_update and hasattr(self.engine, "release_memory"):
             metrics["memory/engine_released_gib"] = await self.engine.release_memory() / 2**30
+        if offload:  # after the engines released theirs: the two never peak together
+            self.policy.call("load_to_device")
         mini_batches = prompt_mini_batches(batch.instance_ids, cfg.trainer.policy_mini_batch_size)
         bar = PhaseBar(self.step + 1, cfg.trainer.algorithm.use_kl_loss, len(mini_batches),
                        enabled=cfg.generator.show_progress)
