@@ -119,7 +119,8 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
                "sft.max_rows=2", "sft.batch_size=2", f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
                "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
                "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled",
-               "trainer.algorithm.use_kl_loss=true"]  # the reference inside the policy's Ray ranks
+               # the reference inside the policy's Ray ranks; every step trains (no dynamic sampling), so it scores
+               "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.dynamic_sampling=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
