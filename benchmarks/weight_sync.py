@@ -11,7 +11,8 @@ the engine worker; bucket sizes from --bucket-mb), driver (the full fp32 state d
     python benchmarks/weight_sync.py                     # 5 repeats, buckets of 256 and 16 MB
     python benchmarks/weight_sync.py --repeats 3 --arms file broadcast
 
-About 3 minutes on 2 cores.
+About 3 minutes on 2 cores. Measured (2-core AVX2 host, median of 5): file 0.79 s, broadcast 0.91 s (256 MB
+buckets) / 1.09 s (16 MB), driver 7.05 s with +1094 MB in the driver process; the other arms add nothing there.
 """
 
 from __future__ import annotations
