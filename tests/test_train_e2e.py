@@ -59,7 +59,9 @@ def test_train_kill_and_resume(tmp_path, model_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log1 = open(tmp_path / "run1.log", "w")
-    proc = subprocess.Popen(_command(data, out, 3), stdout=log1, stderr=subprocess.STDOUT, env=env,
+    # the first run syncs by torch.distributed broadcast (both FSDP ranks join each all-gather while rank 0 sends to
+    # the engine's worker over gloo); the resumed run by the default, the file on this node: both 2-rank paths
+    proc = subprocess.Popen(_command(data, out, 3) + ["weight_sync.method=broadcast"], stdout=log1, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:  # kill it during step 3, once step 2's checkpoint is complete
         deadline = time.monotonic() + 480
@@ -75,6 +77,7 @@ def test_train_kill_and_resume(tmp_path, model_path):
 
     first = _records(out)
     assert [r["step"] for r in first] == [1, 2]
+    assert "weight sync: broadcast" in (tmp_path / "run1.log").read_text()
     for r in first:  # loss finite, metrics logged, engine agrees with trainer after each sync
         assert all(torch.isfinite(torch.tensor(r[k])) for k in ("policy/loss", "policy/pg_loss", "train/grad_norm"))
         for key in ("reward/mean", "reward/pass_at_n", "policy/clip_frac", "policy/entropy", "train/grad_norm",
@@ -94,6 +97,7 @@ def test_train_kill_and_resume(tmp_path, model_path):
                              env=env, timeout=480)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
+    assert "weight sync: file" in resumed.stdout + resumed.stderr
     records = _records(out)
     assert [r["step"] for r in records] == [1, 2, 3]  # nothing lost, nothing repeated
     loader = PromptLoader(load_prompt_dataset(data), batch_size=2, seed=0, shuffle=False)
