@@ -136,6 +136,27 @@ def test_hermes_tool_calls_parse_from_text_and_from_single_tokens(tokenizer):
         assert turn.message()["tool_calls"][0]["function"]["name"] == "search"
 
 
+def test_mistral_tool_calls_parse_in_every_tokenizer_generation():
+    from skyrl_stepwise.chat.tool_parsers import parse_mistral_text
+
+    # v13 (Mistral Small 3.2): no sampled id, so one is made in the 9-character form the template requires
+    content, calls = parse_mistral_text('Checking. [TOOL_CALLS]search[ARGS]{"query": "Mona Lisa"}'
+                                        '[TOOL_CALLS]calculator[CALL_ID]a1B2c3D4e[ARGS]{"expression": "2+3"}'
+                                        '[TOOL_CALLS]search[ARGS]{"query": [TOOL_CALLS][ARGS]{"x": 1}[TOOL_CALLS]search')
+    assert content == "Checking. "
+    assert [(c.name, c.arguments, c.error, c.id) for c in calls] == [
+        ("search", {"query": "Mona Lisa"}, None, "call00000"), ("calculator", {"expression": "2+3"}, None, "a1B2c3D4e"),
+        ("search", None, "invalid_json", "call00002"), (None, {"x": 1}, "missing_name", "call00003"),
+        (None, None, "missing_arguments", "call00004")]
+    # v3-v7 (Mistral 7B v0.3, Nemo): one JSON list after the marker
+    content, calls = parse_mistral_text('[TOOL_CALLS] [{"name": "search", "arguments": {"query": "x"}, "id": '
+                                        '"abcdefghi"}, {"name": "calculator", "arguments": {"expression": "1"}}]')
+    assert content == "" and [(c.name, c.arguments, c.id) for c in calls] == [
+        ("search", {"query": "x"}, "abcdefghi"), ("calculator", {"expression": "1"}, "call00001")]
+    assert parse_mistral_text("no calls here") == ("no calls here", [])
+    assert [c.error for c in parse_mistral_text("[TOOL_CALLS][{oops")[1]] == ["invalid_json"]
+
+
 def test_tool_schemas_reach_the_prompt_even_when_the_template_ignores_tools(tokenizer):
     from family_tokenizers import family_tokenizer
 

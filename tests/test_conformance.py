@@ -1,7 +1,7 @@
 """Token exactness on the real chat templates of eight model families (tests/templates, offline tokenizers).
 
 Each family runs a 4-turn trajectory through the real generator with a scripted engine: a tool call in the
-family's own format (hermes, Llama 3.1 JSON, harmony) or a plain turn (DeepSeek, Mistral), a response that does not survive decode -> encode ending on a stop string, a turn cut
+family's own format (hermes, Llama 3.1 JSON, harmony, Mistral) or a plain turn (DeepSeek), a response that does not survive decode -> encode ending on a stop string, a turn cut
 by length, and a final answer. Observations are tool results (where the family's tool calls parse) and user
 messages. Invariants, for both thinking-retention policies:
 - trained tokens are exactly the sampled ones, every observation reaches the next prompt, nothing escapes;
@@ -15,6 +15,7 @@ import pytest
 from family_tokenizers import FAMILIES, family_tokenizer
 
 from skyrl_stepwise.chat import create_renderer
+from skyrl_stepwise.chat.tool_parsers import mistral_call_id
 from skyrl_stepwise.envs.base import EnvRegistry, StepResult
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.scripted import ScriptedEngine
@@ -24,7 +25,11 @@ HERMES = {"qwen2.5", "qwen3", "hermes-3", "smollm2"}
 TOOL_CALLS = {**{f: '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
                  for f in HERMES},
               "llama-3.1": '{"name": "calculator", "parameters": {"expression": "2+3"}}',
-              "gpt-oss": '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "2+3"}'}
+              "gpt-oss": '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "2+3"}',
+              # tokenizer v13 samples no [CALL_ID]; the template renders one, so only `all` keeps the turn
+              "mistral-small-3.2": '[TOOL_CALLS]calculator[ARGS]{"expression": "2+3"}'}
+# the id a tool result answers: Mistral's template demands 9 alphanumeric characters (the parser's made-up id)
+CALL_IDS = {"mistral-small-3.2": mistral_call_id(0)}
 CALL_ENDS = {"llama-3.1": "<|eom_id|>", "gpt-oss": "<|call|>"}  # the token a real model ends a call turn with
 THINKING = {"qwen3", "deepseek-r1-distill-qwen"}
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
@@ -51,8 +56,8 @@ class ConformanceEnv:
         if n >= 4:
             return StepResult([], 1.0, True)
         if "calculator" in action_text:
-            return StepResult([{"role": "tool", "content": "5", "name": "calculator", "tool_call_id": "call_0"}],
-                              0.0, False)
+            return StepResult([{"role": "tool", "content": "5", "name": "calculator",
+                                "tool_call_id": CALL_IDS.get(self.family, "call_0")}], 0.0, False)
         return StepResult([{"role": "user", "content": f"Observation {n}: keep going."}], 0.0, False)
 
 

@@ -1,4 +1,4 @@
-"""Tool calls in the three formats users bring: parse the sampled ids -> execute -> `tool` message -> bridge.
+"""Tool calls in the four formats users bring: parse the sampled ids -> execute -> `tool` message -> bridge.
 The assistant turn that made the calls stays as sampled and the next prompt extends it; malformed calls are
 answered, never raised."""
 
@@ -22,20 +22,26 @@ FORMATS = {
     "gpt-oss": ("template", '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>'
                 '{"expression": "6*7"}', '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>'
                 '{"expression": '),
+    # tokenizer v13: the model samples no [CALL_ID], the template renders one into the history
+    "mistral-small-3.2": ("template", '[TOOL_CALLS]calculator[ARGS]{"expression": "6*7"}',
+                          '[TOOL_CALLS]calculator[ARGS]{"expression": "6*'),
 }
 
 
 def _setup(family):
     spec, tok = FAMILIES[family], family_tokenizer(family)
-    # gpt-oss's template moves a sampled call's recipient: offline (template backend) only `all` keeps the turn
-    chat = create_renderer(tok, "auto", dict(spec.render_kwargs), "all" if family == "gpt-oss" else "template")
+    # gpt-oss's template moves a sampled call's recipient, Mistral's adds a [CALL_ID] the model did not sample:
+    # offline (template backend) only `all` keeps the turn
+    retention = "all" if family in ("gpt-oss", "mistral-small-3.2") else "template"
+    chat = create_renderer(tok, "auto", dict(spec.render_kwargs), retention)
     assert stop_of(family, tok) in chat.stop_ids
     return tok, chat, stop_of(family, tok)
 
 
 def stop_of(family, tok) -> int:
     """The token a real model of this family samples to end a tool-calling turn."""
-    return tok.convert_tokens_to_ids({"gpt-oss": "<|call|>", "llama-3.1": "<|eom_id|>"}.get(family, "<|im_end|>"))
+    return tok.convert_tokens_to_ids({"gpt-oss": "<|call|>", "llama-3.1": "<|eom_id|>",
+                                      "mistral-small-3.2": "</s>"}.get(family, "<|im_end|>"))
 
 
 @pytest.mark.parametrize("family", sorted(FORMATS))
@@ -57,6 +63,8 @@ async def test_parse_execute_answer_bridge(family):
     nxt = chat.next_prompt(prompt, sampled, history, observations, TOOLS)
     assert nxt.ids[:len(prompt) + len(sampled)] == prompt + sampled  # the calling turn is kept as sampled
     assert nxt.extended and "42" in chat.decode(nxt.ids[len(prompt) + len(sampled):])
+    if family == "mistral-small-3.2":  # the result answers the call by the 9-character id the template demands
+        assert chat.decode(nxt.ids[len(prompt) + len(sampled):]) == "[TOOL_RESULTS]call00000[TOOL_CONTENT]42[/TOOL_RESULTS]"
 
 
 @pytest.mark.parametrize("family", sorted(FORMATS))

@@ -13,11 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from skyrl_stepwise.chat.base import Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept
-from skyrl_stepwise.chat.tool_parsers import HermesToolParser, parse_harmony_text
+from skyrl_stepwise.chat.tool_parsers import parse_harmony_text, tool_parser_for
 
 # Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
 # plain ASCII so no template trims or escapes it.
 _MARKER = "SKYRLASSISTANTTURNMARKER"
+_LAST_MARKER = "SKYRLLASTTURNMARKER"  # the last assistant turn's, so an earlier turn's marker is never taken for it
 
 
 class TemplateRenderer:
@@ -38,8 +39,11 @@ class TemplateRenderer:
         # A base-model tokenizer can end text with EOS (<|endoftext|>) and turns with another token (<|im_end|>).
         self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
-        self.tool_parser = HermesToolParser(tokenizer)
-        self.renders_tools, self.renders_tool_calls, call_close = self._tool_support()
+        self.renders_tools, rendered_call = self._tool_support()
+        self.renders_tool_calls = "skyrl_probe_call" in rendered_call
+        self.tool_parser = tool_parser_for(rendered_call, tokenizer)
+        at = rendered_call.rfind("skyrl_probe_arg")
+        call_close = self._first_special(rendered_call[at:]) if at >= 0 else None
         if call_close is not None:  # harmony ends a tool-call turn with <|call|>: the engine must stop there too
             self.stop_ids.add(call_close)
         specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
@@ -77,7 +81,7 @@ class TemplateRenderer:
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """The sampled text without its closing token (the template handles any reasoning in it); with tools,
-        hermes `<tool_call>` blocks become calls and the content is the text before them."""
+        calls in the template's format become calls and the content is the text before them."""
         ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
         text = self.decode(ids)
         if "<|channel|>" in text:  # gpt-oss (harmony): the template wants final text and analysis apart
@@ -114,40 +118,47 @@ class TemplateRenderer:
 
     def _new_messages_text(self, history: list[Message], tools: list[dict] | None) -> str | None:
         """What the template renders after the last assistant turn's terminator, with that turn's content replaced
-        by a marker (so the template's rewriting of sampled content cannot matter); None if it cannot be found."""
-        marked = [dict(m, content=_MARKER) if m.get("role") == "assistant" else m for m in history]
+        by a marker (so the template's rewriting of sampled content cannot matter); None if it cannot be found.
+
+        A template that renders a tool-call turn without its content (Mistral) shows the marker only once the
+        turn's `tool_calls` are left out; what follows the turn (the tool results) does not depend on them."""
+        last = max((i for i, m in enumerate(history) if m.get("role") == "assistant"), default=-1)
+        marked = [dict(m, content=_LAST_MARKER if i == last else _MARKER) if m.get("role") == "assistant" else m
+                  for i, m in enumerate(history)]
         for m in marked:
             m.pop("reasoning_content", None)
         text = self.render(marked, True, tools)
-        at = text.rfind(_MARKER)
+        if _LAST_MARKER not in text and last >= 0 and marked[last].get("tool_calls"):
+            marked[last] = {k: v for k, v in marked[last].items() if k != "tool_calls"}
+            text = self.render(marked, True, tools)
+        at = text.rfind(_LAST_MARKER)
         if at < 0:
             return None
         # the earliest special token after the content closes the turn (harmony closes past turns with <|end|>,
         # the last one with <|return|>)
-        closes = [(i, t) for t in self._special_texts if (i := text.find(t, at + len(_MARKER))) >= 0]
+        closes = [(i, t) for t in self._special_texts if (i := text.find(t, at + len(_LAST_MARKER))) >= 0]
         if not closes:
             return None
         i, t = min(closes)
         return text[i + len(t):]
 
-    def _tool_support(self) -> tuple[bool, bool, int | None]:
-        """Whether the template renders `tools=` schemas and assistant `tool_calls`, and the special token that
-        closes a tool-call turn (probed once)."""
+    def _tool_support(self) -> tuple[bool, str]:
+        """Whether the template renders `tools=` schemas, and its rendering of an assistant tool call ("" if it
+        refuses one): the call's format, and the special token that closes a tool-call turn (probed once)."""
         tool = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
                                                  "parameters": {"type": "object", "properties": {}}}}
         user = [{"role": "user", "content": "U"}]
-        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call_0", "function": {
+        # a 9-character alphanumeric id: Mistral templates refuse any other
+        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call00000", "function": {
             "name": "skyrl_probe_call", "arguments": {"skyrl_probe_arg": 1}}}]}
         try:
             renders_tools = "skyrl_probe_tool" in self._apply_template(user, True, [tool])
         except RenderError:
             renders_tools = False
         try:
-            text = self._apply_template(user + [call], False, [tool])
+            return renders_tools, self._apply_template(user + [call], False, [tool])
         except RenderError:
-            return renders_tools, False, None
-        at = text.rfind("skyrl_probe_arg")
-        return renders_tools, "skyrl_probe_call" in text, self._first_special(text[at:]) if at >= 0 else None
+            return renders_tools, ""
 
     def _first_special(self, text: str) -> int | None:
         """The first special token id in `text`."""

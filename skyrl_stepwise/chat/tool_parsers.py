@@ -1,6 +1,7 @@
-"""Tool calls in hermes/Qwen format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) for models that
-use their own chat template. Where `<tool_call>` is one token the `renderers` library's parser reads the ids;
-where a tokenizer spells it in pieces (SmolLM2 and other small models prompted with the format) we read the
+"""Tool calls of models that use their own chat template, in the format that template renders calls in:
+hermes/Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the default), Mistral (`[TOOL_CALLS]name
+[ARGS]{...}`) and harmony (gpt-oss). Where `<tool_call>` is one token the `renderers` library's parser reads the
+ids; where a tokenizer spells it in pieces (SmolLM2 and other small models prompted with the format) we read the
 decoded text the same way. Malformed calls are kept, with an error kind, so they can be answered.
 """
 
@@ -53,6 +54,79 @@ class HermesToolParser:
         calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == "ok" else str(c.status), c.id)
                  for c in parsed]
         return decode(content_ids), calls
+
+
+MISTRAL_CALLS = "[TOOL_CALLS]"
+_MISTRAL_JSON_LIST = re.compile(r"\[\s*[{\]]")
+_MISTRAL_CALL = re.compile(r"^(?P<name>.*?)(?:\[CALL_ID\](?P<id>.*?))?\[ARGS\](?P<args>.*)$", re.DOTALL)
+
+
+def mistral_call_id(index: int) -> str:
+    """The id of the `index`-th call of a turn whose model sampled none: Mistral templates and mistral-common
+    require 9 alphanumeric characters (`call_0` raises), and a fixed scheme keeps rollouts reproducible."""
+    return f"call{index:05d}"
+
+
+def parse_mistral_text(text: str) -> tuple[str, list[ToolCallRequest]]:
+    """(content before the first call, every call attempt) from decoded Mistral text.
+
+    Tokenizer v11+ models (Mistral Small 3.x, Ministral, Devstral) sample `[TOOL_CALLS]name[ARGS]{json}` per call,
+    some with `[CALL_ID]id` before `[ARGS]`; v3-v7 models one `[TOOL_CALLS][{"name": ..., "arguments": ...}]`
+    list. The same split mistral-common's decoder makes, on text, so it works with any HF tokenizer.
+    """
+    start = text.find(MISTRAL_CALLS)
+    if start < 0:
+        return text, []
+    calls: list[ToolCallRequest] = []
+    for body in text[start:].split(MISTRAL_CALLS)[1:]:
+        body = body.strip()
+        if _MISTRAL_JSON_LIST.match(body):  # v3-v7: a JSON list of calls
+            calls.extend(_mistral_json_list(body, len(calls)))
+            continue
+        m = _MISTRAL_CALL.match(body)
+        call_id = (m.group("id") or "").strip() if m else ""
+        call_id = call_id or mistral_call_id(len(calls))
+        if m is None:
+            calls.append(ToolCallRequest(None, None, body, "missing_arguments", call_id))
+            continue
+        name = m.group("name").strip() or None
+        try:
+            arguments = json.loads(m.group("args"))
+        except json.JSONDecodeError:
+            calls.append(ToolCallRequest(name, None, body, "invalid_json", call_id))
+            continue
+        calls.append(ToolCallRequest(name, arguments, body, None if name else "missing_name", call_id))
+    return text[:start], calls
+
+
+def _mistral_json_list(body: str, first_index: int) -> list[ToolCallRequest]:
+    try:
+        items = json.loads(body)
+    except json.JSONDecodeError:
+        return [ToolCallRequest(None, None, body, "invalid_json", mistral_call_id(first_index))]
+    calls = []
+    for i, item in enumerate(items if isinstance(items, list) else [items]):
+        name = item.get("name") if isinstance(item, dict) else None
+        arguments = item.get("arguments", {}) if isinstance(item, dict) else None
+        call_id = (item.get("id") if isinstance(item, dict) else None) or mistral_call_id(first_index + i)
+        calls.append(ToolCallRequest(name or None, arguments, json.dumps(item), None if name else "missing_name",
+                                     str(call_id)))
+    return calls
+
+
+class MistralToolParser:
+    """Ids -> (content, calls) for templates that render calls as `[TOOL_CALLS]` (see parse_mistral_text)."""
+
+    def parse(self, ids: list[int], decode) -> tuple[str, list[ToolCallRequest]]:
+        return parse_mistral_text(decode(ids))
+
+
+def tool_parser_for(rendered_call: str, tokenizer) -> HermesToolParser | MistralToolParser:
+    """The parser for the call format a chat template renders (`rendered_call`: its rendering of an assistant
+    tool call): what the model was trained to sample. Hermes where the template shows no format of its own."""
+    if MISTRAL_CALLS in rendered_call:
+        return MistralToolParser()
+    return HermesToolParser(tokenizer)
 
 
 _HARMONY_MESSAGE = re.compile(r"(?P<head>.*?)<\|message\|>(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|(?=<\|start\|>)|$)",
