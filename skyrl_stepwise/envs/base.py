@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from skyrl_stepwise.chat.base import ParsedTurn
 
 Message = dict[str, str]
 
@@ -24,6 +27,18 @@ class Env(Protocol):
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]: ...
 
     async def step(self, action_text: str) -> StepResult: ...
+
+
+@runtime_checkable
+class TurnEnv(Protocol):
+    """An env that acts on the turn as parsed from the sampled ids (its tool calls, content and reasoning) rather
+    than on the decoded text, so the calls it executes are exactly the calls the model sampled (envs/tool.py).
+    The generator calls `step_turn` instead of `step` for it. An env may also offer `tool_schemas` (OpenAI function
+    schemas), which the renderer shows the model."""
+
+    async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]: ...
+
+    async def step_turn(self, turn: ParsedTurn) -> StepResult: ...
 
 
 EnvFactory = Callable[[], Env]

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from skyrl_stepwise.chat import ChatRenderer, create_renderer
-from skyrl_stepwise.envs.base import Env, Message
+from skyrl_stepwise.envs.base import Env, Message, TurnEnv
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.generator.output import TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
@@ -160,15 +160,15 @@ class AgentLoop:
             action_text = chat.decode(action_ids)
 
             turn_parsed = None
-            step_turn = getattr(env, "step_turn", None)  # tool envs take the turn as parsed from the sampled ids
-            if step_turn is not None:
+            takes_turns = isinstance(env, TurnEnv)  # tool envs take the turn as parsed from the sampled ids
+            if takes_turns:
                 if not cfg.use_conversation_multi_turn:
                     raise ValueError(f"{type(env).__name__} takes parsed chat turns (tool calls): it needs "
                                      "generator.use_conversation_multi_turn=true")
                 turn_parsed = self._render(chat.parse, sampled, prompt_ids, tools)
             t0 = time.perf_counter()
             try:
-                step = await (step_turn(turn_parsed) if step_turn is not None else env.step(action_text))
+                step = await (env.step_turn(turn_parsed) if takes_turns else env.step(action_text))
             except Exception as e:
                 raise _TrajectoryFailed("env_step", repr(e)) from e
             stats.env_seconds += time.perf_counter() - t0
