@@ -66,7 +66,8 @@ def to_vllm_sampling(sampling: SamplingParams):
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`): loads weights from a safetensors file or bytes.
+    """Mixed into vLLM's worker (`worker_extension_cls`): loads weights from a safetensors file, bytes, or the
+    trainer's torch.distributed broadcast (weight_broadcast.py), and releases the idle KV cache on CPU.
 
     AsyncLLM's collective_rpc msgpack-encodes its arguments without type info, so raw tensors would arrive
     as lists; a path or bytes survive, and safetensors keeps names, dtypes and shapes without pickle.
