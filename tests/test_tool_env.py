@@ -47,3 +47,38 @@ async def test_tool_calls_are_parsed_executed_answered_and_trained_exactly(token
     assert m["environment/tool/calculator/ok"] == 1 and m["environment/tool/unknown_tool"] == 1
     assert m["environment/tool/calculator/invalid_arguments"] == 1 and m["environment/tool/invalid_json"] == 1
     assert m["environment/em"] == 1.0
+
+
+async def test_mistral_tool_calls_run_through_the_tool_env_with_the_ids_its_template_demands():
+    """Mistral's template refuses any call id but 9 alphanumeric characters, on the call and on its answer; the
+    malformed calls are answered too (their ids are made up the same way), and the calling turn stays as sampled."""
+    from family_tokenizers import FAMILIES, family_tokenizer
+
+    tok = family_tokenizer("mistral-small-3.2")
+    calls = ('Let me check.[TOOL_CALLS]calculator[ARGS]{"expression": "6*7"}[TOOL_CALLS]weather[ARGS]{}'
+             '[TOOL_CALLS]calculator[ARGS]{"expression": 42}[TOOL_CALLS]calculator[ARGS]{nope}')
+    turns = [canonical(tok, calls) + [tok.eos_token_id], canonical(tok, "<answer> 42 </answer>") + [tok.eos_token_id]]
+    engine = ScriptedEngine(lambda p, s, i: turns[i], tok)
+    registry = EnvRegistry()
+    register_tool_env(registry, ToolEnvConfig(question_only=True, system_prompt="You have tools."))
+    cfg = GeneratorConfig(max_turns=4, max_input_length=8192, show_progress=False, merge_stepwise_output=True,
+                          thinking_retention="all", chat_template_kwargs=dict(FAMILIES["mistral-small-3.2"].render_kwargs),
+                          sampling=GeneratorSamplingConfig(max_generate_length=256))
+    gen = StepwiseGenerator(tok, engine, registry, cfg)
+    extras = {"reward_spec": {"ground_truth": {"target": ["42"]}},
+              "extra_info": {"question": "What is six times seven?"}}
+    out = await gen.generate([PROMPT], ["tool"], [extras], [TrajectoryID("q", 0)])
+    m = out.rollout_metrics
+
+    assert len(out) == 1 and m["generate/bridge_fallbacks"] == 0 and m["generate/failed_trajectories"] == 0, m
+    assert out.trajectory_rewards() == [1.0]
+    trained = [t for t, k in zip(out.response_ids[0], out.loss_masks[0]) if k]
+    assert trained == turns[0] + turns[1]
+    observation = tok.decode([t for t, k in zip(out.response_ids[0], out.loss_masks[0]) if not k])
+    assert "[TOOL_RESULTS]call00000[TOOL_CONTENT]42[/TOOL_RESULTS]" in observation  # the good call's result
+    assert observation.count("[TOOL_RESULTS]call0000") == 4  # every call answered, each by its own id
+    # the malformed call is told how a call looks in this model's format, not hermes JSON
+    assert "not valid JSON" in observation and "[TOOL_CALLS]<tool name>[ARGS]" in observation
+    assert '"arguments"' not in observation
+    assert m["environment/tool/calculator/ok"] == 1 and m["environment/tool/unknown_tool"] == 1
+    assert m["environment/tool/calculator/invalid_arguments"] == 1 and m["environment/tool/calculator/invalid_json"] == 1

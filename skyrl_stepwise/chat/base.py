@@ -32,13 +32,15 @@ class NextPrompt:
 
 @dataclass
 class ToolCallRequest:
-    """One tool call as parsed from sampled ids; `error` set when the model's call was malformed."""
+    """One tool call as parsed from sampled ids; `error` set when the model's call was malformed, and then
+    `expected_format` (where the parser knows it) is what the answer tells the model a call looks like."""
 
     name: str | None
     arguments: dict | str | None
     raw: str = ""
     error: str | None = None
     id: str | None = None
+    expected_format: str | None = None
 
 
 @dataclass

@@ -57,6 +57,7 @@ class HermesToolParser:
 
 
 MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_FORMAT = "[TOOL_CALLS]<tool name>[ARGS]<JSON object of arguments>"
 _MISTRAL_JSON_LIST = re.compile(r"\[\s*[{\]]")
 _MISTRAL_CALL = re.compile(r"^(?P<name>.*?)(?:\[CALL_ID\](?P<id>.*?))?\[ARGS\](?P<args>.*)$", re.DOTALL)
 
@@ -87,15 +88,16 @@ def parse_mistral_text(text: str) -> tuple[str, list[ToolCallRequest]]:
         call_id = (m.group("id") or "").strip() if m else ""
         call_id = call_id or mistral_call_id(len(calls))
         if m is None:
-            calls.append(ToolCallRequest(None, None, body, "missing_arguments", call_id))
+            calls.append(ToolCallRequest(None, None, body, "missing_arguments", call_id, MISTRAL_FORMAT))
             continue
         name = m.group("name").strip() or None
         try:
             arguments = json.loads(m.group("args"))
         except json.JSONDecodeError:
-            calls.append(ToolCallRequest(name, None, body, "invalid_json", call_id))
+            calls.append(ToolCallRequest(name, None, body, "invalid_json", call_id, MISTRAL_FORMAT))
             continue
-        calls.append(ToolCallRequest(name, arguments, body, None if name else "missing_name", call_id))
+        error = None if name else "missing_name"
+        calls.append(ToolCallRequest(name, arguments, body, error, call_id, MISTRAL_FORMAT if error else None))
     return text[:start], calls
 
 
@@ -103,7 +105,7 @@ def _mistral_json_list(body: str, first_index: int) -> list[ToolCallRequest]:
     try:
         items = json.loads(body)
     except json.JSONDecodeError:
-        return [ToolCallRequest(None, None, body, "invalid_json", mistral_call_id(first_index))]
+        return [ToolCallRequest(None, None, body, "invalid_json", mistral_call_id(first_index), MISTRAL_FORMAT)]
     calls = []
     for i, item in enumerate(items if isinstance(items, list) else [items]):
         name = item.get("name") if isinstance(item, dict) else None
