@@ -43,7 +43,7 @@ async def test_tool_calls_are_parsed_executed_answered_and_trained_exactly(token
     assert "<|im_start|>tool\n42<|im_end|>" in observation  # the good call's result
     assert "unknown_tool" in observation or "weather" in observation
     assert "'expression'" in observation and "invalid" in observation.lower()
-    assert "not valid JSON" in observation
+    assert "not valid JSON" in observation and '<tool_call>{"name": <tool name>' in observation  # its format
     assert m["environment/tool/calculator/ok"] == 1 and m["environment/tool/unknown_tool"] == 1
     assert m["environment/tool/calculator/invalid_arguments"] == 1 and m["environment/tool/invalid_json"] == 1
     assert m["environment/em"] == 1.0

@@ -77,3 +77,6 @@ async def test_malformed_calls_are_answered(family):
     results = await executor.execute(turn.tool_calls)
     assert len(results) == 1 and not results[0].ok and results[0].content.startswith("Error")
     assert results[0].error_kind in ("invalid_arguments", "unknown_tool", "invalid_json")
+    if results[0].error_kind == "invalid_json":  # told how a call looks in its own format, not another family's
+        own = {"gpt-oss": "to=functions.<tool name>", "mistral-small-3.2": "[TOOL_CALLS]<tool name>[ARGS]"}[family]
+        assert own in results[0].content and "<tool_call>" not in results[0].content, results[0].content

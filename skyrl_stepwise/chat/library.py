@@ -10,6 +10,11 @@ from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
                                       check_observations_kept)
+from skyrl_stepwise.chat.tool_parsers import HARMONY_FORMAT, HERMES_FORMAT, LLAMA_JSON_FORMAT
+
+# The call format of the library's renderers, by name prefix, for answering a malformed call; families not
+# listed get the error without a format (rather than a wrong one).
+CALL_FORMATS = (("qwen", HERMES_FORMAT), ("llama", LLAMA_JSON_FORMAT), ("gpt-oss", HARMONY_FORMAT))
 
 
 # Models the library's name map leaves out whose templates its renderer reproduces token for token
@@ -46,6 +51,7 @@ class LibraryRenderer:
         if not stops:
             raise ValueError(f"{self.name} reports no stop token ids for {tokenizer.name_or_path!r}")
         self.stop_ids, self.close_id = set(stops), stops[0]
+        self.call_format = next((f for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -64,8 +70,9 @@ class LibraryRenderer:
         from renderers import ToolCallParseStatus
 
         parsed = self.renderer.parse_response(list(completion_ids), tools=tools, prompt_ids=list(prompt_ids))
-        calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == ToolCallParseStatus.OK
-                                 else str(c.status), c.id) for c in parsed.tool_calls]
+        calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if ok else str(c.status), c.id,
+                                 None if ok else self.call_format)
+                 for c in parsed.tool_calls for ok in [c.status == ToolCallParseStatus.OK]]
         return ParsedTurn(parsed.content, parsed.reasoning_content, calls)
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],

@@ -12,6 +12,12 @@ import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
 
+# How a call looks in each format: told to the model, with the error, when its call could not be parsed.
+HERMES_FORMAT = '<tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>'
+LLAMA_JSON_FORMAT = 'a JSON object {"name": <tool name>, "parameters": <JSON object>}'
+HARMONY_FORMAT = "<|channel|>commentary to=functions.<tool name> <|constrain|>json<|message|><JSON object>"
+MISTRAL_FORMAT = "[TOOL_CALLS]<tool name>[ARGS]<JSON object>"
+
 _BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 
@@ -24,16 +30,17 @@ def parse_hermes_text(text: str) -> tuple[str, list[ToolCallRequest]]:
     for m in _BLOCK.finditer(text, start):
         body, closed = m.group(1).strip(), bool(m.group(2))
         if not closed:
-            calls.append(ToolCallRequest(None, None, body, "unclosed_block"))
+            calls.append(ToolCallRequest(None, None, body, "unclosed_block", expected_format=HERMES_FORMAT))
             break
         try:
             obj = json.loads(body)
         except json.JSONDecodeError:
-            calls.append(ToolCallRequest(None, None, body, "invalid_json"))
+            calls.append(ToolCallRequest(None, None, body, "invalid_json", expected_format=HERMES_FORMAT))
             continue
         name = obj.get("name") if isinstance(obj, dict) else None
         arguments = obj.get("arguments", {}) if isinstance(obj, dict) else None
-        calls.append(ToolCallRequest(name or None, arguments, body, None if name else "missing_name"))
+        calls.append(ToolCallRequest(name or None, arguments, body, None if name else "missing_name",
+                                     expected_format=None if name else HERMES_FORMAT))
     return text[:start], calls
 
 
@@ -51,13 +58,12 @@ class HermesToolParser:
         if self.library is None:
             return parse_hermes_text(decode(ids))
         content_ids, parsed = self.library.extract(list(ids))
-        calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == "ok" else str(c.status), c.id)
-                 for c in parsed]
+        calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == "ok" else str(c.status), c.id,
+                                 None if c.status == "ok" else HERMES_FORMAT) for c in parsed]
         return decode(content_ids), calls
 
 
 MISTRAL_CALLS = "[TOOL_CALLS]"
-MISTRAL_FORMAT = "[TOOL_CALLS]<tool name>[ARGS]<JSON object of arguments>"
 _MISTRAL_JSON_LIST = re.compile(r"\[\s*[{\]]")
 _MISTRAL_CALL = re.compile(r"^(?P<name>.*?)(?:\[CALL_ID\](?P<id>.*?))?\[ARGS\](?P<args>.*)$", re.DOTALL)
 
@@ -150,7 +156,8 @@ def parse_harmony_text(text: str) -> tuple[str, str | None, list[ToolCallRequest
             try:
                 calls.append(ToolCallRequest(recipient.group(1), json.loads(body), body))
             except json.JSONDecodeError:
-                calls.append(ToolCallRequest(recipient.group(1), None, body, "invalid_json"))
+                calls.append(ToolCallRequest(recipient.group(1), None, body, "invalid_json",
+                                             expected_format=HARMONY_FORMAT))
         elif channel and channel.group(1) == "analysis":
             thinking.append(body)
         else:

@@ -30,9 +30,6 @@ PARSE_HINTS = {
     "unknown_tool": "the call names a tool that does not exist",
     "missing_arguments": "the call has no arguments part",
 }
-# how a call looks, told with a parse error when the parser names no format of its own
-HERMES_FORMAT = 'a JSON object {"name": <tool name>, "arguments": {...}}'
-
 MAX_SCHEMA_ERRORS = 3  # enough to fix a call, short enough not to flood the context
 
 
@@ -154,8 +151,8 @@ class ToolExecutor:
             if kind != "unknown_tool":  # the parser's tool list may differ from ours; ours decides
                 hint = PARSE_HINTS.get(kind, "the call could not be parsed")
                 raw = f" The call was: {call.raw[:200]!r}." if call.raw else ""
-                return fail(kind, f"tool call not understood ({kind}): {hint}.{raw} Write a tool call as "
-                                  f"{call.expected_format or HERMES_FORMAT}.")
+                how = f" Write a tool call as {call.expected_format}." if call.expected_format else ""
+                return fail(kind, f"tool call not understood ({kind}): {hint}.{raw}{how}")
         tool = self.tools.get(name)
         if tool is None:
             return self._unknown(call_id, name)
