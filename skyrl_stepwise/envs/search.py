@@ -28,7 +28,7 @@ import httpx
 
 from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
 from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check
-from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalClientConfig, RetrievalError
+from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalError, RetrieverEndpointConfig
 from skyrl_stepwise.retrieval.index import Document, split_contents
 
 ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
@@ -39,14 +39,9 @@ INVALID_ACTION = ("\nMy previous action is invalid. If I want to search, I shoul
 
 
 @dataclass
-class SearchEnvConfig:
+class SearchEnvConfig(RetrieverEndpointConfig):
     """Retriever endpoint, retry policy and observation text; defaults reproduce Search-R1's format."""
 
-    search_url: str = "http://127.0.0.1:8000/retrieve"
-    topk: int = 3
-    timeout_s: float = 30.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
     max_turns: int = 4  # used only when the generator does not pass extras["max_turns"]
     observation_template: str = "\n\n<information>{results}</information>\n\n"
     doc_template: str = "Doc {index}(Title: {title}) {text}\n"
@@ -66,11 +61,6 @@ class SearchEnvConfig:
                                  f"{sorted(fields)}: {e!r}") from None
         if self.topk < 1:
             raise ValueError(f"SearchEnvConfig.topk must be >= 1, got {self.topk}")
-
-    def client_config(self) -> RetrievalClientConfig:
-        """The retry/timeout part of this config, in the client's own terms."""
-        return RetrievalClientConfig(url=self.search_url, timeout_s=self.timeout_s,
-                                     max_retries=self.max_retries, backoff_s=self.backoff_s)
 
 
 def parse_action(text: str) -> tuple[str, str] | None:

@@ -35,6 +35,23 @@ class RetrievalClientConfig:
     max_connections: int = 32  # = the server's default max_concurrent_requests: one client alone never gets 429
 
 
+@dataclass
+class RetrieverEndpointConfig:
+    """The retriever keys the Search-R1 env and the search tool share: both inherit them, so a config spells
+    them the same for tag-based and function-calling runs, and one place turns them into a client config."""
+
+    search_url: str = "http://127.0.0.1:8000/retrieve"
+    topk: int = 3
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+
+    def client_config(self) -> RetrievalClientConfig:
+        """The timeout/retry part of this config, in the retrieval client's terms."""
+        return RetrievalClientConfig(url=self.search_url, timeout_s=self.timeout_s, max_retries=self.max_retries,
+                                     backoff_s=self.backoff_s)
+
+
 def retry_after_s(response: httpx.Response) -> float | None:
     """Seconds a 429's `Retry-After` asks for (delta-seconds or HTTP-date), or None when absent or unreadable.
 

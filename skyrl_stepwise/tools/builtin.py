@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from skyrl_stepwise.envs.search import format_documents
-from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalClientConfig, RetrievalError
+from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalError, RetrieverEndpointConfig
 from skyrl_stepwise.tools.base import Tool, config_from_dict
 from skyrl_stepwise.tools.config import ToolConfigError
 
@@ -155,14 +155,9 @@ class CalculatorTool(Tool):
 
 
 @dataclass
-class SearchToolConfig:
-    """The retriever endpoint and retry policy (as the Search-R1 env's) and the text the model reads."""
+class SearchToolConfig(RetrieverEndpointConfig):
+    """The retriever endpoint and retry policy (the Search-R1 env's keys) and the text the model reads."""
 
-    search_url: str = "http://127.0.0.1:8000/retrieve"
-    topk: int = 3
-    timeout_s: float = 30.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
     doc_template: str = "Doc {index}(Title: {title}) {text}\n"
     failure_template: str = "Search failed: {error}"
     empty_message: str = "No documents found."
@@ -178,11 +173,6 @@ class SearchToolConfig:
             except (KeyError, IndexError, ValueError) as e:
                 raise ToolConfigError(f"search config {key!r} must only use the fields {sorted(fields)}: "
                                       f"{e!r}") from None
-
-    def client_config(self) -> RetrievalClientConfig:
-        """The timeout/retry part of this config, in the retrieval client's terms."""
-        return RetrievalClientConfig(url=self.search_url, timeout_s=self.timeout_s, max_retries=self.max_retries,
-                                     backoff_s=self.backoff_s)
 
 
 class SearchTool(Tool):
