@@ -45,6 +45,8 @@ class RetrieverConfig:
 
 @dataclass
 class EnvironmentConfig:
+    """Settings of the built-in envs and of the retriever the run starts for them (only when data searches)."""
+
     search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
     tool: ToolEnvConfig = field(default_factory=ToolEnvConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
@@ -78,6 +80,9 @@ class AblationConfig:
 
 @dataclass
 class RunConfig:
+    """The whole run, as Hydra composes it from conf/: typed, so a misspelled key fails at startup, not an
+    hour into the run."""
+
     model_path: str = "smollm2"  # "smollm2" (embedded), a local HF folder, or a hub id
     seed: int = 42  # the run's seed: trainer.seed follows it (conf/config.yaml), so `-m seed=1,2,3` sweeps seeds
     total_steps: int = 4

@@ -5,12 +5,6 @@ from __future__ import annotations
 import functools
 
 
-def has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 @functools.cache
 def cpu_bf16_is_native() -> bool:
     """True where oneDNN runs bf16 matmuls natively (AVX512-BF16 or AMX). Elsewhere (AVX2-only CPUs) torch

@@ -72,17 +72,31 @@ class ChatRenderer(Protocol):
     stop_ids: set[int]  # ids that end an assistant turn when the model samples them
     close_id: int  # what we append (masked) to close a turn the model did not close itself
 
-    def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]: ...
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The first prompt of a trajectory, rendered once from messages (with the generation prompt): every
+        later prompt extends it, so this is the only full render a chain needs."""
+        ...
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
-                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt: ...
+                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
+        """The next turn's prompt: prompt + the sampled ids + exactly what the template puts after them (turn
+        close, observations, generation prompt), so the trained ids stay the sampled ids; a re-render of
+        `history` only where that cannot be proven, with the reason."""
+        ...
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int],
-              tools: list[dict] | None = None) -> ParsedTurn: ...
+              tools: list[dict] | None = None) -> ParsedTurn:
+        """The sampled turn as content, reasoning and tool calls, read from the ids the model sampled (not from a
+        re-encoded text), so a call executed is a call the model made; malformed calls come back with an error."""
+        ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int]) -> str:
+        """Text for envs and logs only: decoded text is never encoded back into a training target."""
+        ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Ids for text we add ourselves (observations outside a template); never for what the model sampled."""
+        ...
 
 
 def check_observations_kept(new_messages: list[Message], new_text: str, renderer_name: str) -> None:

@@ -24,9 +24,15 @@ class StepResult:
 class Env(Protocol):
     """One episode's state; a fresh instance per trajectory."""
 
-    async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]: ...
+    async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
+        """Start an episode from the dataset row's prompt and `extra_info`; returns the messages the first prompt
+        is rendered from (usually the prompt as given), so an env can add a system message or tools."""
+        ...
 
-    async def step(self, action_text: str) -> StepResult: ...
+    async def step(self, action_text: str) -> StepResult:
+        """Act on the decoded text of one sampled turn; observations come back as messages, which the renderer
+        turns into ids after the sampled ones."""
+        ...
 
 
 @runtime_checkable
@@ -38,7 +44,10 @@ class TurnEnv(Protocol):
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]: ...
 
-    async def step_turn(self, turn: ParsedTurn) -> StepResult: ...
+    async def step_turn(self, turn: ParsedTurn) -> StepResult:
+        """Act on the turn parsed from the sampled ids (tool calls included); malformed calls are answered in
+        the observations, never raised."""
+        ...
 
 
 EnvFactory = Callable[[], Env]
@@ -51,15 +60,18 @@ class EnvRegistry:
         self._factories: dict[str, EnvFactory] = {}
 
     def register(self, name: str, factory: EnvFactory) -> None:
+        """Add an env class; registering a name twice fails, so a plugin cannot silently replace a built-in."""
         if name in self._factories:
             raise ValueError(f"env class {name!r} is already registered")
         self._factories[name] = factory
 
     def make(self, name: str) -> Env:
+        """A fresh env for one trajectory: envs hold episode state, so instances are never shared."""
         try:
             return self._factories[name]()
         except KeyError:
             raise KeyError(f"unknown env_class {name!r}; registered: {sorted(self._factories)}") from None
 
     def names(self) -> list[str]:
+        """The registered env classes, for config validation and error messages."""
         return sorted(self._factories)

@@ -56,11 +56,19 @@ class InferenceEngine(Protocol):
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
-    ) -> GenerationResult: ...
+    ) -> GenerationResult:
+        """Sample one turn from ids, not text, and return the ids as sampled: the generator keeps history as
+        ids, so nothing is re-tokenized. `session_id` routes a trajectory's turns to one engine (prefix cache)."""
+        ...
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the trainer's new weights in place, so the next rollouts are on-policy without a restart."""
+        ...
 
-    async def health(self) -> bool: ...
+    async def health(self) -> bool:
+        """False (or raise) when the engine cannot serve: the generator fails the step loudly instead of waiting
+        on a dead engine."""
+        ...
 
 
 def validate_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int | None = None) -> None:

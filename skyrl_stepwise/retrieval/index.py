@@ -42,7 +42,10 @@ class Retriever(Protocol):
     kind: str
     docs: list[Document]
 
-    def search(self, queries: list[str], k: int) -> list[list[Hit]]: ...
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        """Top-k documents per query for a list of queries (Search-R1's /retrieve API sends lists): one batched
+        encode and index search per request is where dense retrieval gets its throughput."""
+        ...
 
 
 def read_corpus(path: str | Path, show_progress: bool = True) -> list[Document]:

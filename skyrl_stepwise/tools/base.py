@@ -31,7 +31,10 @@ class ToolLike(Protocol):
     name: str
     schema: dict[str, Any]
 
-    async def call(self, arguments: dict[str, Any]) -> str: ...
+    async def call(self, arguments: dict[str, Any]) -> str:
+        """Run the tool on schema-checked arguments; the returned text is the tool message the model sees
+        next. Raising is allowed: the executor answers the model with the error instead of crashing the step."""
+        ...
 
 
 class Tool:

@@ -50,6 +50,8 @@ class PromptLoader:
         return self._orders[epoch]
 
     def batch(self, index: int) -> list[PromptRow]:
+        """The prompts of step `index`, a pure function of (seed, index): a resumed run sees exactly the batches
+        the killed run would have, across epoch boundaries too."""
         n = len(self.rows)
         positions = range(index * self.batch_size, (index + 1) * self.batch_size)
         return [self.rows[self._order(p // n)[p % n]] for p in positions]
@@ -104,8 +106,11 @@ def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, f
 
 
 class Timer(dict):
+    """Seconds per phase of a step, as `timing/<phase>_s` metrics: where a step's time goes is logged with it."""
+
     @contextmanager
     def phase(self, name: str):
+        """Time the block; a phase entered twice (e.g. per mini-batch) accumulates."""
         start = time.perf_counter()
         yield
         self[f"timing/{name}_s"] = self.get(f"timing/{name}_s", 0.0) + time.perf_counter() - start
@@ -230,6 +235,8 @@ class RLTrainer:
         return GeneratorOutput.concat(outputs), batch, metrics, prompts
 
     async def train_step(self) -> dict[str, float]:
+        """One RL step, top to bottom: rollouts, advantages, reference and old logprobs, the mini-batch updates,
+        weight sync and its probe; returns the step's metrics (the loop logs and checkpoints them)."""
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
         offload = cfg.trainer.fsdp.offload_during_rollout  # GPU: the engines get the trainer's memory meanwhile

@@ -13,6 +13,9 @@ from skyrl_stepwise.trainer.batching import TrainBatch
 
 @dataclass
 class ProbeResult:
+    """How far the engine's logprobs are from the trainer's on the same ids after a sync: a silent failed sync
+    (stale or half-loaded weights) shows up here, not as slowly wrong off-policy training."""
+
     max_abs_diff: float
     mean_abs_diff: float
     num_tokens: int
