@@ -70,6 +70,15 @@ async def test_probe_samples_at_the_given_temperature_and_releases_its_pool_sess
         await probe_logprobs(ConstantGroup([]), failing, [1, 2, 3])
     assert failing.sessions == {} and failing.session_counts == [0]
 
+    class NoLogprobs(ScriptedEngine):
+        async def generate(self, prompt_ids, sampling, session_id=None) -> GenerationResult:
+            return GenerationResult([5, 6, 7], None, "length")
+
+    # an engine that returns no logprobs compared nothing: the probe must not read as a perfect match
+    vacuous = await probe_logprobs(ConstantGroup([-0.5, -0.25, -1.0]), NoLogprobs(), [1])
+    assert vacuous.num_tokens == 0 and vacuous.max_abs_diff != vacuous.max_abs_diff  # NaN
+    assert not vacuous.max_abs_diff < 1e-3
+
     bare = ScriptedEngine()  # a single engine has no end_session: nothing to release
     assert (await probe_logprobs(ConstantGroup([-0.5, -0.25, -1.0]), bare, [1])).max_abs_diff == 0.0
     assert bare.calls[0][0].temperature == 1.0

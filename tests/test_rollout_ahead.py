@@ -305,7 +305,8 @@ async def test_real_smollm2_trains_on_rollouts_sampled_one_update_ago(tokenizer,
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
     assert [r["async/staleness"] for r in records] == [0.0, 1.0, 1.0]
-    assert all(r["train/grad_norm"] > 0 and r["sync/probe_logprob_max_diff"] < 1e-3 for r in records)
+    assert all(r["train/grad_norm"] > 0 and r["sync/probe_logprob_max_diff"] < 1e-3 and r["sync/probe_tokens"] > 0
+               for r in records)
     same_weights, *one_update_old = policy.rollout_gap
     assert same_weights < 1e-3, policy.rollout_gap  # sampled and trained by the same weights: float32 noise
     assert all(gap > 1e-2 for gap in one_update_old), policy.rollout_gap  # the staleness the IS weights correct

@@ -317,7 +317,8 @@ class RLTrainer:
                                              temperature=cfg.trainer.temperature)
         bar.close()
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
-                        "sync/probe_logprob_mean_diff": probe.mean_abs_diff})
+                        "sync/probe_logprob_mean_diff": probe.mean_abs_diff,
+                        "sync/probe_tokens": float(probe.num_tokens)})
 
         metrics.update(timer)
         elapsed = time.perf_counter() - start

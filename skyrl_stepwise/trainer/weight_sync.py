@@ -158,4 +158,6 @@ async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], m
                        instance_ids=["probe"])
     trainer_lp = group.call("compute_logprobs", batch)[0]
     diffs = [abs(a - b) for a, b in zip(trainer_lp, result.logprobs or [])]
-    return ProbeResult(max(diffs, default=0.0), sum(diffs) / max(len(diffs), 1), len(diffs))
+    if not diffs:  # nothing compared (no tokens, or an engine that returned no logprobs) proves nothing: NaN, not 0
+        return ProbeResult(float("nan"), float("nan"), 0)
+    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs))
