@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -197,9 +198,11 @@ def _trainer(tokenizer, tmp_path, max_staleness: int):
     return trainer, engine, policy
 
 
-async def test_the_loop_trains_every_step_on_rollouts_one_update_old(tokenizer, tmp_path):
+async def test_the_loop_trains_every_step_on_rollouts_one_update_old(tokenizer, tmp_path, caplog):
     trainer, engine, policy = _trainer(tokenizer, tmp_path, max_staleness=1)
-    await trainer.fit()
+    with caplog.at_level(logging.INFO, logger="skyrl_stepwise"):
+        await trainer.fit()
+    assert "step 2: " in caplog.text and "staleness=1 " in caplog.text  # on the console line of each step
     trainer.tracker.finish()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]

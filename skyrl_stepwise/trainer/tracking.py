@@ -23,7 +23,8 @@ CONSOLE_KEYS = {"reward": "reward/mean", "pass@n": "reward/pass_at_n", "eval_rew
                 "signal_groups": "advantages/groups_with_signal",
                 "loss": "policy/loss", "kl": "policy/kl_loss", "clip_frac": "policy/clip_frac",
                 "entropy": "policy/entropy", "grad_norm": "train/grad_norm", "samples": "generate/num_samples",
-                "padded_len": "generate/batch_padded_seq_len", "step_s": "timing/step_s"}
+                "padded_len": "generate/batch_padded_seq_len", "staleness": "async/staleness",
+                "step_s": "timing/step_s"}
 
 
 def _step_of(line: str) -> float:
