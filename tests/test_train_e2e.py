@@ -92,14 +92,17 @@ def test_train_kill_and_resume(tmp_path, model_path):
     ckpts = complete_checkpoints(out / "ckpts")
     assert [c.name for c in ckpts] == ["step_1"]
 
-    resumed = subprocess.run(_command(data, out, 2) + ["trainer.resume=auto"], capture_output=True, text=True,
-                             env=env, timeout=480)
+    # the resumed run also generates its rollouts ahead (trainer.max_staleness=1) through Ray and vLLM: its first
+    # step's rollouts come from the checkpoint's own weights
+    resumed = subprocess.run(_command(data, out, 2) + ["trainer.resume=auto", "trainer.max_staleness=1"],
+                             capture_output=True, text=True, env=env, timeout=480)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_1" in resumed.stdout
     assert "weight sync: file" in resumed.stdout + resumed.stderr
     records = _records(out)
     assert [r["step"] for r in records] == [1, 2]  # nothing lost, nothing repeated
     assert records[1]["sync/probe_logprob_max_diff"] < 1e-3  # the file sync of the resumed run
+    assert "async/staleness" not in records[0] and records[1]["async/staleness"] == 0.0
     loader = PromptLoader(load_prompt_dataset(data), batch_size=2, seed=0, shuffle=False)
     assert [r["prompts"] for r in records] == [[row.instance_id for row in loader.batch(i)] for i in range(2)]
 
