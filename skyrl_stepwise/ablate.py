@@ -96,7 +96,7 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
     growth, thread pools, kernels) that would otherwise be charged to whichever mode happens to run first.
     """
     from skyrl_stepwise.ablation.modes import SampleCost, build_samples
-    from skyrl_stepwise.trainer.advantages import compute_advantages
+    from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights
     from skyrl_stepwise.trainer.batching import TrainBatch
 
     if algorithm.use_kl_loss and reference is None:
@@ -104,7 +104,8 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
     built = []
     for mode in modes:
         samples = build_samples(stepwise, mode)
-        batch = TrainBatch.from_output(samples, compute_advantages(samples, algorithm))
+        batch = TrainBatch.from_output(samples, compute_advantages(samples, algorithm),
+                                       loss_weights=loss_weights(samples, algorithm))
         if algorithm.use_kl_loss:
             batch.ref_logprobs = reference.call("compute_logprobs", batch)
         built.append((mode, samples, batch))

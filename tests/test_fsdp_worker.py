@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 from test_advantages import Traj, stepwise_output
 
 from skyrl_stepwise.generator.merge import merge_stepwise_output
-from skyrl_stepwise.generator.output import TrajectoryID
-from skyrl_stepwise.trainer.advantages import compute_advantages
+from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
+from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights
 from skyrl_stepwise.trainer.batching import TrainBatch, pack_indices, pack_micro_batch
 from skyrl_stepwise.trainer.config import AlgorithmConfig, TrainerConfig
 from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
@@ -105,7 +105,7 @@ def _by_chain_position(src, src_values, dst) -> list[list[float]]:
 
 def _loss_and_grads(model, batch: TrainBatch, cfg: AlgorithmConfig, budget: int):
     model.zero_grad(set_to_none=True)
-    n = batch.num_loss_tokens()
+    n = batch.loss_denominator()
     total, metrics = 0.0, {}
     micro = pack_indices(batch.seq_lens(), budget)
     for idx in micro:
@@ -117,7 +117,8 @@ def _loss_and_grads(model, batch: TrainBatch, cfg: AlgorithmConfig, budget: int)
 
 
 @pytest.mark.integration
-def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokenizer):
+@pytest.mark.parametrize("reduction", ["token_mean", "trajectory_mean"])
+def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokenizer, reduction):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -139,12 +140,15 @@ def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokeni
     merged = merge_stepwise_output(stepwise)
     assert len(merged) == 3 < len(stepwise) == 6
 
-    cfg = AlgorithmConfig(advantage_estimator="grpo", tis_ratio_clip_high=2.0, use_kl_loss=True, kl_loss_coef=0.1)
+    cfg = AlgorithmConfig(advantage_estimator="grpo", tis_ratio_clip_high=2.0, use_kl_loss=True, kl_loss_coef=0.1,
+                          loss_reduction=reduction)
     results = []
     for out, budget in ((stepwise, 120), (merged, 100_000)):
         o = old if out is stepwise else _by_chain_position(stepwise, old, out)
         r = ref if out is stepwise else _by_chain_position(stepwise, ref, out)
-        batch = TrainBatch.from_output(out, compute_advantages(out, cfg), o, r)
+        batch = TrainBatch.from_output(out, compute_advantages(out, cfg), o, r, loss_weights=loss_weights(out, cfg))
+        if reduction == "trajectory_mean":  # each of the 3 trajectories weighs 1 in either cut
+            assert batch.loss_denominator() == pytest.approx(3)
         results.append(_loss_and_grads(model, batch, cfg, budget))
     (loss_s, grads_s, m_s, n_s), (loss_m, grads_m, m_m, n_m) = results
     assert n_s > 1 and n_m == 1  # step-wise spread over several micro-batches, merged in one row
@@ -443,3 +447,26 @@ def test_gradient_checkpointing_is_honoured_on_cpu_and_changes_no_number(tiny_mo
     (plain_calls, *plain), (ckpt_calls, *ckpt) = results
     assert ckpt_calls == 2 * plain_calls > 0
     assert ckpt[:2] == pytest.approx(plain[:2], rel=1e-5) and ckpt[2] == plain[2]
+
+
+def test_the_worker_divides_by_trajectories_under_trajectory_mean(tiny_model_dir):
+    """On-policy (ratio 1) the policy-gradient loss is minus the weighted mean advantage: token_mean weighs
+    trajectory A (1 loss token, advantage 1) against B (3 tokens over two samples, advantage -0.5) by tokens,
+    trajectory_mean weighs each trajectory once. The worker must divide by the matching denominator."""
+    from skyrl_stepwise.trainer.advantages import loss_weights as weights_for
+
+    output = GeneratorOutput(prompt_token_ids=[[1, 2], [1, 2], [1, 2, 5, 6, 7]], response_ids=[[3], [5, 6], [8, 9]],
+                             rewards=[0.0, 0.0, 0.0], loss_masks=[[1], [1, 0], [1, 1]],
+                             trajectory_ids=[TrajectoryID("q", 0), TrajectoryID("q", 1), TrajectoryID("q", 1)])
+    advantages = [[1.0], [-0.5, -0.5], [-0.5, -0.5]]
+    worker = _tiny_worker(tiny_model_dir)
+    worker.cfg.algorithm.tis_ratio_clip_high = None
+    worker.snapshot()
+    for reduction, expected in (("token_mean", -(1 - 1.5) / 4), ("trajectory_mean", -(1 - 0.5) / 2)):
+        worker.restore_snapshot()
+        worker.cfg.algorithm.loss_reduction = reduction
+        batch = TrainBatch.from_output(output, advantages,
+                                       loss_weights=weights_for(output, worker.cfg.algorithm))
+        metrics = worker.train_step(batch)
+        assert metrics["policy/pg_loss"] == pytest.approx(expected, abs=1e-6), reduction
+        assert metrics["train/loss_tokens"] == 4

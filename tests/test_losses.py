@@ -113,3 +113,32 @@ def test_low_var_kl_survives_an_extreme_token():
         loss, grad, _ = _loss([-1.0, -1000.0], [-1.0, -1000.0], [0.0, 0.0], mask, cfg=cfg, ref_logprobs=[-1.5, 0.0])
         assert math.isfinite(loss) and all(map(math.isfinite, grad))
         assert grad[0] == pytest.approx(0.5 * (1 - math.exp(-0.5)) / sum(mask))
+
+
+def test_trajectory_mean_weighs_every_trajectory_once_however_it_is_cut():
+    """Trajectory A: 1 loss token (advantage 1) in one step; B: 3 loss tokens (advantage 2) over two steps, with
+    an observation token masked. token_mean: -(1 + 2 + 2 + 2) / 4; trajectory_mean: -(1 / 1 + 6 / 3) / 2."""
+    from skyrl_stepwise.generator import GeneratorOutput, TrajectoryID
+    from skyrl_stepwise.trainer.advantages import loss_weights
+    from skyrl_stepwise.trainer.batching import TrainBatch, pack_micro_batch
+
+    a, b = TrajectoryID("q", 0), TrajectoryID("q", 1)
+    output = GeneratorOutput(prompt_token_ids=[[1], [1], [1, 5, 6, 7]], response_ids=[[2], [5, 6], [8, 9]],
+                             rewards=[0.0, 0.0, 0.0], loss_masks=[[1], [1, 0], [1, 1]], trajectory_ids=[a, b, b])
+    advantages = [[1.0], [2.0, 2.0], [2.0, 2.0]]
+    for reduction, expected in (("token_mean", -7 / 4), ("trajectory_mean", -(1 + 2) / 2)):
+        cfg = AlgorithmConfig(use_kl_loss=False, tis_ratio_clip_high=None, loss_reduction=reduction)
+        weights = loss_weights(output, cfg)
+        batch = TrainBatch.from_output(output, advantages, loss_weights=weights)
+        assert batch.loss_denominator() == pytest.approx(4 if reduction == "token_mean" else 2)
+        mb = pack_micro_batch(batch, [0, 1, 2])
+        lp = torch.zeros(5, dtype=torch.float64)
+        loss, _ = policy_loss(lp, lp, mb.advantages.double(), mb.loss_mask.double(), cfg, batch.loss_denominator(),
+                              loss_weights=mb.loss_weights)
+        assert loss.item() == pytest.approx(expected), reduction
+    assert loss_weights(output, cfg) == [[1.0], [1 / 3, 1 / 3], [1 / 3, 1 / 3]]
+
+
+def test_an_unknown_loss_reduction_names_the_choices():
+    with pytest.raises(ValueError, match=r"trainer.algorithm.loss_reduction: 'seq_mean' is not one of"):
+        AlgorithmConfig(loss_reduction="seq_mean").validate()

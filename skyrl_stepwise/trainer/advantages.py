@@ -75,6 +75,19 @@ def groups_with_signal(scores: dict[TrajectoryID, float]) -> tuple[int, int]:
     return sum(signal.values()), len(signal)
 
 
+def loss_weights(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]] | None:
+    """Per-token loss weights for `loss_reduction=trajectory_mean`: 1 / the loss-masked tokens of the token's
+    trajectory, counted over all its samples, so each trajectory weighs 1 however it was cut into samples (a
+    per-sample mean would weigh a 4-step trajectory 4x when step-wise and 1x when merged). None: token_mean."""
+    if cfg.loss_reduction == "token_mean":
+        return None
+    tokens: dict[TrajectoryID, int] = defaultdict(int)
+    for tid, mask in zip(output.trajectory_ids, output.loss_masks):
+        tokens[tid] += sum(mask)
+    return [[1.0 / tokens[tid] if tokens[tid] else 0.0] * len(mask)
+            for tid, mask in zip(output.trajectory_ids, output.loss_masks)]
+
+
 def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:
     """Per-token advantages parallel to response_ids: the trajectory's advantage times the sample's loss mask."""
     adv = group_advantages(trajectory_scores(output), cfg.advantage_estimator, cfg.norm_adv_by_std,

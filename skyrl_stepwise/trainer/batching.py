@@ -23,7 +23,8 @@ class TrainBatch:
     """Per-sample token lists for the worker; every per-token list is parallel to response_ids.
 
     old_logprobs=None means on-policy (the update's own detached logprobs are used, ratio = 1);
-    ref_logprobs/rollout_logprobs are needed only when the KL loss / TIS are on.
+    ref_logprobs/rollout_logprobs are needed only when the KL loss / TIS are on. loss_weights=None weighs every
+    loss-masked token 1 (token_mean); `trajectory_mean` gives each token 1 / its trajectory's loss tokens.
     """
 
     prompt_ids: list[list[int]]
@@ -34,11 +35,13 @@ class TrainBatch:
     old_logprobs: list[list[float]] | None = None
     ref_logprobs: list[list[float]] | None = None
     rollout_logprobs: list[list[float]] | None = None
+    loss_weights: list[list[float]] | None = None
 
     @classmethod
     def from_output(cls, output: GeneratorOutput, advantages: list[list[float]] | None = None,
                     old_logprobs: list[list[float]] | None = None,
-                    ref_logprobs: list[list[float]] | None = None) -> TrainBatch:
+                    ref_logprobs: list[list[float]] | None = None,
+                    loss_weights: list[list[float]] | None = None) -> TrainBatch:
         """Take the generator's samples as they are; advantages/logprobs come from the trainer's own passes."""
         output.validate()
         if output.trajectory_ids is None:
@@ -47,7 +50,7 @@ class TrainBatch:
         batch = cls(prompt_ids=output.prompt_token_ids, response_ids=output.response_ids,
                     loss_masks=output.loss_masks, instance_ids=[t.instance_id for t in output.trajectory_ids],
                     advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                    rollout_logprobs=output.rollout_logprobs)
+                    rollout_logprobs=output.rollout_logprobs, loss_weights=loss_weights)
         batch.validate()
         return batch
 
@@ -66,7 +69,8 @@ class TrainBatch:
                 raise ValueError(f"TrainBatch sample {i} has an empty prompt: the first response token needs a "
                                  f"token before it to be predicted from")
             r = len(self.response_ids[i])
-            for name in ("loss_masks", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
+            for name in ("loss_masks", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+                         "loss_weights"):
                 value = getattr(self, name)
                 if value is not None and len(value[i]) != r:
                     raise ValueError(f"TrainBatch sample {i}: {r} response ids but {len(value[i])} {name}")
@@ -94,6 +98,13 @@ class TrainBatch:
     def num_loss_tokens(self) -> int:
         """Loss-masked tokens: the denominator of the token-mean loss."""
         return sum(sum(m) for m in self.loss_masks)
+
+    def loss_denominator(self) -> float:
+        """The weighted token count the summed per-token losses are divided by: the loss-masked tokens
+        (token_mean), or with trajectory weights the number of trajectories that have any (trajectory_mean)."""
+        if self.loss_weights is None:
+            return float(self.num_loss_tokens())
+        return sum(m * w for mask, weights in zip(self.loss_masks, self.loss_weights) for m, w in zip(mask, weights))
 
 
 def prompt_mini_batches(instance_ids: list[str], prompts_per_mini_batch: int) -> list[list[int]]:
@@ -160,6 +171,7 @@ class PackedMicroBatch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -205,7 +217,8 @@ def pack_micro_batch(batch: TrainBatch, indices: list[int]) -> PackedMicroBatch:
         logit_index=torch.tensor(logit_index, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
         sample_indices=list(indices), response_lens=[len(batch.response_ids[i]) for i in indices],
         loss_mask=flat("loss_masks"), advantages=flat("advantages"), old_logprobs=flat("old_logprobs"),
-        ref_logprobs=flat("ref_logprobs"), rollout_logprobs=flat("rollout_logprobs"))
+        ref_logprobs=flat("ref_logprobs"), rollout_logprobs=flat("rollout_logprobs"),
+        loss_weights=flat("loss_weights"))
 
 
 def rank_micro_batches(batch: TrainBatch, rank: int, world_size: int, max_tokens: int) -> list[list[int]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
-LOSS_REDUCTIONS = ("token_mean",)
+LOSS_REDUCTIONS = ("token_mean", "trajectory_mean")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -32,8 +32,10 @@ class AlgorithmConfig:
     use_kl_loss: bool = True
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    # Sum of per-token losses / number of loss-masked tokens in the whole mini-batch (all ranks), so
-    # splitting a trajectory into steps or merging steps never changes the loss.
+    # token_mean: sum of per-token losses / number of loss-masked tokens in the whole mini-batch (all ranks).
+    # trajectory_mean: each trajectory's token mean, averaged over the mini-batch's trajectories, so a long
+    # trajectory counts as much as a short one (rLLM's seq-mean-token-mean, per trajectory, not per sample).
+    # Both sum over a trajectory's tokens, so splitting it into steps or merging steps never changes the loss.
     loss_reduction: str = "token_mean"
     # DAPO's dynamic sampling: a prompt group whose samples all scored the same has zero GRPO/RLOO advantage
     # and teaches nothing. When on, a step draws up to `max_sample_batches` batches of prompts until it has
@@ -50,8 +52,8 @@ class AlgorithmConfig:
         if self.kl_loss_type not in KL_LOSS_TYPES:
             raise ValueError(f"{prefix}.kl_loss_type: {self.kl_loss_type!r} is not one of {KL_LOSS_TYPES}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"{prefix}.loss_reduction: {self.loss_reduction!r} is not supported; only token_mean "
-                             f"keeps the loss identical for step-wise and merged samples")
+            raise ValueError(f"{prefix}.loss_reduction: {self.loss_reduction!r} is not one of {LOSS_REDUCTIONS} "
+                             f"(a per-sample mean would change the loss with how trajectories are cut into steps)")
         for key in ("eps_clip_low", "eps_clip_high", "kl_loss_coef"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{prefix}.{key} must be >= 0, got {getattr(self, key)}")

@@ -154,7 +154,8 @@ def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: Algorith
     logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True)
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     return policy_loss(logprobs, old, mb.advantages, mb.loss_mask, cfg, num_tokens,
-                       rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy)
+                       rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+                       loss_weights=mb.loss_weights)
 
 
 def sft_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, num_tokens: float,
@@ -270,13 +271,15 @@ class PolicyWorker:
         self.model.train()
         mine, per_rank = self._micro_batches(batch)
         num_tokens = batch.num_loss_tokens()
+        denominator = batch.loss_denominator()  # = num_tokens unless trajectory weights are set
         totals: dict[str, float] = defaultdict(float)
         for idx in mine:
             mb = pack_micro_batch(batch, idx).to(self.device)
             if objective == "sft":
                 loss, metrics = sft_micro_batch_loss(self.model, mb, num_tokens)
             else:
-                loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, num_tokens, self.cfg.temperature)
+                loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, denominator,
+                                                 self.cfg.temperature)
             (loss * self.world_size).backward()
             for k, v in metrics.items():
                 totals[k] += v

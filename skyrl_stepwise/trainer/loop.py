@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
-from skyrl_stepwise.trainer.advantages import compute_advantages, signal_groups, trajectory_scores
+from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights, signal_groups, trajectory_scores
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
@@ -227,7 +227,8 @@ class RLTrainer:
                 continue
             signal = signal_groups(trajectory_scores(output))
             signal_of.update(signal)
-            batch = TrainBatch.from_output(output, compute_advantages(output, algo))
+            batch = TrainBatch.from_output(output, compute_advantages(output, algo),
+                                           loss_weights=loss_weights(output, algo))
             if algo.dynamic_sampling:
                 room = cfg.data.train_batch_size - sum(len(set(b.instance_ids)) for b in kept)
                 chosen = set([group for group, has_signal in signal.items() if has_signal][:room])

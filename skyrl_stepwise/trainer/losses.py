@@ -40,14 +40,18 @@ def policy_loss(
     rollout_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Return this micro-batch's share of the mini-batch loss, and metrics on the same scale.
 
     Each metric is a masked token sum divided by `num_tokens`, so summing the metrics of all micro-batches
     and ranks of a mini-batch gives its token mean. Masked positions never enter an exp(): their
     placeholder logprobs (0.0 for observation tokens) could otherwise overflow into inf * 0 = nan.
+    `loss_weights` (trajectory_mean) scale each token, and `num_tokens` is then their weighted count.
     """
     mask = loss_mask.to(logprobs.dtype)
+    if loss_weights is not None:
+        mask = mask * loss_weights.to(logprobs.dtype)
     live = mask > 0
     denom = max(float(num_tokens), 1.0)
 
