@@ -32,7 +32,7 @@ def test_replay_ablation_report_matches_samples(tmp_path, model_path):
     # ~1200 tokens is ~17 s on 2 CPU cores)
     cfg = load_config(["experiment=search_r1_tiny", "ablation.num_prompts=1", "ablation.train_steps=1",
                        "data.train_batch_size=1", "trainer.algorithm.use_kl_loss=true",
-                       "generator.n_samples_per_prompt=2", "generator.sampling.max_generate_length=48",
+                       "generator.n_samples_per_prompt=2", "generator.sampling.max_generate_length=32",
                        "generator.max_turns=2", f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled"])
     report = run(cfg)
     out = report.parent
