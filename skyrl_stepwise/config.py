@@ -141,6 +141,13 @@ class RunConfig:
             raise ValueError(f"trainer.temperature={self.trainer.temperature} must equal "
                              f"generator.sampling.temperature={self.generator.sampling.temperature}: "
                              "trainer logprobs must score the distribution the rollouts sampled from")
+        sampling = self.generator.sampling
+        for key in ("top_k", "top_p"):
+            mine, theirs = getattr(self.trainer, key), getattr(sampling, key)
+            if sampling.temperature > 0 and mine != theirs and not (key == "top_k" and mine <= 0 and theirs <= 0):
+                raise ValueError(f"trainer.{key}={mine} must equal generator.sampling.{key}={theirs}: the engines "
+                                 "return logprobs of the truncated distribution they drew from, and trainer "
+                                 "logprobs must score the same one (else every TIS weight is the kept mass, < 1)")
 
 
     def _validate_rollouts_ahead(self) -> None:

@@ -37,7 +37,7 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ("generate/bridge_fallbacks", "bridge fallbacks"), ("generate/retokenize_drift_steps", "retokenize drift steps"),
         ("generate/failed_trajectories", "failed trajectories")]),
 ]
-TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_sync", "eval", "step"]
+TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_sync", "weight_sync_probe", "eval", "step"]
 TIMING_LABELS = {"generate": "rollouts", "train": "update", "step": "whole step"}  # as the progress bars say
 # per-step table: (metric, column title); columns no step has are left out
 TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("environment/em", "EM"),

@@ -49,6 +49,16 @@ def test_a_wrong_key_or_value_exits_nonzero_naming_it(override, key, tmp_path, c
     assert key in capsys.readouterr().err
 
 
+def test_the_trainer_scores_the_truncation_the_engines_sample_with():
+    """top_p / top_k reach the trainer from generator.sampling; a trainer overridden apart is refused, naming both
+    keys (its logprobs would score a different distribution and bias every TIS weight)."""
+    cfg = train.load_config(["experiment=search_r1_tiny", "generator.sampling.top_p=0.9",
+                             "generator.sampling.top_k=20"])
+    assert (cfg.trainer.top_p, cfg.trainer.top_k) == (0.9, 20)
+    with pytest.raises(ValueError, match=r"trainer.top_p=1.0 must equal generator.sampling.top_p=0.9"):
+        train.load_config(["experiment=search_r1_tiny", "generator.sampling.top_p=0.9", "trainer.top_p=1.0"])
+
+
 def test_help_lists_the_recipes_and_main_keys(capsys):
     with pytest.raises(SystemExit) as exit_:
         train.main(["--help"])

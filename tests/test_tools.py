@@ -340,6 +340,25 @@ async def test_each_call_has_its_own_timeout():
     assert ex.counts == {"slow/timeout": 1, "calculator/ok": 1}
 
 
+async def test_a_stalled_event_loop_is_not_charged_to_the_tool():
+    """A 0.2 s tool under a 1 s timeout, while something blocks the loop for 1.5 s: the tool finished, so its
+    result must come back (a wall-clock deadline answered "timed out" and the model was trained on that)."""
+    ex = ToolExecutor({"slow": SleepTool({"delay": 0.2}, schema("slow"))}, timeout_s=1.0)
+    call = asyncio.create_task(ex.execute([ToolCallRequest("slow", {})]))
+    await asyncio.sleep(0.05)
+    time.sleep(1.5)  # a blocking call on the loop (e.g. a Ray get)
+    (result,) = await call
+    assert result.ok and result.content == "slow done", result
+    # a tool that really runs past its budget still times out, stalls or not
+    ex = ToolExecutor({"slow": SleepTool({"delay": 5}, schema("slow"))}, timeout_s=0.3)
+    call = asyncio.create_task(ex.execute([ToolCallRequest("slow", {})]))
+    await asyncio.sleep(0.05)
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    (result,) = await call
+    assert result.error_kind == "timeout" and time.perf_counter() - t0 < 1.0
+
+
 @pytest.mark.parametrize("error, expected", [
     (ValueError("boom"), "Error: tool 'boom' failed: ValueError: boom"),
     (KeyError("k"), "Error: tool 'boom' failed: KeyError: 'k'"),

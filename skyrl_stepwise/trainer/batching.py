@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from skyrl_stepwise.generator.output import GeneratorOutput
+from skyrl_stepwise.inference.truncation import truncation_keep_mask
 
 
 @dataclass
@@ -250,28 +251,42 @@ def packing_stats(batch: TrainBatch, micro_batches: list[list[int]]) -> dict[str
 
 
 class _TargetLogprob(torch.autograd.Function):
-    """log_softmax(logits / T)[target] in fp32, chunk by chunk, saving only the logits and the [R] logsumexp.
+    """log_softmax(truncate(logits / T))[target] in fp32, chunk by chunk, saving only the logits and the [R]
+    logsumexp.
 
     Plain autograd would keep every chunk's fp32 copy of the logits for backward (the full [R, V] in fp32);
     backward recomputes each chunk's softmax instead: d logp / d logits = (onehot(target) - softmax) / T.
+    With top-k / top-p the distribution is the sampler's truncated one (inference/truncation.py), recomputed
+    in backward from the same logits; the target is always kept, so a token the engine drew and the trainer's
+    slightly different logits would have cut scores finitely instead of -inf.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy, chunk_rows):
+    def _scaled(logits, targets, temperature, top_k, top_p):
+        x = logits.float() / temperature
+        keep = truncation_keep_mask(x, top_k, top_p)
+        if keep is not None:
+            keep.scatter_(-1, targets[:, None], True)
+            x = x.masked_fill(~keep, float("-inf"))
+        return x
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk_rows, top_k, top_p):
         logps, lses, ents = [], [], []
         for s in range(0, logits.shape[0], chunk_rows):
-            x = logits[s:s + chunk_rows].float() / temperature
+            x = _TargetLogprob._scaled(logits[s:s + chunk_rows], targets[s:s + chunk_rows], temperature, top_k, top_p)
             lse = torch.logsumexp(x, dim=-1)
             logps.append(x.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse)
             lses.append(lse)
             if with_entropy:
-                ents.append(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
+                p = torch.softmax(x, dim=-1)
+                ents.append(lse - (p * x.masked_fill(p == 0, 0.0)).sum(-1))
 
         def cat(xs):  # an empty row still gets its own [0] tensors: a graph to backward through
             return torch.cat(xs) if xs else logits.new_zeros(0, dtype=torch.float32)
 
         ctx.save_for_backward(logits, targets, cat(lses))
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.temperature, ctx.chunk_rows, ctx.top_k, ctx.top_p = temperature, chunk_rows, top_k, top_p
         ent = cat(ents)
         ctx.mark_non_differentiable(ent)
         return cat(logps), ent
@@ -283,28 +298,33 @@ class _TargetLogprob(torch.autograd.Function):
         grad = torch.empty_like(logits)
         t, n = ctx.temperature, ctx.chunk_rows
         for s in range(0, logits.shape[0], n):
-            d = (logits[s:s + n].float() / t - lse[s:s + n, None]).exp()  # softmax
+            x = _TargetLogprob._scaled(logits[s:s + n], targets[s:s + n], t, ctx.top_k, ctx.top_p)
+            d = (x - lse[s:s + n, None]).exp()  # softmax (0 where truncated)
             d.scatter_add_(-1, targets[s:s + n, None], d.new_full((d.shape[0], 1), -1.0))  # softmax - onehot
             grad[s:s + n] = d.mul_(grad_logp[s:s + n, None] / -t)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False, chunk_rows: int = 1024
+                    with_entropy: bool = False, chunk_rows: int = 1024, top_k: int = -1, top_p: float = 1.0
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each target under [R, V] logits (fp32), optionally the entropy (no grad).
 
+    The distribution is the sampler's: logits / temperature, truncated by top_k / top_p exactly as the
+    engines truncate before drawing (their logprobs are of that distribution), so on-policy TIS weights are 1.
     logsumexp + gather per chunk of rows instead of a full log_softmax, in a custom autograd function: only
     [chunk, V] fp32 temporaries exist at once, in forward and in backward, and only the logits themselves
     (in their own dtype) and an [R] logsumexp are kept for backward. Entropy is a metric: no gradient.
     An empty row still returns a graph-connected [0] tensor, so a rank with no response token can backward.
     """
-    logp, ent = _TargetLogprob.apply(logits, targets, float(temperature), with_entropy, chunk_rows)
+    logp, ent = _TargetLogprob.apply(logits, targets, float(temperature), with_entropy, chunk_rows,
+                                     int(top_k), float(top_p))
     return logp, ent if with_entropy else None
 
 
 def forward_logprobs(model: torch.nn.Module, mb: PackedMicroBatch, temperature: float = 1.0,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, top_k: int = -1, top_p: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one packed row and return the logprobs (and entropy) of its response tokens, flat [R].
 
     Only the R positions that predict response tokens go through the LM head (logits_to_keep), so the
@@ -312,4 +332,4 @@ def forward_logprobs(model: torch.nn.Module, mb: PackedMicroBatch, temperature: 
     """
     out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
                 logits_to_keep=mb.logit_index)
-    return gather_logprobs(out.logits[0], mb.targets, temperature, with_entropy)
+    return gather_logprobs(out.logits[0], mb.targets, temperature, with_entropy, top_k=top_k, top_p=top_p)

@@ -152,8 +152,11 @@ class TrainerConfig:
     # Async rollouts (trainer/rollout_ahead.py): the engines generate the next steps' rollouts while this step
     # trains, with weights at most this many updates old; truncated IS corrects the staleness. 0: synchronous.
     max_staleness: int = 0
-    # The sampling temperature: logits are divided by it so trainer logprobs match the rollout's.
+    # The sampling temperature, top-k and top-p (conf/config.yaml copies them from generator.sampling): the
+    # trainer scores the truncated distribution the engines drew from, so on-policy TIS weights are exactly 1.
     temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
     seed: int = 42
     ckpt_dir: str = "ckpts"
     ckpt_interval: int = 10  # optimizer steps between checkpoints; 0 disables
@@ -178,6 +181,8 @@ class TrainerConfig:
                              f"{ATTN_IMPLEMENTATIONS}")
         if self.temperature <= 0:
             raise ValueError(f"{prefix}.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
         if self.ckpt_interval < 0:
             raise ValueError(f"{prefix}.ckpt_interval must be >= 0 (0 disables), got {self.ckpt_interval}")
         if self.max_ckpts_to_keep == 0 or self.max_ckpts_to_keep < -1:

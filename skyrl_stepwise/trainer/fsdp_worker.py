@@ -143,7 +143,8 @@ def _cloned(state):
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
-                     temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+                     temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward one packed row and return its share of the mini-batch token-mean loss (see losses.py).
 
     Without old_logprobs the update is on-policy: the detached current logprobs are the old ones
@@ -151,7 +152,7 @@ def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: Algorith
     """
     if mb.advantages is None:
         raise ValueError("train_step needs TrainBatch.advantages (got None): compute them with compute_advantages")
-    logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True)
+    logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True, top_k=top_k, top_p=top_p)
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     return policy_loss(logprobs, old, mb.advantages, mb.loss_mask, cfg, num_tokens,
                        rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
@@ -245,7 +246,8 @@ class PolicyWorker:
         local: dict[int, list[float]] = {}
         for idx in mine:
             mb = pack_micro_batch(batch, idx).to(self.device)
-            logprobs, _ = forward_logprobs(model, mb, self.cfg.temperature)
+            logprobs, _ = forward_logprobs(model, mb, self.cfg.temperature, top_k=self.cfg.top_k,
+                                           top_p=self.cfg.top_p)
             local.update(zip(idx, mb.split(logprobs)))
         gathered: list[dict[int, list[float]]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
@@ -279,7 +281,7 @@ class PolicyWorker:
                 loss, metrics = sft_micro_batch_loss(self.model, mb, num_tokens)
             else:
                 loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, denominator,
-                                                 self.cfg.temperature)
+                                                 self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
             (loss * self.world_size).backward()
             for k, v in metrics.items():
                 totals[k] += v

@@ -186,20 +186,22 @@ class RLTrainer:
                 self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
                 ckpt = self.cfg.trainer.ckpt_interval
                 if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
-                    self.save_checkpoint()
+                    await self.save_checkpoint()
         finally:
             if self.ahead is not None:
                 await self.ahead.close()
                 self.ahead = None
         return metrics
 
-    def save_checkpoint(self) -> None:
-        """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs')."""
-        self.policy.call("save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
-                                                        "lineage": self.lineage})
-        self.lineage = prune_lineage(self.cfg.trainer.ckpt_dir,
-                                     self.lineage + [lineage_entry(self.step, self.run_id)],
-                                     self.cfg.trainer.max_ckpts_to_keep)
+    async def save_checkpoint(self) -> None:
+        """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs').
+        Off the event loop (a save takes seconds to minutes): rollouts running ahead, and their tool calls,
+        keep going meanwhile."""
+        await self._call(self.policy, "save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
+                                                                     "lineage": self.lineage})
+        self.lineage = await asyncio.to_thread(prune_lineage, self.cfg.trainer.ckpt_dir,
+                                               self.lineage + [lineage_entry(self.step, self.run_id)],
+                                               self.cfg.trainer.max_ckpts_to_keep)
 
     async def sample(self, step: int | None = None) -> tuple[GeneratorOutput, TrainBatch | None, dict[str, float],
                                                              list[str]]:
@@ -307,15 +309,21 @@ class RLTrainer:
             train = combine_train_metrics(per_mini_batch)
         metrics.update(train)
 
-        # with rollouts ahead, a sync first waits for the batch in progress (timing/weight_sync_s includes it)
+        # with rollouts ahead, a sync first waits for the batch in progress (timing/weight_sync_s includes it);
+        # the probe after it, with the run's own sampling parameters, is timed apart (timing/weight_sync_probe_s)
         engines_held = self.ahead.weights_update() if self.ahead is not None else nullcontext()
         with timer.phase("weight_sync"), bar.phase("weight sync"):
             async with engines_held:
                 sync_start = time.perf_counter()
                 await self.weight_sync.sync()
-                metrics["sync/seconds"] = time.perf_counter() - sync_start  # without the probe below
+                metrics["sync/seconds"] = time.perf_counter() - sync_start
+                probe_start = time.perf_counter()
                 probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
-                                             temperature=cfg.trainer.temperature)
+                                             temperature=cfg.trainer.temperature, top_k=cfg.trainer.top_k,
+                                             top_p=cfg.trainer.top_p)
+                probe_s = time.perf_counter() - probe_start
+        timer["timing/weight_sync_s"] -= probe_s
+        timer["timing/weight_sync_probe_s"] = probe_s
         bar.close()
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
                         "sync/probe_logprob_mean_diff": probe.mean_abs_diff,
