@@ -116,3 +116,44 @@ def test_a_resumed_sft_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_mo
     assert resumed.worker.weights_checksum() == expected_weights != policy(tmp_path / "fresh").worker.weights_checksum()
     assert [h["sft/loss"] for h in history] == pytest.approx([h["sft/loss"] for h in expected], rel=1e-6)
     assert [p.name for p in complete_checkpoints(tmp_path / "ckpts")] == ["step_4"]  # older ones pruned
+
+
+@pytest.mark.parametrize("change", [
+    "trainer.optim.weight_decay=0.1", "trainer.optim.max_grad_norm=0.5", "trainer.optim.betas=[0.8,0.99]",
+    "trainer.optim.eps=1e-6", "generator.history=retokenize", "generator.use_conversation_multi_turn=false",
+    "generator.thinking_retention=all", "generator.sampling.stop=[]", "sft.lr=1e-4", "trainer.seed=7",
+    "trainer.fsdp.mixed_precision=false", "weights", "chat_template"])
+def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, tiny_model_dir, tmp_path):
+    """A setting that changes the SFT samples or the optimizer, or the base model's content (weights, chat
+    template) under the same file names and sizes, must miss the cache: a stale warm start was reused silently."""
+    import shutil
+
+    from skyrl_stepwise.sft import cache_key
+    from skyrl_stepwise.train import load_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    memo = tmp_path / "digests.json"
+    base = ["experiment=search_r1_tiny"]
+    overrides = base if change in ("weights", "chat_template") else base + [change]
+    cfg = load_config(base)
+    cfg.trainer.model_path = str(model)
+    before = cache_key(cfg, "data", memo)
+    assert cache_key(cfg, "data", memo) == before  # deterministic (and the memo of weight digests agrees)
+    changed = load_config(overrides)
+    changed.trainer.model_path = str(model)
+    if change == "weights":  # same name, same size, other values
+        weights = model / "model.safetensors"
+        raw = bytearray(weights.read_bytes())
+        raw[-1] ^= 0xFF
+        weights.write_bytes(bytes(raw))
+    if change == "chat_template":
+        (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    assert cache_key(changed, "data", memo) != before
+    # what cannot change the weights leaves the key alone: the cache still serves every other run
+    same = load_config(base + ["trainer.fsdp.gradient_checkpointing=true", "total_steps=9",
+                               "generator.n_samples_per_prompt=3"])
+    same.trainer.model_path = str(model)
+    if change not in ("weights", "chat_template"):
+        assert cache_key(same, "data", memo) == before
