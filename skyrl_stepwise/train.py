@@ -178,7 +178,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
         reference = ReferenceOnPolicyRanks(policy) if use_kl else None
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
-        weight_sync = WeightSync(cfg.weight_sync, policy, engine)
+        weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated")
         logger.info(f"weight sync: {weight_sync.method}")
         if cfg.sft.enabled:
             await weight_sync.sync()  # the engines still hold the base model

@@ -106,3 +106,15 @@ def test_the_report_says_what_dynamic_sampling_generated_to_find_its_groups():
         "2 of 2 RL steps had non-zero advantages; 2 had reward variance in at least half of their prompt groups. "
         "Dynamic sampling kept only groups with variance: 3 prompt batches drawn for 2 steps, 8 of 12 generated "
         "groups (67%) had variance.")
+
+
+def test_dynamic_sampling_with_one_sample_per_prompt_is_refused_at_startup():
+    """One-sample groups never score differently: every step would be skipped and nothing trained."""
+    from skyrl_stepwise.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.trainer.algorithm.dynamic_sampling, cfg.generator.n_samples_per_prompt = True, 1
+    with pytest.raises(ValueError, match=r"generator.n_samples_per_prompt=1 .*trainer.algorithm.dynamic_sampling"):
+        cfg.validate()
+    cfg.generator.n_samples_per_prompt = 2
+    cfg.validate()

@@ -265,6 +265,10 @@ def test_two_nodes_put_eight_ranks_on_each(two_nodes):
     _assert_colocated_placement(observed, world=16, engines=8)
     assert sorted(Counter(node for node, _ in observed["policy"]).values()) == [8, 8]
     assert sorted(Counter(node for node, _ in observed["engines"]).values()) == [4, 4]
+    # engines on the second node share GPUs with policy ranks: a broadcast group would put two NCCL ranks on one
+    # GPU, so auto must never pick it there (and an explicit broadcast is refused); split layouts still broadcast
+    assert two_nodes["weight_sync"] == {"colocated_auto": "driver", "colocated_broadcast": "refused",
+                                        "split_auto": "broadcast", "one_node_colocated_auto": "file"}
 
 
 # --- the child: one simulated cluster, observations printed as JSON -----------------------------------
@@ -338,6 +342,34 @@ def _busy() -> dict:
     return observed
 
 
+def _weight_sync_methods(fit: dict) -> dict:
+    """What weight_sync.method resolves to for the placement just observed (engines and rank 0 where they landed)."""
+    from types import SimpleNamespace
+
+    from skyrl_stepwise.trainer.weight_sync import resolve_method
+
+    class Engine:  # a vLLM engine as resolve_method sees it: both carriers, on the node it landed on
+        def __init__(self, node_id: str) -> None:
+            self.node_id = node_id
+
+        async def update_weights_from_file(self, path): ...
+
+        async def update_weights_from_broadcast(self, *args): ...
+
+    group = SimpleNamespace(node_id=fit["policy"][0][0])
+    engines = SimpleNamespace(engines=[Engine(node) for node, _ in fit["engines"]])
+    same_node = SimpleNamespace(engines=[Engine(group.node_id)])
+    try:
+        resolve_method("broadcast", group, engines, engines_share_policy_gpus=True)
+        broadcast = "accepted"
+    except ValueError:
+        broadcast = "refused"
+    return {"colocated_auto": resolve_method("auto", group, engines, engines_share_policy_gpus=True),
+            "colocated_broadcast": broadcast,
+            "split_auto": resolve_method("auto", group, engines, engines_share_policy_gpus=False),
+            "one_node_colocated_auto": resolve_method("auto", group, same_node, engines_share_policy_gpus=True)}
+
+
 def _free_gpus(expected: float, timeout_s: float = 10) -> float:
     import ray
 
@@ -367,6 +399,7 @@ def _observe(shape: str) -> dict:
             observed["busy"] = _busy()
         else:
             observed["fit"] = _fit(TWO_NODES)
+            observed["weight_sync"] = _weight_sync_methods(observed["fit"])
         observed["gpus_free_at_end"] = _free_gpus(8.0 * nodes)
         return observed
     finally:

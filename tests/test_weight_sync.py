@@ -211,3 +211,49 @@ async def test_vllm_engine_scores_like_the_trainer_after_a_file_sync_and_after_a
         await vllm_engine.update_weights_from_file(str(original))
     fresh = _MeasuredGroup(PolicyWorker(cfg, trainable=False))
     assert (await probe_logprobs(fresh, vllm_engine, probe_ids)).max_abs_diff < 1e-3
+
+
+def test_a_full_shared_memory_falls_back_to_disk_naming_the_sizes(tmp_path, monkeypatch, caplog):
+    """Docker's default /dev/shm is 64 MiB; SmolLM2 in bf16 is ~270 MB: the write must not fail mid-run."""
+    import logging
+    import shutil
+    from collections import namedtuple
+    from pathlib import Path
+
+    from skyrl_stepwise.inference import weights
+
+    usage = namedtuple("usage", "total used free")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 0, 64 << 20) if Path(p) == shm
+                        else usage(1 << 40, 0, 1 << 40))
+    target, warning = weights.weights_target(shm / "w.safetensors", 270 << 20, tmp_path / "disk")
+    assert target == tmp_path / "disk" / "w.safetensors"
+    assert "64 MiB free" in warning and "270 MiB" in warning and "--shm-size" in warning
+    assert weights.weights_target(shm / "w.safetensors", 1 << 20) == (shm / "w.safetensors", None)
+
+    fallback = tmp_path / "elsewhere.safetensors"
+
+    class Group:  # rank 0 wrote the update outside shared memory and said so
+        node_id = "here"
+
+        def call(self, method, path, dtype):
+            fallback.write_bytes(b"weights")
+            return {"params": 3, "bytes": 7, "path": str(fallback), "warning": "no room in /dev/shm"}
+
+    class Engine:
+        node_id = "here"
+        loaded: list[str] = []
+
+        async def update_weights_from_file(self, path):
+            self.loaded.append(path)
+
+    import asyncio
+
+    monkeypatch.setattr("skyrl_stepwise.trainer.weight_sync.current_node_id", lambda: "here")
+    sync = WeightSync(WeightSyncConfig(method="file"), Group(), Engine())
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise"):
+        assert asyncio.run(sync.sync()) == 3
+        asyncio.run(sync.sync())
+    assert Engine.loaded == [str(fallback)] * 2 and not fallback.exists()  # read from there, then removed
+    assert caplog.text.count("no room in /dev/shm") == 1  # said once, not every step

@@ -349,15 +349,21 @@ class PolicyWorker:
             self.scheduler.load_state_dict(_cloned(self._snapshot["scheduler"]))
         checkpoint._set_rng_state(self._snapshot["rng"])
 
-    def export_weights(self, path: str, dtype: str) -> dict[str, int]:
-        """Gather the full weights and let rank 0 write them to `path` as safetensors in the engines' dtype;
-        collective. The engines read the file on this node, so no weights go through the driver or Ray."""
-        from skyrl_stepwise.inference.weights import write_weights_file
+    def export_weights(self, path: str, dtype: str) -> dict:
+        """Gather the full weights and let rank 0 write them as safetensors in the engines' dtype; collective.
+        The engines read the file on this node, so no weights go through the driver or Ray. Where `path`'s
+        filesystem (/dev/shm) lacks room, rank 0 writes to the temp dir instead and says so (`path`, `warning`
+        in the result tell the caller where the file is)."""
+        from skyrl_stepwise.inference.weights import weights_target, write_weights_file
 
         state = self.full_state_dict()
-        out = {"params": sum(t.numel() for t in state.values()), "bytes": 0}
+        out = {"params": sum(t.numel() for t in state.values()), "bytes": 0, "path": path, "warning": None}
         if self.rank == 0:
-            out["bytes"] = write_weights_file(state.items(), getattr(torch, dtype), path)
+            engine_dtype = getattr(torch, dtype)
+            nbytes = sum(t.numel() for t in state.values()) * torch.empty(0, dtype=engine_dtype).element_size()
+            target, out["warning"] = weights_target(path, nbytes)
+            out["path"] = str(target)
+            out["bytes"] = write_weights_file(state.items(), engine_dtype, target)
         del state
         release_host_memory(self.device)
         dist.barrier()

@@ -4,11 +4,15 @@ driver), then proof that the engine now scores like the trainer."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
 from skyrl_stepwise.inference.weights import current_node_id, weights_file
 from skyrl_stepwise.trainer.batching import TrainBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,15 +75,29 @@ def can_sync_by_broadcast(engine) -> bool:
     return all(hasattr(e, "update_weights_from_broadcast") for e in engines_of(engine))
 
 
-def resolve_method(method: str, group, engine) -> str:
-    """`auto` made concrete; an explicit method the engines cannot use fails here, naming the key."""
+def resolve_method(method: str, group, engine, engines_share_policy_gpus: bool = False) -> str:
+    """`auto` made concrete; an explicit method the engines cannot use fails here, naming the key.
+
+    `engines_share_policy_gpus`: colocated on GPUs (placement.mode=colocated), engine i sits on a policy rank's
+    GPU. A broadcast group would then hold two NCCL ranks on one device, which NCCL refuses, so auto never picks
+    broadcast there: the file when every engine is on rank 0's node, else the driver (logged, with the reason).
+    """
     if method == "auto":
         if can_sync_through_a_file(group, engine):
             return "file"
+        if engines_share_policy_gpus:
+            logger.warning("weight_sync: engines on other nodes than the trainer's rank 0 share GPUs with policy "
+                           "ranks (placement.mode=colocated), and NCCL refuses two ranks of one broadcast group on "
+                           "one GPU: weights go through the driver (weight_sync.method=driver)")
+            return "driver"
         return "broadcast" if can_sync_by_broadcast(engine) else "driver"
     if method == "file" and not can_sync_through_a_file(group, engine):
         raise ValueError("weight_sync.method=file needs every engine on the trainer's rank-0 node and able to read "
                          "weight files; use weight_sync.method=broadcast (or auto)")
+    if method == "broadcast" and engines_share_policy_gpus:
+        raise ValueError("weight_sync.method=broadcast with placement.mode=colocated on GPUs would put an engine "
+                         "worker and a policy rank of one NCCL group on the same GPU, which NCCL refuses; use "
+                         "weight_sync.method=auto (file on one node, else driver) or placement.mode=split")
     if method == "broadcast" and not can_sync_by_broadcast(engine):
         raise ValueError(f"weight_sync.method=broadcast: {type(engines_of(engine)[0]).__name__} cannot join a weight "
                          "broadcast group; use weight_sync.method=file or driver (or auto)")
@@ -92,18 +110,28 @@ class WeightSync:
     Holds the broadcast group's setup between steps: it is built on the first sync and reused after.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine) -> None:
+    def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine,
+                 engines_share_policy_gpus: bool = False) -> None:
         cfg.validate()
         self.cfg, self.group, self.engine = cfg, group, engine
-        self.method = resolve_method(cfg.method, group, engine)
+        self.method = resolve_method(cfg.method, group, engine, engines_share_policy_gpus)
         self._manifest: list | None = None
+        self._warned_fallback = False
 
     async def sync(self) -> int:
         """Load the trainer's current weights into every engine; returns the number of parameters sent."""
         if self.method == "file":
             with weights_file() as path:
                 exported = self.group.call("export_weights", str(path), engine_dtype(self.engine))
-                await self.engine.update_weights_from_file(str(path))
+                written = Path(exported.get("path") or path)
+                try:
+                    if exported.get("warning") and not self._warned_fallback:
+                        logger.warning(exported["warning"])
+                        self._warned_fallback = True
+                    await self.engine.update_weights_from_file(str(written))
+                finally:
+                    if written != path:  # the fallback outside shared memory: weights_file() only cleans `path`
+                        written.unlink(missing_ok=True)
             return exported["params"]
         if self.method == "broadcast":
             return await self._broadcast()
