@@ -353,18 +353,23 @@ class RLTrainer:
         result = self.last_eval
         return {"eval/reward/mean": result.mean, "eval/reward/ci_low": result.ci_low,
                 "eval/reward/ci_high": result.ci_high, "eval/num_prompts": float(result.num_prompts),
+                "eval/num_unscored": float(result.unscored),
                 "timing/eval_s": result.seconds}
 
 
 async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str) -> EvalResult:
     """One greedy rollout per prompt, scored by its trajectory reward; the same rows give the same prompts at
-    every stage, so stages compare. A trajectory whose infrastructure failed is left out, not scored 0."""
+    every stage, so stages compare. A prompt with no score (its trajectory failed, or its first prompt exceeds
+    generator.max_input_length) scores 0 and is counted in `unscored`: leaving it out would compare stages on
+    different subsets."""
     start = time.perf_counter()
     output = await eval_generator.generate(*expand(rows, 1, f"eval/{stage}"))
     scores = trajectory_scores(output) if output.trajectory_ids is not None else {}
-    done = sorted(scores, key=lambda t: int(t.instance_id.rsplit("/", 1)[1]))  # expand() ends ids with the row index
-    sources = [rows[int(t.instance_id.rsplit("/", 1)[1])].data_source or "unknown" for t in done]
-    return eval_result(stage, [scores[t] for t in done], time.perf_counter() - start, sources)
+    by_row = {int(t.instance_id.rsplit("/", 1)[1]): score for t, score in scores.items()}  # expand(): ids end with the row
+    sources = [row.data_source or "unknown" for row in rows]
+    result = eval_result(stage, [by_row.get(i, 0.0) for i in range(len(rows))], time.perf_counter() - start, sources)
+    result.unscored = len(rows) - len(by_row)
+    return result
 
 
 def eval_config(generator_cfg):
