@@ -139,6 +139,30 @@ def test_console_shows_our_lines_and_warnings_run_log_gets_everything(tmp_path, 
     assert "after the run" not in run_log.read_text()  # handlers removed at the end
 
 
+def test_known_benign_dependency_warnings_go_to_run_log_only(tmp_path, capsys):
+    """vLLM-on-CPU start-up notes and Ray's token notice printed ~9 WARNING lines a user cannot act on; a new
+    warning from the same component, and ours, still reach the console."""
+    from skyrl_stepwise.logging_setup import BenignWarningFilter, run_logging
+
+    with run_logging(tmp_path, "INFO", "INFO") as run_log:
+        logging.getLogger("vllm.platforms.cpu").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
+        logging.getLogger("ray._private.authentication.authentication_token_setup").warning(
+            "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        logging.getLogger("vllm.platforms.cpu").warning("KV cache is larger than free memory")
+        logging.getLogger("skyrl_stepwise.train").warning("Triton is not installed (our own words)")
+    console = capsys.readouterr().out
+    assert "triton-cpu" not in console and "Token authentication" not in console
+    assert "KV cache is larger" in console and "our own words" in console
+    text = run_log.read_text()
+    assert "triton-cpu is expected" in text and "Token authentication" in text
+    # a Ray worker forwards its warnings through the same filter
+    record = logging.LogRecord("vllm.config.vllm", logging.WARNING, "", 0,
+                               "Enforce eager set, disabling torch.compile, CUDAGraphs", None, None)
+    assert not BenignWarningFilter().filter(record)
+    record.levelno = logging.ERROR
+    assert BenignWarningFilter().filter(record)
+
+
 def test_ray_worker_output_goes_to_run_log_and_warnings_to_the_console(tmp_path):
     """`route_worker_logs` in a plain subprocess standing in for a Ray worker: its stderr is what Ray forwards."""
     run_log = tmp_path / "run.log"
