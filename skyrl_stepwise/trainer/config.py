@@ -11,17 +11,26 @@ from dataclasses import dataclass, field
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
-LOSS_REDUCTIONS = ("token_mean", "trajectory_mean")
+LOSS_REDUCTIONS = ("token_mean", "trajectory_mean", "sequence_mean")
+STEP_ADVANTAGES = ("outcome", "discounted", "gigpo")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
 class AlgorithmConfig:
-    """What is optimised: outcome advantages broadcast to every step, PPO clip, truncated IS, KL."""
+    """What is optimised: per-step advantages (outcome by default), PPO clip, truncated IS, KL."""
 
     advantage_estimator: str = "grpo"
     norm_adv_by_std: bool = True
+    # How a trajectory's credit reaches its steps (trainer/credit.py), always grouped by prompt:
+    # outcome: the trajectory's advantage on every step; discounted: each step's return (its reward + gamma-
+    # discounted later rewards) minus the group's mean trajectory return (a trajectory-level baseline: stopping
+    # earlier earns nothing by itself); gigpo: the outcome advantage + step_advantage_weight x the step's return
+    # normalised among the group's steps with an identical observation history (GiGPO's anchor states).
+    step_advantage: str = "outcome"
+    gamma: float = 1.0  # discount over turns (discounted, gigpo)
+    step_advantage_weight: float = 1.0  # GiGPO's omega
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
     # Dual-clip PPO: caps the loss of negative-advantage tokens at dual_clip_c * |A|; None disables it.
@@ -36,6 +45,8 @@ class AlgorithmConfig:
     # trajectory_mean: each trajectory's token mean, averaged over the mini-batch's trajectories, so a long
     # trajectory counts as much as a short one (rLLM's seq-mean-token-mean, per trajectory, not per sample).
     # Both sum over a trajectory's tokens, so splitting it into steps or merging steps never changes the loss.
+    # sequence_mean: each sample's token mean, averaged over samples (SkyRL/verl's per-sequence mean, for parity with
+    # their recipes). NOT merge-invariant: a 4-step trajectory weighs 4 samples step-wise and 1 merged.
     loss_reduction: str = "token_mean"
     # DAPO's dynamic sampling: a prompt group whose samples all scored the same has zero GRPO/RLOO advantage
     # and teaches nothing. When on, a step draws up to `max_sample_batches` batches of prompts until it has
@@ -52,8 +63,13 @@ class AlgorithmConfig:
         if self.kl_loss_type not in KL_LOSS_TYPES:
             raise ValueError(f"{prefix}.kl_loss_type: {self.kl_loss_type!r} is not one of {KL_LOSS_TYPES}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"{prefix}.loss_reduction: {self.loss_reduction!r} is not one of {LOSS_REDUCTIONS} "
-                             f"(a per-sample mean would change the loss with how trajectories are cut into steps)")
+            raise ValueError(f"{prefix}.loss_reduction: {self.loss_reduction!r} is not one of {LOSS_REDUCTIONS}")
+        if self.step_advantage not in STEP_ADVANTAGES:
+            raise ValueError(f"{prefix}.step_advantage: {self.step_advantage!r} is not one of {STEP_ADVANTAGES}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"{prefix}.gamma must be in [0, 1], got {self.gamma}")
+        if self.step_advantage_weight < 0:
+            raise ValueError(f"{prefix}.step_advantage_weight must be >= 0, got {self.step_advantage_weight}")
         for key in ("eps_clip_low", "eps_clip_high", "kl_loss_coef"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{prefix}.{key} must be >= 0, got {getattr(self, key)}")

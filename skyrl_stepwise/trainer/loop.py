@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
-from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights, signal_groups, trajectory_scores
+from skyrl_stepwise.trainer.advantages import loss_weights, signal_groups, trajectory_scores
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
+from skyrl_stepwise.trainer.credit import compute_credit
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
 from skyrl_stepwise.trainer.weight_sync import WeightSync, probe_logprobs
@@ -218,6 +219,7 @@ class RLTrainer:
         draws = algo.max_sample_batches if algo.dynamic_sampling else 1
         outputs, kept, prompts = [], [], []
         signal_of: dict[str, bool] = {}
+        credit_metrics: dict[str, float] = {}
         step = self.step if step is None else step
         for draw in range(draws):
             rows = self.loader.batch(step * draws + draw)
@@ -229,8 +231,9 @@ class RLTrainer:
                 continue
             signal = signal_groups(trajectory_scores(output))
             signal_of.update(signal)
-            batch = TrainBatch.from_output(output, compute_advantages(output, algo),
-                                           loss_weights=loss_weights(output, algo))
+            credit = compute_credit(output, algo)
+            credit_metrics = credit_metrics or credit.metrics  # the first draw's: a draw is one batch's worth
+            batch = TrainBatch.from_output(output, credit.advantages, loss_weights=loss_weights(output, algo))
             if algo.dynamic_sampling:
                 room = cfg.data.train_batch_size - sum(len(set(b.instance_ids)) for b in kept)
                 chosen = set([group for group, has_signal in signal.items() if has_signal][:room])
@@ -242,7 +245,7 @@ class RLTrainer:
         trained = set(batch.instance_ids) if batch else set()
         with_signal = sum(signal_of[group] for group in trained)
         metrics = {"advantages/groups_with_signal": float(with_signal),
-                   "advantages/groups_with_signal_frac": with_signal / max(len(trained), 1)}
+                   "advantages/groups_with_signal_frac": with_signal / max(len(trained), 1), **credit_metrics}
         if algo.dynamic_sampling:
             generated_signal = sum(signal_of.values())
             metrics.update({"dynamic_sampling/draws": float(len(outputs)),
