@@ -65,6 +65,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     console_level: str = "INFO"  # our own lines at this level and up; other components' at WARNING and up
     file_level: str = "INFO"  # <output_dir>/run.log: every component (vLLM, Ray, transformers, ...) at this level
+    # decoded trajectories per step and per eval (best and worst of a group first) into <output_dir>/rollouts.jsonl,
+    # the report and a wandb table; `skyrl-stepwise show <run dir>` prints them. 0 turns it off.
+    num_rollout_samples: int = 4
 
 
 @dataclass
@@ -109,6 +112,8 @@ class RunConfig:
             raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
         if self.data.train_batch_size <= 0:
             raise ValueError(f"data.train_batch_size must be > 0, got {self.data.train_batch_size}")
+        if self.logging.num_rollout_samples < 0:
+            raise ValueError(f"logging.num_rollout_samples must be >= 0 (0: none), got {self.logging.num_rollout_samples}")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logging.wandb_mode must be offline, online or disabled, got {self.logging.wandb_mode!r}")
         from skyrl_stepwise.ablation.modes import MODES

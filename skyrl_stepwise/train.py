@@ -129,6 +129,17 @@ def _datasets(cfg):
     return rows
 
 
+def run_tool_schemas(tool_cfg) -> list[dict]:
+    """The OpenAI schemas of the `tool` env's tools, as the model is shown them (tools YAML, else the built-in
+    search + calculator), without building the tools: what SFT prompts and rollout logs need."""
+    from skyrl_stepwise.tools.builtin import CalculatorTool, SearchTool
+    from skyrl_stepwise.tools.config import load_tools_yaml
+
+    if tool_cfg.tools_path is None:
+        return [SearchTool.default_schema, CalculatorTool.default_schema]
+    return [spec.tool_schema for spec in load_tools_yaml(tool_cfg.tools_path)]
+
+
 def _since(start: float) -> str:
     return f"{time.perf_counter() - start:.1f} s"
 
@@ -146,6 +157,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.sft import sft_model
     from skyrl_stepwise.trainer.evaluation import eval_subset
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
+    from skyrl_stepwise.trainer.rollout_samples import RolloutLog
     from skyrl_stepwise.trainer.tracking import Tracker
     from skyrl_stepwise.trainer.weight_sync import WeightSync
     from skyrl_stepwise.trainer.worker_group import PolicyGroup, ReferenceOnPolicyRanks
@@ -164,7 +176,10 @@ async def _run(cfg, train_rows, val_rows) -> dict:
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
-        evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed))
+        rollout_log = RolloutLog(cfg.logging.output_dir, eval_generator.loop.renderer, cfg.logging.num_rollout_samples,
+                                 tools=run_tool_schemas(cfg.environment.tool))
+        evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
+                           rollout_log)
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
             await evals.run("before SFT")
             if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
@@ -185,11 +200,12 @@ async def _run(cfg, train_rows, val_rows) -> dict:
             await evals.run("after SFT")
         tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
                           dataclasses.asdict(cfg))
+        rollout_log.tracker = tracker
         probe = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                               tokenize=False, add_generation_prompt=True)
         trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator), eval_generator,
                             engine, policy, reference, tracker, train_rows, val_rows,
-                            tokenizer(probe, add_special_tokens=False)["input_ids"], weight_sync)
+                            tokenizer(probe, add_special_tokens=False)["input_ids"], weight_sync, rollout_log)
         g = cfg.generator
         mode = ("step-wise, merged" if g.merge_stepwise_output else "step-wise") if g.step_wise_trajectories \
             else "whole trajectories"
@@ -221,15 +237,15 @@ class EvalStages:
     """The main job's evals of one fixed validation subset at each stage, each printed with its 95% interval and
     saved to <run dir>/evals.json at once (the report reads it; a later crash keeps the earlier stages)."""
 
-    def __init__(self, cfg, eval_generator, rows) -> None:
-        self.cfg, self.eval_generator, self.rows = cfg, eval_generator, rows
+    def __init__(self, cfg, eval_generator, rows, rollout_log=None) -> None:
+        self.cfg, self.eval_generator, self.rows, self.rollout_log = cfg, eval_generator, rows, rollout_log
         self.results = []
 
     async def run(self, stage: str) -> None:
         from skyrl_stepwise.trainer.loop import evaluate_prompts
 
         if self.rows:
-            self.add(await evaluate_prompts(self.eval_generator, self.rows, stage))
+            self.add(await evaluate_prompts(self.eval_generator, self.rows, stage, self.rollout_log))
 
     def add(self, result) -> None:
         from skyrl_stepwise.trainer.evaluation import save_evals
