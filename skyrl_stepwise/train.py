@@ -40,9 +40,10 @@ def to_run_config(composed, in_hydra_job: bool = True):
     """
     from omegaconf import OmegaConf
 
-    from skyrl_stepwise.config import LoggingConfig
+    from skyrl_stepwise.config import LoggingConfig, check_known_keys
     from skyrl_stepwise.logging_setup import parse_level
 
+    check_known_keys(composed)
     if not in_hydra_job and OmegaConf.to_container(composed.logging)["output_dir"] == LoggingConfig.output_dir:
         composed.logging.output_dir = default_output_dir(composed.logging.run_name)
     cfg = OmegaConf.to_object(composed)
@@ -288,6 +289,30 @@ def size_kv_cache(cfg) -> None:
     logger.info(f"KV cache sized to the run: {tokens} tokens per engine ({cfg.engine.cpu_kvcache_gib:g} GiB)")
 
 
+def check_envs_and_tools(cfg, rows) -> bool:
+    """Every row's env_class registered and every tool of the `tool` env importable with known config keys,
+    checked before anything slow starts (model, retriever, engines), so a typo fails in seconds naming what is
+    registered. Returns whether the data needs the retriever (search rows, or tool rows with a search tool)."""
+    from skyrl_stepwise.envs.builtin import check_env_classes
+    from skyrl_stepwise.tools.base import check_tool_spec
+    from skyrl_stepwise.tools.config import load_tools_yaml
+
+    used = {r.env_class for r in rows}
+    where = f"data ({cfg.data.train_path}" + (f", {cfg.data.val_path})" if cfg.data.val_path else ")")
+    check_env_classes(sorted(used), cfg.environment, where)
+    searches = "search" in used
+    if "tool" in used:
+        tools_path = cfg.environment.tool.tools_path
+        if tools_path is None:
+            searches = True  # the built-in search + calculator
+        else:
+            specs = load_tools_yaml(tools_path)
+            for i, spec in enumerate(specs):
+                check_tool_spec(spec, i)
+            searches = searches or any(spec.class_name == "search" for spec in specs)
+    return searches
+
+
 @contextlib.contextmanager
 def prepared(cfg):
     """Model and data on disk, the local retriever up for as long as the block runs; yields the rows."""
@@ -295,14 +320,14 @@ def prepared(cfg):
     from skyrl_stepwise.models import resolve_model_path
     from skyrl_stepwise.retrieval.launch import local_retriever
 
+    train_rows, val_rows = _datasets(cfg)
+    logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
+    needs_search = check_envs_and_tools(cfg, train_rows + val_rows)
     start = time.perf_counter()
     model = str(resolve_model_path(cfg.model_path))
     cfg.engine.model_path = cfg.trainer.model_path = model
     logger.info(f"model ready: {model} ({_since(start)})")
     size_kv_cache(cfg)
-    train_rows, val_rows = _datasets(cfg)
-    logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
-    needs_search = any(r.env_class in ("search", "tool") for r in train_rows + val_rows)
     retriever = cfg.environment.retriever
     with contextlib.ExitStack() as stack:
         url = None
