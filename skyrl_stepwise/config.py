@@ -45,11 +45,16 @@ class RetrieverConfig:
 
 @dataclass
 class EnvironmentConfig:
-    """Settings of the built-in envs and of the retriever the run starts for them (only when data searches)."""
+    """Settings of the built-in envs, the run's own env classes, and the retriever the run starts for the built-ins
+    (only when data searches)."""
 
     search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
     tool: ToolEnvConfig = field(default_factory=ToolEnvConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    # the run's own env classes, by the name rows use in env_class: {guess: my_pkg.guess:GuessEnv} (a class or a
+    # no-argument factory; the module importable). Installed packages can add theirs through the entry-point
+    # group `skyrl_stepwise.envs`. Every row's env_class is checked against these and the built-ins at start-up.
+    env_classes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +70,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     console_level: str = "INFO"  # our own lines at this level and up; other components' at WARNING and up
     file_level: str = "INFO"  # <output_dir>/run.log: every component (vLLM, Ray, transformers, ...) at this level
+    # decoded trajectories per step and per eval (best and worst of a group first) into <output_dir>/rollouts.jsonl,
+    # the report and a wandb table; `skyrl-stepwise show <run dir>` prints them. 0 turns it off.
+    num_rollout_samples: int = 4
 
 
 @dataclass
@@ -109,6 +117,8 @@ class RunConfig:
             raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
         if self.data.train_batch_size <= 0:
             raise ValueError(f"data.train_batch_size must be > 0, got {self.data.train_batch_size}")
+        if self.logging.num_rollout_samples < 0:
+            raise ValueError(f"logging.num_rollout_samples must be >= 0 (0: none), got {self.logging.num_rollout_samples}")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logging.wandb_mode must be offline, online or disabled, got {self.logging.wandb_mode!r}")
         from skyrl_stepwise.ablation.modes import MODES
@@ -205,6 +215,49 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def unknown_keys(values: dict, schema: type, prefix: str = "") -> list[str]:
+    """Key paths in a composed config that its dataclass schema does not declare.
+
+    Hydra refuses a misspelt key, except when it is added with `+` (`+generator.n_sample_per_prompt=2`, what
+    its own hint suggests after a typo): the key is then kept in the composed config and dropped without a word
+    when it becomes a RunConfig. Checking the composed keys against the schema makes that fail too. Dict-typed
+    fields (e.g. environment.env_classes) take any key."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    found = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            found.append(path)
+        elif dataclasses.is_dataclass(hints.get(key)) and isinstance(value, dict):
+            found += unknown_keys(value, hints[key], f"{path}.")
+    return found
+
+
+def check_known_keys(composed) -> None:
+    """Fail naming every key of the composed config (DictConfig) that RunConfig does not have, with the closest
+    known key, so an added key never configures nothing silently."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    unknown = unknown_keys(OmegaConf.to_container(composed, resolve=False), RunConfig)
+    if unknown:
+        hints = []
+        for path in unknown:
+            parent, _, key = path.rpartition(".")
+            node = OmegaConf.select(composed, parent) if parent else composed
+            close = difflib.get_close_matches(key, [str(k) for k in node.keys() if str(k) != key], n=1) \
+                if node is not None else []
+            hints.append(f"{path}" + (f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""))
+        raise ValueError(f"unknown config key(s): {', '.join(hints)}; `+` adds a key but the run's schema "
+                         "(skyrl_stepwise.config.RunConfig) has no such field, so it would be ignored; "
+                         "`--cfg job` shows every key")
 
 
 def register_configs() -> None:

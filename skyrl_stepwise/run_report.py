@@ -232,6 +232,7 @@ def _files(cfg, run_dir: Path) -> list[str]:
     lines = [f"Run directory: `{run_dir.resolve()}`", ""]
     entries = [(run_dir / "metrics.jsonl", "every step's metrics, one JSON object per line"),
                (run_dir / "curves.png", "the plots above"),
+               (run_dir / "rollouts.jsonl", "decoded trajectories of every step and eval (`skyrl-stepwise show`)"),
                (run_dir / "run.log", "vLLM, Ray, transformers and retrieval-server output, our own log lines"),
                (run_dir / ".hydra" / "config.yaml", "the composed config (`overrides.yaml`: the command line)")]
     for path, what in entries:
@@ -285,6 +286,30 @@ def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
     return lines
 
 
+def rollouts_section(run_dir: Path, max_chars: int = 1200) -> list[str]:
+    """The decoded samples of the last training step and the last eval (rollouts.jsonl), each as a text block:
+    what the model wrote, the tool calls it made and what came back, next to the reward they got."""
+    from skyrl_stepwise.trainer.rollout_samples import format_sample, load_rollouts
+
+    samples = load_rollouts(run_dir)
+    if not samples:
+        return []
+    lines = ["## Rollout samples", "",
+             f"A few decoded trajectories (best and worst of a group first); every step's are in `rollouts.jsonl` "
+             f"(`skyrl-stepwise show {run_dir}` prints them, `--step N` one step).", ""]
+    train = [s for s in samples if s["stage"] == "train"]
+    evals = [s for s in samples if s["stage"] != "train"]
+    for title, chosen in (("last training step", train), ("last eval", evals)):
+        if not chosen:
+            continue
+        last = max(s["step"] for s in chosen)
+        stage = [s for s in chosen if s["step"] == last][-1]["stage"]
+        picked = [s for s in chosen if s["step"] == last and s["stage"] == stage]
+        lines += [f"### {title} ({stage}, step {last})", "", "````text",
+                  *[format_sample(s, max_chars) for s in picked], "````", ""]
+    return lines
+
+
 def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None,
                      failure: BaseException | None = None) -> Path:
     """report.md + curves.png in `run_dir` from metrics.jsonl (else `history`); returns report.md's path."""
@@ -297,6 +322,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
              *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
              "## Steps", "", step_table(steps) if steps else "No step was logged.", "",
+             *rollouts_section(run_dir),
              "## Files", "", *_files(cfg, run_dir), ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(parts))

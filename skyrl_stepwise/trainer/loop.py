@@ -145,8 +145,10 @@ class RLTrainer:
 
     def __init__(self, cfg, generator: StepwiseGenerator, eval_generator: StepwiseGenerator,
                  engine: InferenceEngine, policy, reference, tracker, train_rows: list[PromptRow],
-                 val_rows: list[PromptRow], probe_ids: list[int], weight_sync: WeightSync | None = None) -> None:
-        """`weight_sync`: the run's (it holds a broadcast group across steps); None builds one from cfg."""
+                 val_rows: list[PromptRow], probe_ids: list[int], weight_sync: WeightSync | None = None,
+                 rollout_log=None) -> None:
+        """`weight_sync`: the run's (it holds a broadcast group across steps); None builds one from cfg.
+        `rollout_log` (trainer/rollout_samples.py): decoded samples of every step and eval, for reading."""
         self.cfg = cfg
         self.generator, self.eval_generator, self.engine = generator, eval_generator, engine
         self.policy, self.reference, self.tracker = policy, reference, tracker
@@ -154,6 +156,7 @@ class RLTrainer:
         self.loader = PromptLoader(train_rows, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.val_rows = eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed)
         self.probe_ids = probe_ids
+        self.rollout_log = rollout_log
         self.step = 0
         self.last_eval: EvalResult | None = None
         self.run_id = uuid.uuid4().hex[:12]  # tags this launch's checkpoints: pruning touches only its lineage
@@ -173,6 +176,8 @@ class RLTrainer:
             self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
             self.tracker.rewind(self.step)
+            if self.rollout_log is not None:
+                self.rollout_log.rewind(self.step)
             await self.weight_sync.sync()
         if self.cfg.trainer.max_staleness > 0:
             self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness)
@@ -271,6 +276,8 @@ class RLTrainer:
                 if rollout.step != self.step:
                     raise RuntimeError(f"rollouts of step {rollout.step} arrived for step {self.step}")
                 output, batch, signal, self.last_prompts = rollout.result
+        if self.rollout_log is not None:
+            self.rollout_log.record(output, self.step + 1, "train")
         metrics = dict(output.rollout_metrics)
         if self.ahead is not None:  # the wait is what overlap did not hide; generate_s is the batch's own time
             timer["timing/rollout_wait_s"] = timer.pop("timing/generate_s")
@@ -352,7 +359,8 @@ class RLTrainer:
         """Greedy rollouts on the validation prompts: reward (EM for Search-R1) with its 95% interval."""
         if not self.val_rows:
             return {}
-        self.last_eval = await evaluate_prompts(self.eval_generator, self.val_rows, f"step {self.step}")
+        self.last_eval = await evaluate_prompts(self.eval_generator, self.val_rows, f"step {self.step}",
+                                                self.rollout_log, self.step)
         result = self.last_eval
         return {"eval/reward/mean": result.mean, "eval/reward/ci_low": result.ci_low,
                 "eval/reward/ci_high": result.ci_high, "eval/num_prompts": float(result.num_prompts),
@@ -360,13 +368,16 @@ class RLTrainer:
                 "timing/eval_s": result.seconds}
 
 
-async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str) -> EvalResult:
+async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str,
+                           rollout_log=None, step: int = 0) -> EvalResult:
     """One greedy rollout per prompt, scored by its trajectory reward; the same rows give the same prompts at
     every stage, so stages compare. A prompt with no score (its trajectory failed, or its first prompt exceeds
     generator.max_input_length) scores 0 and is counted in `unscored`: leaving it out would compare stages on
-    different subsets."""
+    different subsets. `rollout_log`: where a few decoded eval trajectories go (as of training step `step`)."""
     start = time.perf_counter()
     output = await eval_generator.generate(*expand(rows, 1, f"eval/{stage}"))
+    if rollout_log is not None:
+        rollout_log.record(output, step, f"eval {stage}")
     scores = trajectory_scores(output) if output.trajectory_ids is not None else {}
     by_row = {int(t.instance_id.rsplit("/", 1)[1]): score for t, score in scores.items()}  # expand(): ids end with the row
     sources = [row.data_source or "unknown" for row in rows]
