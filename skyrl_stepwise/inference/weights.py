@@ -44,7 +44,7 @@ def write_weights_file(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype:
     from safetensors.torch import save_file
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers on one host (a simulated cluster) never mix
     save_file(engine_tensors(named_tensors, dtype), str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     return path.stat().st_size
@@ -101,5 +101,5 @@ def weights_file() -> Iterator[Path]:
     try:
         yield path
     finally:
-        for stale in (path, path.with_name(path.name + ".tmp")):
+        for stale in (path, *path.parent.glob(path.name + ".*.tmp")):
             stale.unlink(missing_ok=True)

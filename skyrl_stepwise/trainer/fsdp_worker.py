@@ -349,25 +349,71 @@ class PolicyWorker:
             self.scheduler.load_state_dict(_cloned(self._snapshot["scheduler"]))
         checkpoint._set_rng_state(self._snapshot["rng"])
 
-    def export_weights(self, path: str, dtype: str) -> dict:
-        """Gather the full weights and let rank 0 write them as safetensors in the engines' dtype; collective.
-        The engines read the file on this node, so no weights go through the driver or Ray. Where `path`'s
-        filesystem (/dev/shm) lacks room, rank 0 writes to the temp dir instead and says so (`path`, `warning`
-        in the result tell the caller where the file is)."""
-        from skyrl_stepwise.inference.weights import weights_target, write_weights_file
+    def export_weights(self, path: str, dtype: str, nodes: list[str] | None = None) -> dict:
+        """Write the full weights as safetensors in the engines' dtype at `path` on every node in `nodes` (the
+        nodes whose engines read them; default rank 0's); collective. No weights go through the driver or Ray.
 
+        The first policy rank on each of those nodes writes the file there; rank 0, which gathers the full state,
+        sends it to the other writers over the trainer's own process group (one rank per GPU, so nothing NCCL
+        refuses, unlike a group with the engines colocated on the same GPUs). Where `path`'s filesystem
+        (/dev/shm) lacks room, a writer uses the temp dir and says so. Returns the parameter count, the bytes
+        written and `paths`: node -> the file there."""
+        from skyrl_stepwise.inference.weights import current_node_id, weights_target, write_weights_file
+
+        engine_dtype = getattr(torch, dtype)
         state = self.full_state_dict()
-        out = {"params": sum(t.numel() for t in state.values()), "bytes": 0, "path": path, "warning": None}
-        if self.rank == 0:
-            engine_dtype = getattr(torch, dtype)
+        rank_nodes: list[str] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(rank_nodes, current_node_id())
+        wanted = list(nodes or [rank_nodes[0]])
+        missing = [n for n in wanted if n not in rank_nodes]
+        if missing:
+            raise ValueError(f"export_weights: no policy rank on node(s) {missing} to write the weights file there")
+        writers = sorted({rank_nodes.index(n) for n in wanted})
+        if any(w != 0 for w in writers):
+            state = self._send_state_to(sorted({0, *writers}), state)
+        written = None
+        if self.rank in writers:
             nbytes = sum(t.numel() for t in state.values()) * torch.empty(0, dtype=engine_dtype).element_size()
-            target, out["warning"] = weights_target(path, nbytes)
-            out["path"] = str(target)
-            out["bytes"] = write_weights_file(state.items(), engine_dtype, target)
+            target, warning = weights_target(path, nbytes)
+            written = (rank_nodes[self.rank], str(target), write_weights_file(state.items(), engine_dtype, target),
+                       warning)
+            self._weights_file = target
+        params = sum(t.numel() for t in state.values())
         del state
         release_host_memory(self.device)
-        dist.barrier()
-        return out
+        results: list = [None] * self.world_size
+        dist.all_gather_object(results, written)
+        done = [r for r in results if r is not None]
+        return {"params": params, "bytes": sum(r[2] for r in done), "paths": {r[0]: r[1] for r in done},
+                "warning": next((r[3] for r in done if r[3]), None)}
+
+    def _send_state_to(self, members: list[int], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's full state broadcast to `members` (a group of their own; every rank takes part in creating
+        it), tensor by tensor: the members return the full state on CPU, the others what they had."""
+        group = dist.new_group(members)
+        try:
+            if self.rank not in members:
+                return state
+            specs = [[(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in state.items()]]
+            dist.broadcast_object_list(specs, src=0, group=group)
+            comm_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            received = {}
+            for name, shape, dtype in specs[0]:
+                tensor = state[name].to(comm_device) if self.rank == 0 else \
+                    torch.empty(shape, dtype=getattr(torch, dtype), device=comm_device)
+                dist.broadcast(tensor, src=0, group=group)
+                received[name] = tensor.cpu()
+            return state if self.rank == 0 else received
+        finally:
+            dist.destroy_process_group(group)
+
+    def remove_weights_file(self, paths: list[str]) -> None:
+        """Delete the weights file this rank last wrote if it is one of `paths` (an update the engines have read):
+        every node's copy, not only the driver's; a file exported to keep (SFT's model) is never named here."""
+        path = getattr(self, "_weights_file", None)
+        if path is not None and str(path) in paths:
+            Path(path).unlink(missing_ok=True)
+            self._weights_file = None
 
     def offload_to_host(self) -> int:
         """GPU: move this rank's weights, gradients, AdamW state and reference shard to host memory so the engines

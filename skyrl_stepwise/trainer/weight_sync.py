@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
 from skyrl_stepwise.inference.weights import current_node_id, weights_file
@@ -63,10 +62,16 @@ def engines_of(engine) -> list:
     return list(engine.engines) if hasattr(engine, "engines") else [engine]
 
 
+def policy_nodes(group) -> list[str]:
+    """The nodes holding policy ranks (where a weights file can be written); rank 0's first."""
+    nodes = getattr(group, "node_ids", None) or [getattr(group, "node_id", None) or current_node_id()]
+    return list(dict.fromkeys(nodes))
+
+
 def can_sync_through_a_file(group, engine) -> bool:
-    """Every engine can read a weights file and runs on the node where the trainer's rank 0 writes it."""
-    trainer_node = getattr(group, "node_id", None) or current_node_id()
-    return all(hasattr(e, "update_weights_from_file") and getattr(e, "node_id", None) == trainer_node
+    """Every engine can read a weights file and runs on a node that holds a policy rank, which writes it there."""
+    nodes = set(policy_nodes(group))
+    return all(hasattr(e, "update_weights_from_file") and getattr(e, "node_id", None) in nodes
                for e in engines_of(engine))
 
 
@@ -80,24 +85,25 @@ def resolve_method(method: str, group, engine, engines_share_policy_gpus: bool =
 
     `engines_share_policy_gpus`: colocated on GPUs (placement.mode=colocated), engine i sits on a policy rank's
     GPU. A broadcast group would then hold two NCCL ranks on one device, which NCCL refuses, so auto never picks
-    broadcast there: the file when every engine is on rank 0's node, else the driver (logged, with the reason).
+    broadcast there. Colocated engines always have a policy rank on their node, so auto picks the file (written
+    on every engine node by that node's first rank); the driver only if an engine cannot read files.
     """
     if method == "auto":
         if can_sync_through_a_file(group, engine):
             return "file"
         if engines_share_policy_gpus:
-            logger.warning("weight_sync: engines on other nodes than the trainer's rank 0 share GPUs with policy "
-                           "ranks (placement.mode=colocated), and NCCL refuses two ranks of one broadcast group on "
+            logger.warning("weight_sync: engines share GPUs with policy ranks (placement.mode=colocated) but cannot "
+                           "read weight files on their nodes, and NCCL refuses two ranks of one broadcast group on "
                            "one GPU: weights go through the driver (weight_sync.method=driver)")
             return "driver"
         return "broadcast" if can_sync_by_broadcast(engine) else "driver"
     if method == "file" and not can_sync_through_a_file(group, engine):
-        raise ValueError("weight_sync.method=file needs every engine on the trainer's rank-0 node and able to read "
-                         "weight files; use weight_sync.method=broadcast (or auto)")
+        raise ValueError("weight_sync.method=file needs every engine on a node that holds a policy rank and able "
+                         "to read weight files; use weight_sync.method=broadcast (or auto)")
     if method == "broadcast" and engines_share_policy_gpus:
         raise ValueError("weight_sync.method=broadcast with placement.mode=colocated on GPUs would put an engine "
                          "worker and a policy rank of one NCCL group on the same GPU, which NCCL refuses; use "
-                         "weight_sync.method=auto (file on one node, else driver) or placement.mode=split")
+                         "weight_sync.method=auto (a weights file on every engine node) or placement.mode=split")
     if method == "broadcast" and not can_sync_by_broadcast(engine):
         raise ValueError(f"weight_sync.method=broadcast: {type(engines_of(engine)[0]).__name__} cannot join a weight "
                          "broadcast group; use weight_sync.method=file or driver (or auto)")
@@ -121,17 +127,18 @@ class WeightSync:
     async def sync(self) -> int:
         """Load the trainer's current weights into every engine; returns the number of parameters sent."""
         if self.method == "file":
+            engines = engines_of(self.engine)
+            nodes = list(dict.fromkeys(e.node_id for e in engines))
             with weights_file() as path:
-                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine))
-                written = Path(exported.get("path") or path)
+                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine), nodes)
                 try:
                     if exported.get("warning") and not self._warned_fallback:
                         logger.warning(exported["warning"])
                         self._warned_fallback = True
-                    await self.engine.update_weights_from_file(str(written))
-                finally:
-                    if written != path:  # the fallback outside shared memory: weights_file() only cleans `path`
-                        written.unlink(missing_ok=True)
+                    paths = exported["paths"]
+                    await asyncio.gather(*(e.update_weights_from_file(paths[e.node_id]) for e in engines))
+                finally:  # every writer's file, on every node (weights_file() only cleans the driver's `path`)
+                    self.group.call("remove_weights_file", list(exported["paths"].values()))
             return exported["params"]
         if self.method == "broadcast":
             return await self._broadcast()
