@@ -17,7 +17,7 @@ from typing import Callable
 
 from skyrl_stepwise.envs.base import EnvRegistry
 
-BUILTIN_ENVS = ("search", "tool", "keyword")
+BUILTIN_ENVS = ("search", "tool", "keyword", "key_door")
 ENTRY_POINT_GROUP = "skyrl_stepwise.envs"
 HOW_TO_ADD = ("add one with `+environment.env_classes.NAME=my_pkg.module:MyEnv` (or `environment.env_classes: "
               "{NAME: my_pkg.module:MyEnv}` in a recipe; the module must be importable, e.g. on PYTHONPATH), or "
@@ -83,6 +83,7 @@ def check_env_classes(used: list[str], environment, where: str = "data") -> None
 
 def build_env_registry(environment) -> EnvRegistry:
     """The built-ins (one shared retrieval client / tool set each) and every plugin env of the run."""
+    from skyrl_stepwise.envs.key_door import KeyDoorEnv
     from skyrl_stepwise.envs.search import register_search_env
     from skyrl_stepwise.envs.tool import register_tool_env
     from skyrl_stepwise.envs.toy import KeywordEnv
@@ -91,6 +92,7 @@ def build_env_registry(environment) -> EnvRegistry:
     register_search_env(registry, environment.search)
     register_tool_env(registry, environment.tool, environment.search.search_url)
     registry.register("keyword", KeywordEnv)
+    registry.register("key_door", KeyDoorEnv)
     for name, (_, factory) in plugin_envs(getattr(environment, "env_classes", None)).items():
         registry.register(name, factory)
     return registry
