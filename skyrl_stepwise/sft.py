@@ -39,8 +39,8 @@ def _conversations(cfg) -> tuple[list[list[dict]], str]:
     return conversations, digest
 
 
-def cache_key(cfg, data_digest: str) -> str:
-    """Everything the warm-started weights depend on."""
+def cache_key(cfg, data_digest: str, tools: list[dict] | None = None) -> str:
+    """Everything the warm-started weights depend on (`tools`: the schemas rendered into tool-using prompts)."""
     model = Path(cfg.trainer.model_path)
     weights = sorted((p.name, p.stat().st_size) for p in model.glob("*.safetensors")) if model.is_dir() else []
     inputs = {"model": str(cfg.trainer.model_path), "weights": weights, "data": data_digest,
@@ -48,6 +48,8 @@ def cache_key(cfg, data_digest: str) -> str:
               "renderer": [cfg.generator.renderer, dict(cfg.generator.chat_template_kwargs),
                            cfg.generator.thinking_retention, list(cfg.generator.sampling.stop)],
               "trainer": [cfg.trainer.fsdp.mixed_precision, cfg.trainer.micro_batch_tokens, cfg.trainer.seed]}
+    if tools:  # only then: the Search-R1 warm start's key (and its cached model) stays as it was
+        inputs["tools"] = tools
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -66,17 +68,20 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
     from transformers import AutoTokenizer
 
     from skyrl_stepwise.models.prepare import cache_root
-    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft, uses_tools
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     conversations, digest = _conversations(cfg)
-    out = cache_root() / "sft" / cache_key(cfg, digest)
+    tools = configured_tool_schemas(cfg.environment.tool.tools_path) \
+        if any(uses_tools(c) for c in conversations) else None
+    out = cache_root() / "sft" / cache_key(cfg, digest, tools)
     if (out / COMPLETE).is_file():
         log(f"sft: cached warm start {out} (inputs unchanged)")
         return out
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    samples = conversation_samples(tokenizer, conversations, cfg.generator)
+    samples = conversation_samples(tokenizer, conversations, cfg.generator, tools)
     batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
     trained = sum(sum(m) for m in samples.loss_masks)
     log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "

@@ -153,17 +153,6 @@ def _datasets(cfg):
     return rows
 
 
-def run_tool_schemas(tool_cfg) -> list[dict]:
-    """The OpenAI schemas of the `tool` env's tools, as the model is shown them (tools YAML, else the built-in
-    search + calculator), without building the tools: what SFT prompts and rollout logs need."""
-    from skyrl_stepwise.tools.builtin import CalculatorTool, SearchTool
-    from skyrl_stepwise.tools.config import load_tools_yaml
-
-    if tool_cfg.tools_path is None:
-        return [SearchTool.default_schema, CalculatorTool.default_schema]
-    return [spec.tool_schema for spec in load_tools_yaml(tool_cfg.tools_path)]
-
-
 def _since(start: float) -> str:
     return f"{time.perf_counter() - start:.1f} s"
 
@@ -182,6 +171,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.sft import sft_model
     from skyrl_stepwise.trainer.evaluation import eval_subset
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
+    from skyrl_stepwise.tools.base import configured_tool_schemas
     from skyrl_stepwise.trainer.rollout_samples import RolloutLog
     from skyrl_stepwise.trainer.tracking import Tracker
     from skyrl_stepwise.trainer.weight_sync import WeightSync
@@ -202,7 +192,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
         rollout_log = RolloutLog(cfg.logging.output_dir, eval_generator.loop.renderer, cfg.logging.num_rollout_samples,
-                                 tools=run_tool_schemas(cfg.environment.tool))
+                                 tools=configured_tool_schemas(cfg.environment.tool.tools_path))
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
                            rollout_log)
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it

@@ -116,3 +116,35 @@ def test_a_resumed_sft_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_mo
     assert resumed.worker.weights_checksum() == expected_weights != policy(tmp_path / "fresh").worker.weights_checksum()
     assert [h["sft/loss"] for h in history] == pytest.approx([h["sft/loss"] for h in expected], rel=1e-6)
     assert [p.name for p in complete_checkpoints(tmp_path / "ckpts")] == ["step_4"]  # older ones pruned
+
+
+TOOL_DEMO = [
+    {"role": "user", "content": "What is 6 * 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call_0", "function": {"name": "calculator", "arguments": '{"expression": "6 * 7"}'}}]},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "<answer>42</answer>"},
+]
+
+
+def test_tool_call_demonstrations_train_the_calls_the_parser_reads_under_the_rl_prompt(tokenizer):
+    """OpenAI-shaped `tool_calls` become the hermes call text the renderer parses back into the same call, and the
+    prompt shows the run's tool schemas exactly as the tool env's RL prompt does."""
+    from skyrl_stepwise.chat import create_renderer
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+
+    tools = configured_tool_schemas(None)
+    cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]))
+    out = conversation_samples(tokenizer, [TOOL_DEMO, [TOOL_DEMO[0], {"role": "assistant", "content": "42"}]], cfg,
+                               tools)
+    chat = create_renderer(tokenizer, cfg.renderer)
+    assert out.prompt_token_ids[0] == chat.prompt_ids(TOOL_DEMO[:1], tools)  # what RL renders for a tool row
+    assert out.prompt_token_ids[1] == chat.prompt_ids(TOOL_DEMO[:1])  # no tool use: no schemas, as before
+    mask = out.loss_masks[0]
+    first_turn_end = mask.index(0)  # the first untrained token: the tool result follows the call turn
+    call_turn = out.response_ids[0][:first_turn_end]
+    parsed = chat.parse(call_turn, out.prompt_token_ids[0], tools)
+    assert [(c.name, c.arguments, c.error) for c in parsed.tool_calls] == [("calculator", {"expression": "6 * 7"},
+                                                                           None)]
+    observation = tokenizer.decode([t for t, m in zip(out.response_ids[0], mask) if not m])
+    assert "42" in observation
