@@ -115,6 +115,9 @@ class RunConfig:
         self.weight_sync.validate()
         if self.total_steps <= 0:
             raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
+        if not self.data.train_path:
+            raise ValueError("data.train_path is empty: give the training rows (data.train_path=my/train.parquet; "
+                             "README \"Your own task\" shows the format)")
         if self.data.train_batch_size <= 0:
             raise ValueError(f"data.train_batch_size must be > 0, got {self.data.train_batch_size}")
         if self.logging.num_rollout_samples < 0:
@@ -263,5 +266,9 @@ def check_known_keys(composed) -> None:
 def register_configs() -> None:
     """Make `RunConfig` the schema of conf/config.yaml, so a misspelt key fails at composition, naming it."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
+    # `${skyrl_is_set:${sft.data}}`: true when a recipe's optional input is given (the task-neutral recipe turns
+    # SFT on exactly when sft.data is set)
+    OmegaConf.register_new_resolver("skyrl_is_set", lambda value: value not in (None, ""), replace=True)
     ConfigStore.instance().store(name="run_schema", node=RunConfig)

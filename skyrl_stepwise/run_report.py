@@ -214,8 +214,14 @@ def _status(history: list[dict], total_steps: int, failure: BaseException | None
     done = max((r["step"] for r in history), default=0)
     if failure is None:
         return f"finished: {done} of {total_steps} steps."
-    what = "interrupted" if isinstance(failure, KeyboardInterrupt) else \
-        f"failed with `{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}`"
+    import asyncio
+
+    if isinstance(failure, (KeyboardInterrupt, asyncio.CancelledError)):  # Ctrl-C or SIGTERM
+        return (f"**interrupted at step {done}** of {total_steps}; the steps below were logged before that. The same "
+                "command resumes from the last complete checkpoint (see Files).")
+    what = f"failed with `{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}`"
+    if done == 0:
+        return f"**{what}** before step 1 of {total_steps}; nothing was trained (details in run.log)."
     return f"**{what}** after step {done} of {total_steps}; the steps below were logged before that."
 
 

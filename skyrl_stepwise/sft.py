@@ -86,10 +86,10 @@ def model_digest(model_path: str, memo_path: Path | None = None) -> dict[str, st
     return {f.name: file_digest(f, memo_path) for f in sorted(model.iterdir()) if f.is_file()}
 
 
-def cache_key(cfg, data_digest: str, memo_path: Path | None = None) -> str:
+def cache_key(cfg, data_digest: str, tools: list[dict] | None = None, memo_path: Path | None = None) -> str:
     """Everything the warm-started weights depend on: the base model's content (weights and chat template),
     the conversations, the SFT settings, every generator setting that reaches the SFT samples, the optimizer
-    and the trainer's numerics."""
+    and the trainer's numerics; `tools`: the schemas rendered into tool-using prompts."""
     gen = dataclasses.asdict(cfg.generator)
     gen = {k: v for k, v in gen.items() if k not in _GENERATOR_KEYS_NOT_IN_SFT}
     gen["sampling"] = {k: v for k, v in gen["sampling"].items() if k in _SAMPLING_KEYS_IN_SFT}
@@ -100,6 +100,8 @@ def cache_key(cfg, data_digest: str, memo_path: Path | None = None) -> str:
               "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k not in ("enabled", "ckpt_interval")},
               "generator": gen, "optim": optim, "fsdp": fsdp,
               "trainer": [cfg.trainer.micro_batch_tokens, cfg.trainer.seed, cfg.trainer.attn_implementation]}
+    if tools:
+        inputs["tools"] = tools
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -118,17 +120,20 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
     from transformers import AutoTokenizer
 
     from skyrl_stepwise.models.prepare import cache_root
-    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft, uses_tools
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     conversations, digest = _conversations(cfg)
-    out = cache_root() / "sft" / cache_key(cfg, digest, memo_path=cache_root() / "sft" / "file_digests.json")
+    tools = configured_tool_schemas(cfg.environment.tool.tools_path) \
+        if any(uses_tools(c) for c in conversations) else None
+    out = cache_root() / "sft" / cache_key(cfg, digest, tools, memo_path=cache_root() / "sft" / "file_digests.json")
     if (out / COMPLETE).is_file():
         log(f"sft: cached warm start {out} (inputs unchanged)")
         return out
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    samples = conversation_samples(tokenizer, conversations, cfg.generator)
+    samples = conversation_samples(tokenizer, conversations, cfg.generator, tools)
     batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
     trained = sum(sum(m) for m in samples.loss_masks)
     log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "

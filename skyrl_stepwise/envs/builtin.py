@@ -1,7 +1,7 @@
 """The environments a run can name in its rows' `env_class`: the built-ins, the run's own, and installed plugins.
 
 Three sources, one registry (envs/base.py), checked against the data at start-up (before any engine starts):
-- built-in: `search` (Search-R1 tags), `tool` (function calling), `keyword` (toy);
+- built-in: `search` (Search-R1 tags), `tool` (function calling), `keyword` and `key_door` (toys);
 - the run's config: `environment.env_classes: {guess: my_pkg.guess:GuessEnv}` (or `my_pkg.guess.GuessEnv`);
 - installed packages: the entry-point group `skyrl_stepwise.envs` (pyproject:
   `[project.entry-points."skyrl_stepwise.envs"] guess = "my_pkg.guess:GuessEnv"`).

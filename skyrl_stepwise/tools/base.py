@@ -172,6 +172,14 @@ def load_tools(path: str | Path) -> dict[str, ToolLike]:
     return build_tools(load_tools_yaml(path))
 
 
+def configured_tool_schemas(tools_path: str | Path | None) -> list[dict[str, Any]]:
+    """The schemas the `tool` env shows the model for `environment.tool.tools_path` (None: the built-in search and
+    calculator), without building any tool: what SFT prompts and rollout logs need to match RL prompts."""
+    if tools_path is None:
+        return [resolve_tool_class("search").default_schema, resolve_tool_class("calculator").default_schema]
+    return [spec.tool_schema for spec in load_tools_yaml(tools_path)]
+
+
 def tool_schemas(tools: dict[str, ToolLike]) -> list[dict[str, Any]]:
     """The schemas in a stable order, for the renderer's `tools=` argument (what the chat template shows)."""
     return [tools[name].schema for name in tools]

@@ -181,6 +181,10 @@ class TrainerConfig:
     # resume=none refuses a ckpt_dir that already holds checkpoints (resume=auto would later mix the two
     # runs); true deletes them first.
     overwrite_ckpt_dir: bool = False
+    # A launch into a run dir that already trained (its run_config.yaml) must have the same config, or it would
+    # silently continue (or restart) a different job there; true accepts the differences (logged, and recorded in
+    # run_config.launches.jsonl; the first launch's run_config.yaml and .hydra/ stay as they were).
+    resume_allow_changes: bool = False
 
     def validate(self, prefix: str = "trainer") -> None:
         """Validate this config and its parts, naming the full key path of the first bad value."""
