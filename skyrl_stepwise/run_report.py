@@ -27,7 +27,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ("dynamic_sampling/generated_signal_frac", "generated groups with variance (dynamic sampling)")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
-        ("train/packed_tokens", "packed for the update"), ("generate/response_tokens_trained", "trained (loss mask)")]),
+        ("train/packed_tokens", "packed for the update"), ("train/forward_tokens", "forwarded (tree: distinct prefixes)"),
+        ("generate/response_tokens_trained", "trained (loss mask)")]),
     ("Sequence length", "tokens", "count", [
         ("generate/batch_padded_seq_len", "batch_padded_seq_len"), ("generate/tokens_per_sample_max", "longest sample"),
         ("generate/tokens_per_sample_mean", "mean sample")]),
@@ -47,6 +48,7 @@ TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("en
                  ("policy/loss", "loss"), ("policy/kl_loss", "KL"), ("train/grad_norm", "grad norm"),
                  ("generate/num_samples", "samples"), ("generate/real_tokens", "tokens"),
                  ("generate/batch_padded_seq_len", "padded len"), ("generate/merge_rate", "merge rate"),
+                 ("train/forward_tokens", "fwd tokens"), ("train/compression_ratio", "compression"),
                  ("generate/bridge_fallbacks", "fallbacks"), ("timing/generate_s", "generate s"),
                  ("timing/train_s", "update s"), ("timing/weight_sync_s", "sync s"), ("timing/step_s", "step s")]
 STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"), ("X", ":")]

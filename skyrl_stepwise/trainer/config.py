@@ -15,6 +15,7 @@ LOSS_REDUCTIONS = ("token_mean", "trajectory_mean", "sequence_mean")
 STEP_ADVANTAGES = ("outcome", "discounted", "gigpo")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKINGS = ("rows", "tree")
 
 
 @dataclass
@@ -165,6 +166,12 @@ class TrainerConfig:
     # CPU and short rows); flex_attention / flash_attention_* skip the masked blocks, which is what long packed
     # rows on GPUs need (benchmarks/fsdp_throughput.py measures the difference).
     attn_implementation: str = "sdpa"
+    # How a micro-batch's samples become model input (trainer/tree.py). rows: each sample concatenated in full.
+    # tree: one prefix trie per micro-batch, every distinct prefix (a group's prompt, the history a step re-reads,
+    # a shared tool-schema system prompt) forwarded once, same per-sample loss and gradients. Needs an attention
+    # that takes an arbitrary mask: sdpa / eager (dense T x T mask: CPU, short rows) or flex_attention (GPU;
+    # untested on GPUs so far); flash_attention_* cannot express a tree.
+    packing: str = "rows"
     # Async rollouts (trainer/rollout_ahead.py): the engines generate the next steps' rollouts while this step
     # trains, with weights at most this many updates old; truncated IS corrects the staleness. 0: synchronous.
     max_staleness: int = 0
@@ -199,6 +206,12 @@ class TrainerConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"{prefix}.attn_implementation: {self.attn_implementation!r} is not one of "
                              f"{ATTN_IMPLEMENTATIONS}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"{prefix}.packing: {self.packing!r} is not one of {PACKINGS}")
+        if self.packing == "tree" and self.attn_implementation.startswith("flash_attention"):
+            raise ValueError(f"{prefix}.packing=tree needs an attention that takes a tree mask, but "
+                             f"{prefix}.attn_implementation={self.attn_implementation} (varlen) cannot express one: "
+                             f"use flex_attention (GPU), sdpa or eager, or {prefix}.packing=rows")
         if self.temperature <= 0:
             raise ValueError(f"{prefix}.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -177,8 +177,13 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
 
     from skyrl_stepwise.models import resolve_model_path
 
+    attn = cfg.attn_implementation
+    if cfg.packing == "tree" and attn == "flex_attention":  # flex compiled with dynamic=True, the tree's BlockMask
+        from skyrl_stepwise.trainer.tree import register_tree_flex_attention
+
+        attn = register_tree_flex_attention()
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
-                                                 attn_implementation=cfg.attn_implementation)
+                                                 attn_implementation=attn)
     model.config.use_cache = False
     if cfg.fsdp.gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -222,11 +227,24 @@ class PolicyWorker:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
         every rank to run the same number of passes), and every rank's, for stats. No communication:
         every rank derives every shard from the same batch."""
-        per_rank = [rank_micro_batches(batch, r, self.world_size, self.cfg.micro_batch_tokens)
+        per_rank = [rank_micro_batches(batch, r, self.world_size, self.cfg.micro_batch_tokens, self.cfg.packing)
                     for r in range(self.world_size)]
         n = max(1, max(len(m) for m in per_rank))
         per_rank = [m + [[] for _ in range(n - len(m))] for m in per_rank]
         return per_rank[self.rank], per_rank
+
+    def set_packing(self, packing: str) -> str:
+        """Switch trainer.packing (rows | tree) for the next calls; returns the previous value. The ablation trains
+        the same rollouts both ways from one worker. tree with flex_attention needs the worker started with it."""
+        from dataclasses import replace
+
+        cfg = replace(self.cfg, packing=packing)
+        cfg.validate()
+        if self.cfg.attn_implementation == "flex_attention" and packing != self.cfg.packing:
+            raise ValueError("trainer.packing cannot change on a running worker with trainer.attn_implementation="
+                             "flex_attention: the model loads the tree's own flex attention at start-up")
+        previous, self.cfg = self.cfg.packing, cfg
+        return previous
 
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Logprobs of every response token of every sample under the current weights, on every rank."""
@@ -245,7 +263,7 @@ class PolicyWorker:
         mine, _ = self._micro_batches(batch)
         local: dict[int, list[float]] = {}
         for idx in mine:
-            mb = pack_micro_batch(batch, idx).to(self.device)
+            mb = pack_micro_batch(batch, idx, self.cfg.packing).to(self.device)
             logprobs, _ = forward_logprobs(model, mb, self.cfg.temperature, top_k=self.cfg.top_k,
                                            top_p=self.cfg.top_p)
             local.update(zip(idx, mb.split(logprobs)))
@@ -276,7 +294,7 @@ class PolicyWorker:
         denominator = batch.loss_denominator()  # = num_tokens unless trajectory weights are set
         totals: dict[str, float] = defaultdict(float)
         for idx in mine:
-            mb = pack_micro_batch(batch, idx).to(self.device)
+            mb = pack_micro_batch(batch, idx, self.cfg.packing).to(self.device)
             if objective == "sft":
                 loss, metrics = sft_micro_batch_loss(self.model, mb, num_tokens)
             else:
@@ -301,7 +319,8 @@ class PolicyWorker:
         summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(summed)
         out = dict(zip(keys, summed.tolist()))
-        out.update(packing_stats(batch, [mb for m in per_rank for mb in m]))
+        out.update(packing_stats(batch, [mb for m in per_rank for mb in m], self.cfg.packing,
+                                 self.cfg.micro_batch_tokens))
         out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skipped),
                     "train/loss_tokens": num_tokens, "train/step_time_s": time.perf_counter() - start})
         release_host_memory(self.device)

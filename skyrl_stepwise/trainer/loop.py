@@ -88,7 +88,8 @@ def reward_metrics(output: GeneratorOutput, prefix: str) -> dict[str, float]:
 
 # Train metrics that are counts over the whole batch: summed over mini-batches (everything else is averaged).
 SUMMED_TRAIN_KEYS = ("train/real_tokens", "train/packed_tokens", "train/num_micro_batches", "train/loss_tokens",
-                     "train/padded_batch_tokens", "train/step_time_s", "train/skipped_step")
+                     "train/padded_batch_tokens", "train/step_time_s", "train/skipped_step", "train/forward_tokens",
+                     "train/unique_tokens", "train/tree_split_groups")
 
 
 def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, float]:
@@ -104,6 +105,8 @@ def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, f
     if out.get("train/real_tokens"):
         out["train/pad_ratio"] = out["train/packed_tokens"] / out["train/real_tokens"]
         out["train/padded_batch_pad_ratio"] = out["train/padded_batch_tokens"] / out["train/real_tokens"]
+    if out.get("train/forward_tokens"):  # packing=tree: what the prefix trie saved over forwarding every sample
+        out["train/compression_ratio"] = out["train/real_tokens"] / out["train/forward_tokens"]
     out["train/optimizer_steps"] = len(per_mini_batch) - out.get("train/skipped_step", 0.0)
     return dict(out)
 
