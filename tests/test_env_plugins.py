@@ -44,7 +44,7 @@ def test_an_unknown_env_class_fails_naming_the_registry_and_how_to_add_one():
                           "data (train.parquet)")
     message = str(info.value)
     assert "data (train.parquet): unknown env_class 'gues'" in message
-    assert "['guess', 'keyword', 'search', 'tool']" in message and "environment.env_classes" in message
+    assert "['guess', 'key_door', 'keyword', 'search', 'tool']" in message and "environment.env_classes" in message
 
 
 @pytest.mark.parametrize("path, expected", [("no_such_pkg.envs:GuessEnv", "cannot import module 'no_such_pkg.envs'"),
