@@ -182,12 +182,14 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     try:
         start = time.perf_counter()
         ensure_ray()
+        hold_sigterm()  # Ray's core worker installs its own (abort on SIGTERM, children left running)
         tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
         registry = build_env_registry(cfg.environment)
         layout = plan_run_layout(cfg, gpus_requested=sum(cluster_gpus().values()) > 0)
         placement_group = create_placement_group(layout, cfg.placement.ready_timeout_s)  # fails fast if it cannot fit
         logger.info(layout.describe())
         engine = create_engine(cfg.engine, role_options(placement_group, layout.engines))
+        hold_sigterm()
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
@@ -206,6 +208,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy),
                              with_reference=use_kl)
         reference = ReferenceOnPolicyRanks(policy) if use_kl else None
+        hold_sigterm()
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
         weight_sync = WeightSync(cfg.weight_sync, policy, engine)
@@ -411,19 +414,32 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
+_sigterm_held = False
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """SIGTERM (a scheduler's stop, `kill`) raises KeyboardInterrupt like Ctrl-C, so the same `finally` blocks
     shut every child down and the report is written; Python's default would end the process on the spot and
     leave the engines, Ray and the retriever running. Main thread only (where signal handlers live)."""
+    global _sigterm_held
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    _sigterm_held = True
     try:
         yield
     finally:
+        _sigterm_held = False
         signal.signal(signal.SIGTERM, previous)
+
+
+def hold_sigterm() -> None:
+    """Take SIGTERM back after a library installed its own handler (Ray's core worker aborts the process on it):
+    within `sigterm_as_interrupt`, the run's handler must be the one that runs."""
+    if _sigterm_held and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def is_interrupt(error: BaseException) -> bool:
