@@ -238,7 +238,7 @@ def _log_to_wandb(cfg, out_dir: Path, cost_rows: list[dict]) -> None:
 def run(cfg) -> Path:
     """The ablation with the run's console quiet and library output in <logging.output_dir>/run.log."""
     from skyrl_stepwise.logging_setup import run_logging
-    from skyrl_stepwise.train import prepared
+    from skyrl_stepwise.run_setup import prepared
 
     with run_logging(cfg.logging.output_dir, cfg.logging.console_level, cfg.logging.file_level):
         with prepared(cfg) as (train_rows, _):
@@ -250,7 +250,7 @@ def run(cfg) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry, a Hydra application like `train` (--help, --cfg job, -m):
     `skyrl-stepwise ablate experiment=search_r1_tiny ablation.num_prompts=8`."""
-    from skyrl_stepwise.train import hydra_entry
+    from skyrl_stepwise.app_config import hydra_entry
 
     return hydra_entry(run, list(sys.argv[1:] if argv is None else argv))
 

@@ -11,150 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
-import re
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+from skyrl_stepwise.app_config import (CONF_DIR, default_output_dir, hydra_entry, input_errors,  # noqa: F401
+                                       load_config, to_run_config)
+from skyrl_stepwise.run_setup import _since, check_envs_and_tools, prepared, size_kv_cache  # noqa: F401
+
 logger = logging.getLogger("skyrl_stepwise.train")  # not __name__: `python -m` would make it "__main__"
-
-# `logging.output_dir=DIR` on the command line (also with + or ++)
-_OUTPUT_DIR_OVERRIDE = re.compile(r"^\+{0,2}logging\.output_dir=(.+)$")
-
-
-def default_output_dir(run_name: str) -> str:
-    """The run dir of a config composed outside a Hydra app (load_config): Hydra's layout, so every run still
-    gets a directory of its own."""
-    return time.strftime(f"outputs/%Y-%m-%d/%H-%M-%S_{run_name}")
-
-
-def to_run_config(composed, in_hydra_job: bool = True):
-    """A composed DictConfig as a validated RunConfig; a bad value or combination fails naming its key.
-
-    Outside a Hydra job there is no `${hydra:runtime.output_dir}` to resolve, so an unset logging.output_dir
-    falls back to `default_output_dir`.
-    """
-    from omegaconf import OmegaConf
-
-    from skyrl_stepwise.config import LoggingConfig, check_known_keys
-    from skyrl_stepwise.logging_setup import parse_level
-
-    check_known_keys(composed)
-    if not in_hydra_job and OmegaConf.to_container(composed.logging)["output_dir"] == LoggingConfig.output_dir:
-        composed.logging.output_dir = default_output_dir(composed.logging.run_name)
-    cfg = OmegaConf.to_object(composed)
-    cfg.validate()
-    changed = cfg.fit_precision_to_host()
-    if changed:
-        logger.warning(f"this CPU has no native bf16 (AVX512-BF16/AMX; bf16 matmuls would be emulated, 3-80x "
-                       f"slower): {', '.join(changed)}")
-    parse_level(cfg.logging.console_level, "logging.console_level")
-    parse_level(cfg.logging.file_level, "logging.file_level")
-    return cfg
-
-
-def load_config(overrides: list[str] | None = None, config_name: str = "config"):
-    """Compose conf/ + overrides into a validated RunConfig without running a Hydra app (tests, benchmarks,
-    notebooks); a wrong key or combination fails here."""
-    from hydra import compose, initialize_config_dir
-
-    from skyrl_stepwise.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        composed = compose(config_name=config_name, overrides=list(overrides or []))
-    return to_run_config(composed, in_hydra_job=False)
-
-
-def _with_run_dir(argv: list[str]) -> list[str]:
-    """`logging.output_dir=DIR` also makes DIR Hydra's run dir, so .hydra/ (the composed config and overrides)
-    lands next to the metrics instead of in a second, otherwise empty outputs/<date>/<time> directory. A run dir
-    that already has a .hydra/ (an earlier launch) keeps it: this launch's goes to .hydra/launch-<time>/."""
-    from skyrl_stepwise.run_record import hydra_output_subdir
-
-    if any(a in ("-m", "--multirun") for a in argv):
-        return argv
-    run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
-    extra = []
-    if run_dir is None:
-        run_dir = next((m.group(1) for m in map(_OUTPUT_DIR_OVERRIDE.match, argv) if m), None)
-        if run_dir is not None:
-            extra.append(f"hydra.run.dir={run_dir}")
-    subdir = hydra_output_subdir(run_dir) if run_dir is not None else None
-    if subdir is not None and not any(a.startswith("hydra.output_subdir=") for a in argv):
-        extra.append(f"hydra.output_subdir={subdir}")
-    return [*argv, *extra]
-
-
-def input_errors() -> tuple[type[Exception], ...]:
-    """Errors that name a bad input (an env class, a tool spec, a resume into a different job): reported as one
-    message, like a bad config key, not as a traceback."""
-    from skyrl_stepwise.envs.builtin import EnvPluginError
-    from skyrl_stepwise.run_record import ConfigMismatchError
-    from skyrl_stepwise.tools.config import ToolConfigError
-
-    return EnvPluginError, ConfigMismatchError, ToolConfigError
-
-
-def hydra_entry(task: Callable, argv: list[str] | None = None) -> int:
-    """Run `task(cfg: RunConfig)` as a Hydra application over conf/ with `argv` as its command line.
-
-    hydra.main reads sys.argv, so it is set for the call (`skyrl-stepwise train ...` dispatches here with the
-    words after the command). Hydra handles --help, --cfg, -m, the run dir, and exits non-zero on a bad
-    override; validation errors of RunConfig are reported the same compact way, naming the key.
-    """
-    import hydra
-    from hydra.errors import ConfigCompositionException
-
-    from skyrl_stepwise.config import register_configs
-
-    register_configs()
-
-    @functools.wraps(task)  # Hydra names the job after the task's module: train, ablate
-    def job(composed):
-        try:
-            cfg = to_run_config(composed)
-        except ValueError as e:
-            raise ConfigCompositionException(str(e)) from e
-        try:
-            return task(cfg)
-        except input_errors() as e:  # a bad input named in one message: no traceback to scroll through
-            raise ConfigCompositionException(f"{type(e).__name__}: {e}") from None
-
-    app = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(job)
-    saved = sys.argv
-    sys.argv = [saved[0] if saved else "skyrl-stepwise", *_with_run_dir(list(argv or []))]
-    try:
-        app()
-    finally:
-        sys.argv = saved
-    return 0
-
-
-def _datasets(cfg):
-    from skyrl_stepwise.data.dataset import load_prompt_dataset
-
-    train, val = cfg.data.train_path, cfg.data.val_path
-    if "embedded" in (train, val):
-        from skyrl_stepwise.data.embedded import build_embedded_search_r1
-
-        built = build_embedded_search_r1()
-        train = built.train if train == "embedded" else train
-        val = built.validation if val == "embedded" else val
-    rows = load_prompt_dataset(train), (load_prompt_dataset(val) if val else [])
-    if cfg.data.env_class:
-        rows = tuple([dataclasses.replace(r, env_class=cfg.data.env_class) for r in part] for part in rows)
-    return rows
-
-
-def _since(start: float) -> str:
-    return f"{time.perf_counter() - start:.1f} s"
 
 
 async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
@@ -168,7 +36,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.placement import cluster_gpus, create_placement_group, plan_run_layout, role_options
     from skyrl_stepwise.run_record import save_record
     from skyrl_stepwise.run_report import fsdp_backend
-    from skyrl_stepwise.sft import sft_model
+    from skyrl_stepwise.trainer.warm_start import sft_model
     from skyrl_stepwise.trainer.evaluation import eval_subset
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
     from skyrl_stepwise.tools.base import configured_tool_schemas
@@ -182,12 +50,14 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     try:
         start = time.perf_counter()
         ensure_ray()
+        hold_sigterm()  # Ray's core worker installs its own (abort on SIGTERM, children left running)
         tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
         registry = build_env_registry(cfg.environment)
         layout = plan_run_layout(cfg, gpus_requested=sum(cluster_gpus().values()) > 0)
         placement_group = create_placement_group(layout, cfg.placement.ready_timeout_s)  # fails fast if it cannot fit
         logger.info(layout.describe())
         engine = create_engine(cfg.engine, role_options(placement_group, layout.engines))
+        hold_sigterm()
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
@@ -206,6 +76,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy),
                              with_reference=use_kl)
         reference = ReferenceOnPolicyRanks(policy) if use_kl else None
+        hold_sigterm()
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
         weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated")
@@ -287,76 +158,6 @@ def _report(cfg, tracker, failure: BaseException | None) -> None:
         tracker.finish()
 
 
-def size_kv_cache(cfg) -> None:
-    """CPU engines get the KV cache the run keeps in flight (engine.cpu_kvcache_gib=null), not a fixed guess:
-    the issue's run held 46k tokens of cache for at most 16k in use."""
-    import math
-
-    import torch
-    from transformers import AutoConfig
-
-    from skyrl_stepwise.inference.config import kv_cache_gib
-
-    if cfg.engine.cpu_kvcache_gib is not None or cfg.engine.backend != "vllm" or torch.cuda.is_available():
-        return
-    tokens = math.ceil(cfg.kv_cache_tokens() / cfg.engine.num_engines)
-    cfg.engine.cpu_kvcache_gib = kv_cache_gib(tokens, AutoConfig.from_pretrained(cfg.engine.model_path),
-                                              cfg.engine.dtype)
-    logger.info(f"KV cache sized to the run: {tokens} tokens per engine ({cfg.engine.cpu_kvcache_gib:g} GiB)")
-
-
-def check_envs_and_tools(cfg, rows) -> bool:
-    """Every row's env_class registered and every tool of the `tool` env importable with known config keys,
-    checked before anything slow starts (model, retriever, engines), so a typo fails in seconds naming what is
-    registered. Returns whether the data needs the retriever (search rows, or tool rows with a search tool)."""
-    from skyrl_stepwise.envs.builtin import check_env_classes
-    from skyrl_stepwise.tools.base import check_tool_spec
-    from skyrl_stepwise.tools.config import load_tools_yaml
-
-    used = {r.env_class for r in rows}
-    where = f"data ({cfg.data.train_path}" + (f", {cfg.data.val_path})" if cfg.data.val_path else ")")
-    check_env_classes(sorted(used), cfg.environment, where)
-    searches = "search" in used
-    if "tool" in used:
-        tools_path = cfg.environment.tool.tools_path
-        if tools_path is None:
-            searches = True  # the built-in search + calculator
-        else:
-            specs = load_tools_yaml(tools_path)
-            for i, spec in enumerate(specs):
-                check_tool_spec(spec, i)
-            searches = searches or any(spec.class_name == "search" for spec in specs)
-    return searches
-
-
-@contextlib.contextmanager
-def prepared(cfg):
-    """Model and data on disk, the local retriever up for as long as the block runs; yields the rows."""
-    from skyrl_stepwise.logging_setup import active_run_log, children_output_to
-    from skyrl_stepwise.models import resolve_model_path
-    from skyrl_stepwise.retrieval.launch import local_retriever
-
-    train_rows, val_rows = _datasets(cfg)
-    logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
-    needs_search = check_envs_and_tools(cfg, train_rows + val_rows)
-    start = time.perf_counter()
-    model = str(resolve_model_path(cfg.model_path))
-    cfg.engine.model_path = cfg.trainer.model_path = model
-    logger.info(f"model ready: {model} ({_since(start)})")
-    size_kv_cache(cfg)
-    retriever = cfg.environment.retriever
-    with contextlib.ExitStack() as stack:
-        url = None
-        if needs_search and retriever.start_local:
-            start = time.perf_counter()
-            with children_output_to(active_run_log()):  # the server's start-up lines and index bars: run.log
-                url = stack.enter_context(local_retriever(retriever.corpus, retriever.kind, retriever.port))
-            cfg.environment.search.search_url = url
-            logger.info(f"retriever up at {url} ({retriever.kind} over the {retriever.corpus} corpus, "
-                        f"{_since(start)})")
-        yield train_rows, val_rows
-
-
 # the last step's metrics printed at the end (the report has every step)
 SUMMARY_KEYS = ("reward/mean", "reward/pass_at_n", "environment/em", "eval/reward/mean", "eval/reward/ci_low",
                 "eval/reward/ci_high", "policy/loss", "policy/kl_loss", "train/grad_norm", "generate/batch_padded_seq_len",
@@ -411,19 +212,32 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
+_sigterm_held = False
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """SIGTERM (a scheduler's stop, `kill`) raises KeyboardInterrupt like Ctrl-C, so the same `finally` blocks
     shut every child down and the report is written; Python's default would end the process on the spot and
     leave the engines, Ray and the retriever running. Main thread only (where signal handlers live)."""
+    global _sigterm_held
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    _sigterm_held = True
     try:
         yield
     finally:
+        _sigterm_held = False
         signal.signal(signal.SIGTERM, previous)
+
+
+def hold_sigterm() -> None:
+    """Take SIGTERM back after a library installed its own handler (Ray's core worker aborts the process on it):
+    within `sigterm_as_interrupt`, the run's handler must be the one that runs."""
+    if _sigterm_held and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
 def is_interrupt(error: BaseException) -> bool:

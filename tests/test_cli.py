@@ -277,3 +277,16 @@ def test_bf16_recipes_run_float32_on_cpus_that_would_emulate_bf16(native, monkey
         assert cfg.fit_precision_to_host() == ["engine.dtype=bfloat16 -> float32",
                                                "trainer.fsdp.mixed_precision=true -> false"]
         assert cfg.fit_precision_to_host() == []  # already float32: nothing to change
+
+
+def test_sft_is_a_hydra_app_with_help_and_writes_no_run_dir(capsys, tmp_path, monkeypatch):
+    """`skyrl-stepwise sft --help` used to fail parsing `--help` as an override."""
+    from skyrl_stepwise import sft
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        sft.main(["--help"])
+    assert exit_.value.code == 0 and "skyrl-stepwise sft" in capsys.readouterr().out
+    assert sft.main(["experiment=search_r1_tiny", "sft.epochs=3", "--cfg", "job"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["sft"]["epochs"] == 3
+    assert list(tmp_path.iterdir()) == []  # no outputs/<date>/..., no .hydra

@@ -66,3 +66,29 @@ def test_installed_packages_add_envs_through_entry_points(monkeypatch):
     monkeypatch.setattr(builtin, "entry_points", lambda group: installed if group == builtin.ENTRY_POINT_GROUP else [])
     assert "guess" in known_env_classes(EnvironmentConfig())
     assert isinstance(build_env_registry(EnvironmentConfig()).make("guess"), GuessEnv)
+
+
+def test_train_fails_in_seconds_on_an_unknown_env_class_and_says_why_in_the_run_dir(tmp_path, capsys, monkeypatch):
+    """Before the model, retriever or engines: the command fails naming the registry, report.md says why."""
+    import time
+
+    from skyrl_stepwise import train
+    from skyrl_stepwise.data.dataset import write_parquet
+
+    from skyrl_stepwise import run_setup
+
+    monkeypatch.setattr(run_setup, "size_kv_cache", lambda cfg: pytest.fail("got past the start-up checks"))
+    write_parquet([{"prompt": [{"role": "user", "content": "Guess."}], "env_class": "gues", "data_source": "t",
+                    "extra_info": {}, "reward_spec": {"ground_truth": {"target": ["3"]}}, "instance_id": "a"}],
+                  tmp_path / "train.parquet")
+    start = time.perf_counter()
+    with pytest.raises(SystemExit):
+        train.main(["experiment=tool_task_tiny", f"data.train_path={tmp_path / 'train.parquet'}",
+                    "+environment.env_classes.guess=test_env_plugins:GuessEnv", f"logging.output_dir={tmp_path / 'run'}",
+                    "logging.wandb_mode=disabled"])
+    assert time.perf_counter() - start < 30
+    err = capsys.readouterr().err
+    assert "unknown env_class 'gues'; registered: ['guess', 'keyword', 'search', 'tool']" in err
+    assert "Traceback" not in err
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "before step 1" in report and "unknown env_class 'gues'" in report

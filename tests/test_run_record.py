@@ -34,7 +34,9 @@ def test_a_launch_with_a_changed_config_is_refused_unless_allowed(tmp_path):
     logged = []
     check_launch(_tree("total_steps=5"), tmp_path, allow_changes=True, log=logged.append)
     assert "total_steps: 3 -> 5" in logged[0]
-    assert json.loads((tmp_path / LAUNCHES).read_text())["changes"] == {"total_steps": [3, 5]}
+    # (the recipe checkpoints at the end: its ckpt_interval follows total_steps)
+    assert json.loads((tmp_path / LAUNCHES).read_text())["changes"] == {"total_steps": [3, 5],
+                                                                        "trainer.ckpt_interval": [3, 5]}
     save_record(_tree("total_steps=5"), tmp_path)
     assert (tmp_path / RECORD).read_text() == first  # the run's own record stays
 

@@ -128,7 +128,7 @@ def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, ti
     template) under the same file names and sizes, must miss the cache: a stale warm start was reused silently."""
     import shutil
 
-    from skyrl_stepwise.sft import cache_key
+    from skyrl_stepwise.trainer.warm_start import cache_key
     from skyrl_stepwise.train import load_config
 
     model = tmp_path / "model"

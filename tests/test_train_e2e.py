@@ -1,5 +1,7 @@
 """The main job end to end on CPU: real SmolLM2, real vLLM engine, real retrieval server, FSDP2 on 2 gloo
-ranks in Ray actors. One run is SIGKILLed during a step and resumed, which also covers checkpointing."""
+ranks in Ray actors. One run is stopped by SIGTERM during a step and resumed, which also covers checkpointing, and
+it is a task of its own (README "Your own task"): the task-neutral recipe, an env class registered through config,
+a custom tool from YAML and a user dataset (examples/own_task)."""
 # CI runs the whole suite in 25 minutes on 2 cores, and these tests are most of it: every extra step here costs
 # ~25 s (keyword prompts) to ~55 s (search prompts) of SmolLM2 on CPU, every extra process start ~60 s.
 
@@ -27,25 +29,46 @@ pytestmark = pytest.mark.integration
 KEYWORD_PROMPT = [{"role": "user", "content": "Answer with one word, yes or no: is the sky blue?"}]
 
 
+REPO = Path(__file__).resolve().parents[1]
+OWN_TASK = REPO / "examples" / "own_task"
+
+
+def _own_task():
+    """examples/own_task/make_data.py, as the README runs it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("own_task_make_data", OWN_TASK / "make_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _dataset(tmp: Path) -> Path:
-    """Four keyword prompts: short turns, rewards that vary within a group, and no retriever to start (search
-    prompts, the real server and SFT go through the main job in the next test)."""
-    rows = [{"prompt": KEYWORD_PROMPT, "env_class": "keyword", "data_source": "toy", "extra_info": {},
-             "reward_spec": {"ground_truth": {"target": ["yes"]}}, "instance_id": f"yes-{i}"} for i in range(4)]
+    """A keyword prompt and the README's own task (a guess-the-number row for the env registered through config, a
+    unit_convert row for the tool env): short turns, rewards that vary within a group, and no retriever to start
+    (search prompts, the real server and SFT go through the main job in the next test). Step 1 draws rows 0-1, step
+    2 rows 2-3. The val row asks greedily for one exact unit_convert call, so the eval shows a call and its result."""
+    own = _own_task()
+    own.main(tmp / "own")
+    keyword = {"prompt": KEYWORD_PROMPT, "env_class": "keyword", "data_source": "toy", "extra_info": {"task": "yes"},
+               "reward_spec": {"ground_truth": {"target": ["yes"]}}, "instance_id": "yes-0"}
+    rows = [keyword, own.guess_row(0, 3), own.tool_row(0, *own.CONVERSIONS[0]), dict(keyword, instance_id="yes-1")]
     path = tmp / "train.parquet"
     write_parquet(rows, path)
     return path
 
 
 def _command(data: Path, out: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "skyrl_stepwise.train", "experiment=search_r1_tiny", f"total_steps={steps}",
-            f"data.train_path={data}", "data.val_path=", "data.train_batch_size=2", "data.shuffle=false",
+    return [sys.executable, "-m", "skyrl_stepwise.train", "experiment=tool_task_tiny", f"total_steps={steps}",
+            f"environment.tool.tools_path={OWN_TASK / 'tools.yaml'}", "+environment.env_classes.guess=guess:GuessEnv",
+            f"data.train_path={data}", f"data.val_path={data.parent / 'own' / 'val.parquet'}",
+            "data.train_batch_size=2", "data.shuffle=false",
             "generator.n_samples_per_prompt=4", "generator.max_turns=2", "generator.sampling.max_generate_length=48",
             "trainer.optim.weight_decay=0.0", "engine.dtype=float32", "trainer.fsdp.mixed_precision=false", "trainer.ckpt_interval=1", "trainer.max_ckpts_to_keep=-1",
             "trainer.fsdp.world_size=2",  # the recipe's one rank is faster on 2 cores; this keeps FSDP's 2-rank path
             # every step trains and the data position is the step (dynamic sampling: tests/test_dynamic_sampling.py)
             "trainer.algorithm.dynamic_sampling=false",
-            "sft.enabled=false", f"logging.output_dir={out}", "logging.wandb_mode=offline"]
+            f"logging.output_dir={out}", "logging.wandb_mode=offline"]
 
 
 def _records(out: Path) -> list[dict]:
@@ -53,26 +76,41 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_train_kill_and_resume(tmp_path, model_path):
+def test_train_stop_and_resume(tmp_path, model_path):
+    import psutil
+
     data = _dataset(tmp_path)
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the env class and the tool class are imported from examples/own_task, as the README runs them
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(OWN_TASK), str(REPO), os.environ.get("PYTHONPATH", "")]))
     log1 = open(tmp_path / "run1.log", "w")
     # the first run syncs by torch.distributed broadcast (both FSDP ranks join each all-gather while rank 0 sends to
     # the engine's worker over gloo); the resumed run by the default, the file on this node: both 2-rank paths
     proc = subprocess.Popen(_command(data, out, 2) + ["weight_sync.method=broadcast"], stdout=log1, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
-    try:  # kill it during step 2, once step 1's checkpoint is complete
+    try:  # stop it (SIGTERM, as a scheduler does) during step 2, once step 1's checkpoint is complete
         deadline = time.monotonic() + 480
         while len(complete_checkpoints(out / "ckpts")) < 1:
             assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint within 8 minutes"
             time.sleep(1)
         time.sleep(3)
-        assert proc.poll() is None, "the run finished before it could be killed"
+        assert proc.poll() is None, "the run finished before it could be stopped"
+        children = psutil.Process(proc.pid).children(recursive=True)  # Ray, its workers, the engine, FSDP ranks
+        assert children, "the run has no child processes to stop"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=180)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    console = (tmp_path / "run1.log").read_text()
+    assert code == 130, console[-3000:]
+    left = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.name()) for p in left]  # every child (Ray, engine, workers) stopped with the run
+    assert "interrupted at step 1 of 2" in console and "Traceback" not in console, console[-3000:]
+    assert "**interrupted at step 1** of 2" in (out / "report.md").read_text()
 
     first = _records(out)
     assert [r["step"] for r in first] == [1]
@@ -94,7 +132,9 @@ def test_train_kill_and_resume(tmp_path, model_path):
 
     # the resumed run also generates its rollouts ahead (trainer.max_staleness=1) through Ray and vLLM: its first
     # step's rollouts come from the checkpoint's own weights
-    resumed = subprocess.run(_command(data, out, 2) + ["trainer.resume=auto", "trainer.max_staleness=1"],
+    # (another sync method and rollouts ahead: a changed config, which a resume must accept explicitly)
+    resumed = subprocess.run(_command(data, out, 2) + ["trainer.resume=auto", "trainer.max_staleness=1",
+                                                       "trainer.resume_allow_changes=true"],
                              capture_output=True, text=True, env=env, timeout=480)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_1" in resumed.stdout
@@ -105,6 +145,10 @@ def test_train_kill_and_resume(tmp_path, model_path):
     assert "async/staleness" not in records[0] and records[1]["async/staleness"] == 0.0
     loader = PromptLoader(load_prompt_dataset(data), batch_size=2, seed=0, shuffle=False)
     assert [r["prompts"] for r in records] == [[row.instance_id for row in loader.batch(i)] for i in range(2)]
+    # the first launch's record stays; the resumed launch's config and overrides went next to it
+    assert "weight_sync.method=broadcast" in (out / ".hydra" / "overrides.yaml").read_text()
+    assert list((out / ".hydra").glob("launch-*/overrides.yaml"))
+    _check_own_task_is_readable(out, first)
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from safetensors.torch import load_file
@@ -114,6 +158,38 @@ def test_train_kill_and_resume(tmp_path, model_path):
     final = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
     changed = any(not torch.equal(final[k].float(), initial[k].float()) for k in initial if k in final)
     assert changed == (any(learned) or records[1]["train/grad_norm"] > 0)
+
+
+def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
+    """The env registered through config and the custom tool ran, and what they did can be read: rollouts.jsonl,
+    `skyrl-stepwise show`, report.md."""
+    import contextlib
+    import io
+
+    from skyrl_stepwise.show import main as show
+    from skyrl_stepwise.trainer.rollout_samples import load_rollouts
+
+    assert "environment/guessed" in first[0]  # GuessEnv's own metric
+    samples = load_rollouts(out)
+    train = [s for s in samples if s["stage"] == "train"]
+    assert sorted({s["step"] for s in train}) == [1, 2]  # the interrupted launch's step 1, the resumed step 2
+    guesses = [s for s in train if "thinking of a number" in s["segments"][0]["text"]]
+    assert guesses, [s["segments"][0]["text"][-200:] for s in train]
+    for s in guesses:  # a wrong first guess gets GuessEnv's hint as the next message
+        hints = [seg["text"] for seg in s["segments"] if seg["role"] == "env"]
+        assert s["reward"] == 1.0 or any("Guess again." in h for h in hints) or s["turns"] == 1, s
+    evals = [s for s in samples if s["stage"] == "eval step 2"]
+    calls = [(c, s) for s in evals for c in (c for seg in s["segments"] for c in seg["tool_calls"])]
+    call = {"name": "unit_convert", "arguments": {"value": 3, "from_unit": "km", "to_unit": "m"}}
+    assert any(c == call for c, _ in calls), evals
+    sample = next(s for c, s in calls if c == call)
+    assert any("3000 m" in seg["text"] for seg in sample["segments"] if seg["role"] == "env")  # the tool's result
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        assert show([str(out), "--step", "2", "--stage", "eval"]) == 0
+    assert "tool call unit_convert(" in shown.getvalue() and "3000 m" in shown.getvalue()
+    report = (out / "report.md").read_text()
+    assert "## Rollout samples" in report and "tool call unit_convert(" in report and "3000 m" in report
 
 
 def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path):

@@ -1,0 +1,104 @@
+"""What every run needs before its engines start: the datasets, the start-up checks of their env classes and tools,
+the model on disk, a CPU engine's KV cache sized to the run, and the local retriever for data that searches.
+
+Shared by the main job (train.py) and the ablation (ablate.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+
+logger = logging.getLogger("skyrl_stepwise.train")
+
+
+def _since(start: float) -> str:
+    return f"{time.perf_counter() - start:.1f} s"
+
+
+def _datasets(cfg):
+    from skyrl_stepwise.data.dataset import load_prompt_dataset
+
+    train, val = cfg.data.train_path, cfg.data.val_path
+    if "embedded" in (train, val):
+        from skyrl_stepwise.data.embedded import build_embedded_search_r1
+
+        built = build_embedded_search_r1()
+        train = built.train if train == "embedded" else train
+        val = built.validation if val == "embedded" else val
+    rows = load_prompt_dataset(train), (load_prompt_dataset(val) if val else [])
+    if cfg.data.env_class:
+        rows = tuple([dataclasses.replace(r, env_class=cfg.data.env_class) for r in part] for part in rows)
+    return rows
+
+
+def size_kv_cache(cfg) -> None:
+    """CPU engines get the KV cache the run keeps in flight (engine.cpu_kvcache_gib=null), not a fixed guess:
+    the issue's run held 46k tokens of cache for at most 16k in use."""
+    import math
+
+    import torch
+    from transformers import AutoConfig
+
+    from skyrl_stepwise.inference.config import kv_cache_gib
+
+    if cfg.engine.cpu_kvcache_gib is not None or cfg.engine.backend != "vllm" or torch.cuda.is_available():
+        return
+    tokens = math.ceil(cfg.kv_cache_tokens() / cfg.engine.num_engines)
+    cfg.engine.cpu_kvcache_gib = kv_cache_gib(tokens, AutoConfig.from_pretrained(cfg.engine.model_path),
+                                              cfg.engine.dtype)
+    logger.info(f"KV cache sized to the run: {tokens} tokens per engine ({cfg.engine.cpu_kvcache_gib:g} GiB)")
+
+
+def check_envs_and_tools(cfg, rows) -> bool:
+    """Every row's env_class registered and every tool of the `tool` env importable with known config keys,
+    checked before anything slow starts (model, retriever, engines), so a typo fails in seconds naming what is
+    registered. Returns whether the data needs the retriever (search rows, or tool rows with a search tool)."""
+    from skyrl_stepwise.envs.builtin import check_env_classes
+    from skyrl_stepwise.tools.base import check_tool_spec
+    from skyrl_stepwise.tools.config import load_tools_yaml
+
+    used = {r.env_class for r in rows}
+    where = f"data ({cfg.data.train_path}" + (f", {cfg.data.val_path})" if cfg.data.val_path else ")")
+    check_env_classes(sorted(used), cfg.environment, where)
+    searches = "search" in used
+    if "tool" in used:
+        tools_path = cfg.environment.tool.tools_path
+        if tools_path is None:
+            searches = True  # the built-in search + calculator
+        else:
+            specs = load_tools_yaml(tools_path)
+            for i, spec in enumerate(specs):
+                check_tool_spec(spec, i)
+            searches = searches or any(spec.class_name == "search" for spec in specs)
+    return searches
+
+
+@contextlib.contextmanager
+def prepared(cfg):
+    """Model and data on disk, the local retriever up for as long as the block runs; yields the rows."""
+    from skyrl_stepwise.logging_setup import active_run_log, children_output_to
+    from skyrl_stepwise.models import resolve_model_path
+    from skyrl_stepwise.retrieval.launch import local_retriever
+
+    train_rows, val_rows = _datasets(cfg)
+    logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
+    needs_search = check_envs_and_tools(cfg, train_rows + val_rows)
+    start = time.perf_counter()
+    model = str(resolve_model_path(cfg.model_path))
+    cfg.engine.model_path = cfg.trainer.model_path = model
+    logger.info(f"model ready: {model} ({_since(start)})")
+    size_kv_cache(cfg)
+    retriever = cfg.environment.retriever
+    with contextlib.ExitStack() as stack:
+        url = None
+        if needs_search and retriever.start_local:
+            start = time.perf_counter()
+            with children_output_to(active_run_log()):  # the server's start-up lines and index bars: run.log
+                url = stack.enter_context(local_retriever(retriever.corpus, retriever.kind, retriever.port))
+            cfg.environment.search.search_url = url
+            logger.info(f"retriever up at {url} ({retriever.kind} over the {retriever.corpus} corpus, "
+                        f"{_since(start)})")
+        yield train_rows, val_rows

@@ -1,0 +1,165 @@
+"""The supervised warm start as a cached model folder: train the policy on conversations, write it under
+`$SKYRL_STEPWISE_CACHE/sft/<key>`, where the key hashes every input (model, data, tools, SFT and rendering
+settings), so the main job redoes SFT only when one of them changes. `skyrl-stepwise sft` and the main job call it.
+
+The conversations (Search-R1 demonstrations built from the embedded data, or a parquet of `messages`) become
+samples through the rollout path (trainer/sft.py), the FSDP policy ranks train on them with cross-entropy on the
+assistant tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+COMPLETE = "COMPLETE"
+
+
+def _conversations(cfg) -> tuple[list[list[dict]], str]:
+    """The SFT conversations and a digest of their content (part of the cache key)."""
+    import pyarrow.parquet as pq
+
+    from skyrl_stepwise.data.demonstrations import build_search_r1_demonstrations, load_conversations
+
+    if cfg.sft.data == "embedded":  # observations exactly as the run's search env will format them
+        search = cfg.environment.search
+        path = build_search_r1_demonstrations(topk=search.topk, env_cfg=search)
+        conversations = load_conversations(path)
+        found = pq.read_table(path, columns=["answer_found"]).column("answer_found").to_pylist()
+        conversations = [c for c, ok in zip(conversations, found) if ok]  # teach answers that are right
+    else:
+        conversations = load_conversations(Path(cfg.sft.data))
+    conversations = conversations[: cfg.sft.max_rows]
+    digest = hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()
+    return conversations, digest
+
+
+# Generator keys that conversation_samples overrides or that never reach a replayed conversation (the engine is
+# scripted): every other generator key is part of the SFT key, so a new key can only make the cache miss, never
+# reuse a warm start trained on different samples.
+_GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_prompt", "step_wise_trajectories",
+                              "merge_stepwise_output", "apply_overlong_filtering", "show_progress"}
+_SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
+_FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
+                         "gradient_checkpointing"}  # where, how fast and in what memory: not what
+
+
+def file_digest(path: Path, memo_path: Path | None = None) -> str:
+    """sha256 of a file's content. Weight files are large, so their digest is remembered in `memo_path` under
+    (path, size, mtime): a warm start is keyed on what the weights are, not on what they are called."""
+    stat = path.stat()
+    memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = {}
+    if memo_path is not None and memo_path.is_file():
+        try:
+            memo = json.loads(memo_path.read_text())
+        except json.JSONDecodeError:
+            memo = {}
+    if memo_key in memo:
+        return memo[memo_key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if memo_path is not None:
+        memo[memo_key] = digest
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(memo_path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    return digest
+
+
+def model_digest(model_path: str, memo_path: Path | None = None) -> dict[str, str] | str:
+    """The content of a model folder: every file (weights, config, tokenizer, chat template) by its sha256.
+    A hub id (not a folder) is its name."""
+    model = Path(model_path)
+    if not model.is_dir():
+        return str(model_path)
+    return {f.name: file_digest(f, memo_path) for f in sorted(model.iterdir()) if f.is_file()}
+
+
+def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
+              memo_path: Path | None = None) -> str:
+    """Everything the warm-started weights depend on: the base model's content (weights and chat template),
+    the conversations, the SFT settings, every generator setting that reaches the SFT samples, the optimizer
+    and the trainer's numerics; `tools`: the schemas rendered into tool-using prompts."""
+    gen = dataclasses.asdict(cfg.generator)
+    gen = {k: v for k, v in gen.items() if k not in _GENERATOR_KEYS_NOT_IN_SFT}
+    gen["sampling"] = {k: v for k, v in gen["sampling"].items() if k in _SAMPLING_KEYS_IN_SFT}
+    optim = {k: v for k, v in dataclasses.asdict(cfg.trainer.optim).items()
+             if k not in ("lr", "scheduler", "num_warmup_steps")}  # SFT sets these from cfg.sft
+    fsdp = {k: v for k, v in dataclasses.asdict(cfg.trainer.fsdp).items() if k not in _FSDP_KEYS_NOT_IN_SFT}
+    inputs = {"model": model_digest(cfg.trainer.model_path, memo_path), "data": data_digest,
+              "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k not in ("enabled", "ckpt_interval")},
+              "generator": gen, "optim": optim, "fsdp": fsdp,
+              "trainer": [cfg.trainer.micro_batch_tokens, cfg.trainer.seed, cfg.trainer.attn_implementation]}
+    if tools:
+        inputs["tools"] = tools
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def export_hf_config(base_model: str | Path, out_dir: Path) -> None:
+    """Make `out_dir` (which holds the trained model.safetensors) a loadable HF folder: the base folder's config,
+    tokenizer and generation files, not its weights."""
+    for f in Path(base_model).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")) and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out_dir / f.name)
+
+
+def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
+    """The warm-started model folder for this config: from the cache, or trained now (then cached).
+
+    `actor_options`: the policy ranks' placement (placement.py), so SFT runs on the GPUs the run reserved."""
+    from transformers import AutoTokenizer
+
+    from skyrl_stepwise.models.prepare import cache_root
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft, uses_tools
+    from skyrl_stepwise.trainer.worker_group import PolicyGroup
+
+    conversations, digest = _conversations(cfg)
+    tools = configured_tool_schemas(cfg.environment.tool.tools_path) \
+        if any(uses_tools(c) for c in conversations) else None
+    key = cache_key(cfg, digest, tools, memo_path=cache_root() / "sft" / "file_digests.json")
+    out = cache_root() / "sft" / key
+    if (out / COMPLETE).is_file():
+        log(f"sft: cached warm start {out} (inputs unchanged)")
+        return out
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
+    samples = conversation_samples(tokenizer, conversations, cfg.generator, tools)
+    batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
+    trained = sum(sum(m) for m in samples.loss_masks)
+    log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "
+        f"({cfg.sft.epochs} epochs of {cfg.sft.batch_size})")
+    optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant", num_warmup_steps=0)
+    ckpts = out.with_name(out.name + ".ckpts")  # an interrupted SFT resumes from here
+    policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
+                                             ckpt_interval=cfg.sft.ckpt_interval), actor_options=actor_options)
+    try:
+        history = train_sft(policy, batches, cfg.sft.ckpt_interval, str(ckpts), on_step=lambda step, m: log(
+            f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g} "
+            f"({m['train/step_time_s']:.0f} s)"))
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # rank 0 writes the weights itself: the driver never holds them (same node: the cache is local)
+        policy.call("export_weights", str(tmp / "model.safetensors"), "float32")
+    finally:
+        policy.shutdown()
+    export_hf_config(cfg.trainer.model_path, tmp)
+    (tmp / "sft_metrics.json").write_text(json.dumps(history, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    (out / COMPLETE).write_text("ok\n")
+    shutil.rmtree(ckpts, ignore_errors=True)  # the model folder is complete: nothing left to resume
+    log(f"sft: done in {time.perf_counter() - start:.0f} s, loss {history[0]['sft/loss']:.3f} -> "
+        f"{history[-1]['sft/loss']:.3f}; model in {out}")
+    return out
