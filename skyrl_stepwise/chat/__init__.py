@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from skyrl_stepwise.chat.base import (ChatRenderer, Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
-                                      check_observations_kept)
+from skyrl_stepwise.chat.base import (ChatRenderer, ConversationTurn, Message, NextPrompt, ParsedTurn, RenderError,
+                                      RoleSupport, ToolCallRequest, check_observations_kept, conversation_turn)
 from skyrl_stepwise.chat.library import LibraryRenderer, library_renderer_name
 from skyrl_stepwise.chat.template import TemplateRenderer
 
@@ -43,5 +43,6 @@ def renderer_names() -> list[str]:
     return ["auto", "template", *sorted(RENDERER_REGISTRY)]
 
 
-__all__ = ["ChatRenderer", "LibraryRenderer", "Message", "NextPrompt", "ParsedTurn", "RenderError", "TemplateRenderer",
-           "ToolCallRequest", "check_observations_kept", "create_renderer", "renderer_names"]
+__all__ = ["ChatRenderer", "ConversationTurn", "LibraryRenderer", "Message", "NextPrompt", "ParsedTurn", "RenderError",
+           "RoleSupport", "TemplateRenderer", "ToolCallRequest", "check_observations_kept", "conversation_turn",
+           "create_renderer", "renderer_names"]

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
-                                      check_observations_kept)
+                                      check_observations_kept, probe_role_support)
 from skyrl_stepwise.chat.tool_parsers import HARMONY_FORMAT, HERMES_FORMAT, LLAMA_JSON_FORMAT
 
 # The call format of the library's renderers, by name prefix, for answering a malformed call; families not
@@ -52,6 +52,7 @@ class LibraryRenderer:
             raise ValueError(f"{self.name} reports no stop token ids for {tokenizer.name_or_path!r}")
         self.stop_ids, self.close_id = set(stops), stops[0]
         self.call_format = next((f for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
+        self.roles = probe_role_support(lambda m: self.decode(self.renderer.render_ids(m, add_generation_prompt=True)))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -73,11 +74,23 @@ class LibraryRenderer:
         calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if ok else str(c.status), c.id,
                                  None if ok else self.call_format)
                  for c in parsed.tool_calls for ok in [c.status == ToolCallParseStatus.OK]]
-        return ParsedTurn(parsed.content, parsed.reasoning_content, calls)
+        return ParsedTurn(parsed.content, parsed.reasoning_content, calls,
+                          calls_text=self._calls_text(completion_ids, parsed.content) if calls else "")
+
+    def _calls_text(self, completion_ids: list[int], content: str) -> str:
+        """The sampled text after the content (the calls as written), where it can be found; "" otherwise."""
+        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        text = self.decode(ids)
+        at = text.rfind(content) if content else -1
+        if at >= 0:
+            return text[at + len(content):]
+        return text if not content and "</think>" not in text else ""
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
-                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
-        """The library's bridge when it proves exact extension, else a full render of the history (with why)."""
+                    new_messages: list[Message], tools: list[dict] | None = None,
+                    keep_turn: bool = False) -> NextPrompt:
+        """The library's bridge when it proves exact extension, else a full render of the history (with why);
+        `keep_turn` changes nothing here: the bridge extends the sampled ids whatever the turn holds."""
         bridge = self.renderer.bridge_to_next_turn(list(prompt_ids), list(completion_ids), new_messages, tools=tools)
         chain = prompt_ids + completion_ids
         if bridge is not None:
