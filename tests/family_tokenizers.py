@@ -62,6 +62,8 @@ class FamilySpec:
     adds_bos: bool = False  # tokenizer(text) with add_special_tokens=True prepends bos_token, like the real one
     renderer: str | None = None  # renderers.base.MODEL_RENDERER_MAP[hf_model_id]; None: unmapped (DefaultRenderer)
     accepts_system: bool = True  # a leading {"role": "system"} message is rendered
+    # what closes the final assistant turn in a rendering when it is not eos ("": nothing, GLM's next turn opens it)
+    final_turn_end: str | None = None
     template_kwargs: dict[str, str] = field(default_factory=dict)  # kwarg -> what it does (documentation)
     render_kwargs: dict[str, Any] = field(default_factory=dict)  # what a reproducible apply_chat_template needs
     notes: str = ""
@@ -317,6 +319,136 @@ FAMILIES: dict[str, FamilySpec] = {
               "never renders bos_token.",
     ),
 }
+
+
+def _smollm2_spec(name: str, hf_model_id: str, special: tuple[str, ...], eos: str, *, plain: tuple[str, ...] = (),
+                  terminators: tuple[str, ...] = (), stops: tuple[str, ...] = (), history_end: str | None = None,
+                  bos: str | None = None, pad: str | None = None, rendered: tuple[str, ...] = (),
+                  **fields: Any) -> FamilySpec:
+    """A family on the SmolLM2 vocabulary: `special` markers (special=True), `plain` added tokens (special=False);
+    every one is a template token unless named in `multi_token_markers`."""
+    return FamilySpec(
+        name=name, hf_model_id=hf_model_id, template_file=f"{name}.jinja", vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in special) + tuple((t, False) for t in plain),
+        eos_token=eos, turn_terminators=(eos, *terminators), stop_tokens=(eos, *stops),
+        history_turn_end=history_end or eos, bos_token=bos, pad_token=pad or eos,
+        template_tokens=tuple(t for t in (*special, *plain) if t not in rendered) + rendered, **fields)
+
+
+_GRANITE = ("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>", "<|start_of_cite|>",
+            "<|end_of_cite|>")
+_DEEPSEEK_V3_TOKENS = ("<think>", "</think>") + _DEEPSEEK_TOOL_MARKERS
+
+# Families added for issue 28 (tool calls in each family's own format): tests/templates/README.md cites each source.
+# Vocabularies are SmolLM2's with the family's markers (ids differ from the real model's; each marker is one id).
+FAMILIES.update({spec.name: spec for spec in (
+    _smollm2_spec(
+        "glm-4.6", "zai-org/GLM-4.6",
+        ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+         "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>",
+         "</arg_key>", "<arg_value>", "</arg_value>"), "<|endoftext|>",
+        terminators=("<|user|>", "<|observation|>"), stops=("<|user|>", "<|observation|>"), history_end="<|user|>",
+        multi_token_markers=("<tools>", "</tools>"), final_turn_end="",
+        notes="No token closes an assistant turn: the next message's <|user|> or <|observation|> does, and the "
+              "model samples it (generation_config eos: <|endoftext|>, <|user|>, <|observation|>). Calls are "
+              "<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>; tool results follow "
+              "<|observation|>. The markers are special tokens in GLM's tokenizer."),
+    _smollm2_spec(
+        "granite-3.3", "ibm-granite/granite-3.3-2b-instruct", _GRANITE, "<|end_of_text|>",
+        multi_token_markers=("<think>", "</think>"),
+        notes="`tool_calls` are not rendered; the system prompt asks for <|tool_call|> followed by a JSON list. "
+              "bos, eos and pad are all <|end_of_text|> in the real tokenizer (bos not modelled)."),
+    _smollm2_spec(
+        "granite-4.0", "ibm-granite/granite-4.0-h-small", _GRANITE[:3], "<|end_of_text|>",
+        plain=_HERMES_TAGS,
+        notes="Hermes-style <tool_call> JSON; tool results in a user-like turn wrapped in <tool_response>."),
+    _smollm2_spec(
+        "gemma-2", "google/gemma-2-2b-it", ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"), "<eos>",
+        terminators=("<end_of_turn>",), stops=("<end_of_turn>",), history_end="<end_of_turn>", bos="<bos>",
+        pad="<pad>", adds_bos=True, accepts_system=False, final_turn_end="<end_of_turn>",
+        notes="No tool format; refuses a system message and `tool` messages (roles must alternate). Turns end "
+              "with <end_of_turn> (generation_config eos: <eos>, <end_of_turn>)."),
+    _smollm2_spec(
+        "gemma-4", "google/gemma-4-31B-it",
+        ("<bos>", "<eos>", "<pad>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+         "<tool_response|>", "<|tool>", "<tool|>", "<|channel>", "<channel|>", '<|"|>', "<|think|>", "<|image|>",
+         "<|audio|>", "<|video|>"), "<eos>",
+        terminators=("<turn|>",), stops=("<turn|>",), history_end="<turn|>", bos="<bos>", pad="<pad>",
+        adds_bos=True, renderer="gemma4", final_turn_end="<turn|>",
+        notes="Calls are <|tool_call>call:name{k:<|\"|>v<|\"|>}<tool_call|>; a tool result must answer a call of "
+              "the previous assistant turn. Turns end with <turn|>."),
+    _smollm2_spec(
+        "phi-3.5", "microsoft/Phi-3.5-mini-instruct", ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>",
+                                                       "<|end|>"), "<|endoftext|>",
+        terminators=("<|end|>",), stops=("<|end|>",), history_end="<|end|>", pad="<|endoftext|>",
+        final_turn_end="<|end|>",
+        notes="No tool format; drops `tool` messages silently. Turns end with <|end|>; eos closes a rendering "
+              "without a generation prompt."),
+    _smollm2_spec(
+        "llama-3.2", "meta-llama/Llama-3.2-3B-Instruct", _LLAMA31_SPECIALS, "<|eot_id|>",
+        terminators=("<|eom_id|>",), stops=("<|eom_id|>",), bos="<|begin_of_text|>",
+        pad="<|finetune_right_pad_id|>", adds_bos=True, renderer="llama-3",
+        rendered=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        notes="Llama JSON calls {\"name\": .., \"parameters\": {..}}, one a turn."),
+    _smollm2_spec(
+        "deepseek-v3.1", "deepseek-ai/DeepSeek-V3.1", ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+        "<｜end▁of▁sentence｜>", plain=("<｜User｜>", "<｜Assistant｜>") + _DEEPSEEK_V3_TOKENS,
+        bos="<｜begin▁of▁sentence｜>", adds_bos=True,
+        notes="Calls are <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}<｜tool▁call▁end｜>"
+              "...<｜tool▁calls▁end｜>, closed by eos; thinking off by default (the generation prompt ends "
+              "</think>)."),
+    FamilySpec(
+        name="qwen3-coder", hf_model_id="Qwen/Qwen3-Coder-30B-A3B-Instruct", template_file="qwen3-coder.jinja",
+        vocab="qwen", vocab_tokens=_QWEN3_TOKENS, eos_token="<|im_end|>", turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",), history_turn_end="<|im_end|>", bos_token=None, pad_token="<|endoftext|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                         "</tool_response>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        notes="The XML-parameter call format: <tool_call><function=name><parameter=k>v</parameter></function>"
+              "</tool_call>. The Qwen3 vocabulary's added tokens (the real ones)."),
+    _smollm2_spec(
+        "qwen3.5", "Qwen/Qwen3.5-4B", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                       "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"), "<|im_end|>",
+        plain=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+        pad="<|endoftext|>", renderer="qwen3.5", multi_token_markers=("<tools>", "</tools>"),
+        notes="The Qwen3-Coder XML-parameter call format, with thinking."),
+    _smollm2_spec(
+        "nemotron-3-nano", "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", ("<|endoftext|>", "<|im_start|>",
+                                                                          "<|im_end|>"), "<|im_end|>",
+        plain=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+        pad="<|endoftext|>", renderer="nemotron-3", multi_token_markers=("<tools>", "</tools>"),
+        notes="The Qwen3-Coder XML-parameter call format, with thinking."),
+    _smollm2_spec(
+        "minimax-m2", "MiniMaxAI/MiniMax-M2", ("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>",
+                                               "</minimax:tool_call>", "<think>", "</think>"), "[e~[",
+        renderer="minimax-m2", multi_token_markers=("<tools>", "</tools>"),
+        rendered=("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"),
+        notes="Roles open with ]~b]<role>, turns end with [e~[; calls are <minimax:tool_call><invoke name=..>"
+              "<parameter name=k>v</parameter></invoke></minimax:tool_call>."),
+    _smollm2_spec(
+        "seed-oss", "ByteDance-Seed/Seed-OSS-36B-Instruct", ("<seed:bos>", "<seed:eos>", "<seed:pad>",
+                                                             "<seed:think>", "</seed:think>",
+                                                             "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>",
+                                                             "<seed:tool_call>", "</seed:tool_call>"), "<seed:eos>",
+        bos="<seed:bos>", pad="<seed:pad>",
+        notes="The template sets its own bos/eos (<seed:bos>, <seed:eos>); calls are <seed:tool_call><function=name>"
+              "<parameter=k>v</parameter></function></seed:tool_call>."),
+    _smollm2_spec(
+        "command-r7b", "CohereForAI/c4ai-command-r7b-12-2024",
+        ("<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", "<PAD>", "<|START_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>",
+         "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>",
+         "<|END_RESPONSE|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_TOOL_RESULT|>",
+         "<|END_TOOL_RESULT|>"), "<|END_OF_TURN_TOKEN|>", bos="<BOS_TOKEN>", pad="<PAD>", adds_bos=True,
+        history_end="<|END_RESPONSE|>", final_turn_end="<|END_RESPONSE|>",
+        notes="Calls are <|START_ACTION|>[{\"tool_call_id\": .., \"tool_name\": .., \"parameters\": {..}}]"
+              "<|END_ACTION|>; answers in <|START_RESPONSE|>..<|END_RESPONSE|>, then <|END_OF_TURN_TOKEN|> (eos)."),
+    _smollm2_spec(
+        "mistral-nemo", "mistralai/Mistral-Nemo-Instruct-2407",
+        ("<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+         "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), "</s>", bos="<s>", pad="<pad>",
+        notes="Tokenizer v3: calls are [TOOL_CALLS][{\"name\": .., \"arguments\": {..}, \"id\": ..}] with "
+              "9-character ids; roles must alternate; tool results need a preceding call."),
+)})
 
 
 def _qwen_family(spec: FamilySpec):
