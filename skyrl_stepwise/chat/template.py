@@ -154,16 +154,21 @@ class TemplateRenderer:
             m.pop("reasoning_content", None)
             m.pop("thinking", None)
         text = self.render(marked, True, tools)
-        if _LAST_MARKER not in text and last >= 0 and marked[last].get("tool_calls"):
-            marked[last] = {k: v for k, v in marked[last].items() if k != "tool_calls"}
-            try:
-                text = self.render(marked, True, tools)
-            except RenderError:
-                return None
         at = text.rfind(_LAST_MARKER)
+        if at >= 0:
+            at += len(_LAST_MARKER)
+        elif last >= 0 and marked[last].get("tool_calls"):
+            at = self._turn_start(marked, last, text, tools)
+            if at < 0:  # where the turn starts is unknown: without its calls, the marker shows it
+                marked[last] = {k: v for k, v in marked[last].items() if k != "tool_calls"}
+                try:
+                    text = self.render(marked, True, tools)
+                except RenderError:
+                    return None
+                at = text.rfind(_LAST_MARKER)
+                at = at + len(_LAST_MARKER) if at >= 0 else -1
         if at < 0:
             return None
-        at += len(_LAST_MARKER)
         end_text = self.decode([end_id])
         if end_id in self._special_ids and (i := text.find(end_text, at)) >= 0:
             return text[i + len(end_text):]
@@ -172,6 +177,16 @@ class TemplateRenderer:
             return None
         i, t = min(closes)
         return text[i + len(t):]
+
+    def _turn_start(self, marked: list[Message], last: int, text: str, tools: list[dict] | None) -> int:
+        """Where the last assistant turn starts in `text` (the rendering of `marked`), for a template that renders a
+        call turn without its content: the rendering of the history before it (with the generation prompt) is a
+        prefix of `text` in every template we know; -1 where it is not."""
+        try:
+            head = self.render(marked[:last], True, tools)
+        except RenderError:
+            return -1
+        return len(head) if text.startswith(head) else -1
 
     def _tool_support(self) -> tuple[bool, str]:
         """Whether the template renders `tools=` schemas, and its rendering of an assistant tool call ("" if it
