@@ -329,3 +329,75 @@ async def test_family_tool_calls(family, retention):
     assert m["environment/tool/calculator/ok"] * len(out) >= 3
     if retention == "all":
         assert m["generate/bridge_fallbacks"] == 0 or chat.name.startswith("renderers"), (family, m)
+
+
+class SearchStyleEnv:
+    """A Search-R1-style env that answers plain turns with `tool` messages (no call, no call id)."""
+
+    async def reset(self, prompt, extras):
+        return list(prompt)
+
+    async def step(self, action_text):
+        return StepResult([{"role": "tool", "content": "<information>Doc 1(Title: Mona Lisa) Leonardo.</information>"}],
+                          0.0, False)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_observations_go_in_a_role_the_template_renders(family):
+    """Mistral, Gemma, Phi-3.5 and gpt-oss refuse or drop a `tool` message that answers no call: it is rendered
+    as a user turn instead (merged where roles must alternate), counted, never dropped, never a failed batch."""
+    spec, tok = FAMILIES[family], family_tokenizer(family)
+    kwargs = dict(spec.render_kwargs)
+    chat = create_renderer(tok, "auto", kwargs, "all")
+    text = tok("I will search.", add_special_tokens=False)["input_ids"] + [chat.close_id]
+    engine = ScriptedEngine(lambda prompt, session, index: text, tok)
+    registry = EnvRegistry()
+    registry.register("search", SearchStyleEnv)
+    cfg = GeneratorConfig(max_turns=3, max_input_length=8192, show_progress=False, thinking_retention="all",
+                          chat_template_kwargs=kwargs, sampling=GeneratorSamplingConfig(max_generate_length=32))
+    gen = StepwiseGenerator(tokenizer=tok, engine=engine, env_registry=registry, cfg=cfg)
+    out = await gen.generate([PROMPT], ["search"], [{}], [TrajectoryID("q", 0)])
+    m = out.rollout_metrics
+    assert m["generate/failed_trajectories"] == 0 and len(out) == 3, (family, m)
+    assert m["generate/observation_role_fallbacks"] == (0 if chat.roles.tool_without_call else 2), (family, m)
+    for i in range(2):
+        assert "Leonardo." in chat.decode(out.prompt_token_ids[i + 1][len(out.prompt_token_ids[i]):]), family
+        assert [t for t, k in zip(out.response_ids[i], out.loss_masks[i]) if k] == engine.sampled[i]
+    if family in ("mistral-small-3.2", "gemma-4", "phi-3.5", "gpt-oss", "gemma-2"):  # the ones the issue names
+        assert m["generate/observation_role_fallbacks"] == 2, (family, m)
+
+
+def test_tool_turn_stop_tokens_come_from_the_template(tmp_path):
+    """The token a call turn ends with is found by rendering one (GLM <|observation|>, harmony <|call|>, Llama 3.1's
+    ipython <|eom_id|>, Gemma 4 <|tool_response>), never a token between two calls (DeepSeek's
+    <｜tool▁call▁end｜>); GLM's plain turns end with the <|user|> that opens the next one."""
+    import copy
+
+    def stops(family, renderer="template"):
+        tok = family_tokenizer(family)
+        chat = create_renderer(tok, renderer, dict(FAMILIES[family].render_kwargs))
+        return {tok.convert_ids_to_tokens(i) for i in chat.stop_ids}, tok.convert_ids_to_tokens(chat.close_id)
+
+    assert stops("glm-4.6") == ({"<|endoftext|>", "<|user|>", "<|observation|>"}, "<|user|>")
+    assert stops("gpt-oss") == ({"<|return|>", "<|call|>"}, "<|return|>")
+    assert stops("llama-3.1") == ({"<|eot_id|>", "<|eom_id|>"}, "<|eot_id|>")
+    assert stops("gemma-4")[0] == {"<eos>", "<turn|>", "<|tool_response>"}
+    assert stops("deepseek-v3.1")[0] == {"<｜end▁of▁sentence｜>"}
+    assert stops("qwen2.5")[0] == {"<|im_end|>"}
+    # a local model folder's generation_config.json adds the ids its model stops on (Llama 3.2: <|eom_id|>)
+    tok = copy.deepcopy(family_tokenizer("llama-3.2"))
+    eom = tok.convert_tokens_to_ids("<|eom_id|>")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eom, tok.eos_token_id]}))
+    tok.name_or_path = str(tmp_path)
+    assert eom not in create_renderer(family_tokenizer("llama-3.2"), "template").stop_ids
+    assert eom in create_renderer(tok, "template").stop_ids
+
+
+def test_a_template_without_system_role_gets_the_system_prompt_and_tools_in_the_first_user_turn():
+    tok = family_tokenizer("gemma-2")
+    chat = create_renderer(tok, "auto")
+    assert not chat.roles.system
+    text = chat.decode(chat.prompt_ids(TOOL_PROMPT, TOOL_SCHEMAS))
+    assert text.startswith("<bos><start_of_turn>user\nYou are a careful assistant.\n\n# Tools"), text
+    assert '"name": "calculator"' in text and text.endswith("Compute 1200+34, 4321*2, 999-1 and 7000+77.<end_of_turn>"
+                                                             "\n<start_of_turn>model\n")

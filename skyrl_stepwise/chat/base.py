@@ -130,10 +130,12 @@ def probe_role_support(render: Callable[[list[Message]], str]) -> RoleSupport:
 
     user = {"role": "user", "content": "U"}
     tool = {"role": "tool", "tool_call_id": PROBE_CALL_ID, "name": "skyrl_probe_call", "content": PROBE_TEXT}
+    # an observation that answers no call has no call id either (Search-R1-style envs): Mistral refuses that
+    bare_tool = {"role": "tool", "content": PROBE_TEXT}
     return RoleSupport(
         system=keeps([{"role": "system", "content": PROBE_TEXT}, user], PROBE_TEXT),
         tool_after_call=keeps([user, probe_call_message(), tool], PROBE_TEXT),
-        tool_without_call=keeps([user, {"role": "assistant", "content": "A"}, tool], PROBE_TEXT))
+        tool_without_call=keeps([user, {"role": "assistant", "content": "A"}, bare_tool], PROBE_TEXT))
 
 
 @dataclass

@@ -10,6 +10,8 @@ sampled and take only the template's rendering of the new messages (found after 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept,
@@ -56,7 +58,7 @@ class TemplateRenderer:
         self.content_call_separator = self._content_call_separator()
         # harmony ends a tool-call turn with <|call|>, GLM with <|observation|>, Llama 3 (ipython) with <|eom_id|>:
         # the engine must stop there too
-        self.stop_ids |= self._call_turn_stops()
+        self.stop_ids |= self._call_turn_stops() | generation_config_stops(tokenizer.name_or_path)
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The chat template as text; tool schemas go where the template puts them, or in a hermes system block
@@ -275,6 +277,16 @@ class TemplateRenderer:
         return None
 
 
+def generation_config_stops(model_path: str) -> set[int]:
+    """The ids a local model folder's generation_config.json stops on (`eos_token_id`, one id or a list): where a
+    model ends turns its template never shows (Llama 3.2's <|eom_id|>), its own config says so."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return {int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
+
+
 HERMES_TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
@@ -285,8 +297,6 @@ HERMES_TOOLS_PROMPT = (
 def with_tools_system_block(messages: list[Message], tools: list[dict]) -> list[Message]:
     """Qwen2.5's hermes tool instructions, appended to the system message (or as one), for templates that
     ignore `tools=`: the same text the Qwen/Hermes templates render, so the model sees a familiar format."""
-    import json
-
     block = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
     if messages and messages[0].get("role") == "system":
         return [dict(messages[0], content=f"{messages[0]['content']}\n\n{block}"), *messages[1:]]
