@@ -92,8 +92,16 @@ def _generator(family: str, retention: str):
     return StepwiseGenerator(tokenizer=tok, engine=engine, env_registry=registry, cfg=cfg), chat, engine
 
 
-@pytest.mark.parametrize("retention", ["template", "all"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Known gaps of families added for issue 28, fixed by its part B (strict: a fix must remove the entry).
+KNOWN_GAPS = {("gemma-2", "template"): "no system role: the system prompt must fold into the first user turn",
+              ("gemma-2", "all"): "no system role: the system prompt must fold into the first user turn",
+              ("minimax-m2", "all"): "the renderers bridge declines every turn (renderer_declined)",
+              ("nemotron-3-nano", "all"): "the renderers bridge declines every turn (renderer_declined)"}
+CASES = [pytest.param(f, r, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[f, r])] if (f, r) in KNOWN_GAPS
+                      else []) for f in sorted(FAMILIES) for r in ("template", "all")]
+
+
+@pytest.mark.parametrize(("family", "retention"), CASES)
 async def test_family_conformance(family, retention):
     gen, chat, engine = _generator(family, retention)
     out = await gen.generate([PROMPT], ["conformance"], [{}], [TrajectoryID("q", 0)])

@@ -10,9 +10,14 @@ sampled and take only the template's rendering of the new messages (found after 
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any
 
 from skyrl_stepwise.chat.base import Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept
+from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat
+from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering
+from skyrl_stepwise.chat.tool_formats.hermes import HERMES
 from skyrl_stepwise.chat.tool_parsers import parse_harmony_text, tool_parser_for
 
 # Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
@@ -25,7 +30,7 @@ class TemplateRenderer:
     """`tokenizer.apply_chat_template` + the real-history bridge described in the module docstring."""
 
     def __init__(self, tokenizer, chat_template_kwargs: dict[str, Any] | None = None,
-                 thinking_retention: str = "template") -> None:
+                 thinking_retention: str = "template", tool_parser: str = "auto") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; set one or use a renderer "
                              "from the `renderers` library (generator.renderer)")
@@ -39,10 +44,12 @@ class TemplateRenderer:
         # A base-model tokenizer can end text with EOS (<|endoftext|>) and turns with another token (<|im_end|>).
         self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
-        self.renders_tools, rendered_call = self._tool_support()
-        self.renders_tool_calls = "skyrl_probe_call" in rendered_call
-        self.tool_parser = tool_parser_for(rendered_call, tokenizer)
-        at = rendered_call.rfind("skyrl_probe_arg")
+        probe, self.string_arguments = self._tool_support()
+        self.renders_tools, self.renders_tool_calls = probe.renders_tools, probe.renders_calls
+        # the format the template renders calls in (generator.tool_parser overrides); unknown: fails here
+        self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser)
+        rendered_call = probe.with_call
+        at = rendered_call.rfind(PROBE_ARG)
         call_close = self._first_special(rendered_call[at:]) if at >= 0 else None
         if call_close is not None:  # harmony ends a tool-call turn with <|call|>: the engine must stop there too
             self.stop_ids.add(call_close)
@@ -53,7 +60,7 @@ class TemplateRenderer:
         """The chat template as text; tool schemas go where the template puts them, or in a hermes system block
         if it ignores `tools=` (SmolLM2), so the model always sees what it may call."""
         if tools and not self.renders_tools:
-            messages = with_tools_system_block(messages, tools)
+            messages = with_tools_system_block(messages, tools, self.tool_parser.format)
         return self._apply_template(messages, add_generation_prompt, tools)
 
     def _apply_template(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
@@ -89,7 +96,10 @@ class TemplateRenderer:
             return ParsedTurn(content, thinking, calls if tools else [], reasoning_key="thinking")
         if not tools:
             return ParsedTurn(text)
-        content, calls = self.tool_parser.parse(ids, self.decode)
+        content, calls = self.tool_parser.parse(ids, self.decode, tools)
+        if self.string_arguments:  # the template concatenates arguments as text (DeepSeek R1): OpenAI's JSON string
+            calls = [replace(c, arguments=json.dumps(c.arguments, ensure_ascii=False))
+                     if c.error is None and isinstance(c.arguments, dict) else c for c in calls]
         # a template that cannot render `tool_calls` would drop the calls from a re-rendered history: keep them
         # in the content, as sampled
         return ParsedTurn(content if self.renders_tool_calls else text, None, calls)
@@ -142,23 +152,33 @@ class TemplateRenderer:
         i, t = min(closes)
         return text[i + len(t):]
 
-    def _tool_support(self) -> tuple[bool, str]:
-        """Whether the template renders `tools=` schemas, and its rendering of an assistant tool call ("" if it
-        refuses one): the call's format, and the special token that closes a tool-call turn (probed once)."""
+    def _tool_support(self) -> tuple[ProbeRendering, bool]:
+        """How the template renders tools and an assistant tool call (probed once): whether it renders `tools=`
+        schemas, the call's format, the special token that closes a tool-call turn; and whether it needs call
+        arguments as a JSON string (it refuses or drops a dict, as DeepSeek R1's template does)."""
         tool = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
                                                  "parameters": {"type": "object", "properties": {}}}}
         user = [{"role": "user", "content": "U"}]
-        # a 9-character alphanumeric id: Mistral templates refuse any other
-        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call00000", "function": {
-            "name": "skyrl_probe_call", "arguments": {"skyrl_probe_arg": 1}}}]}
         try:
-            renders_tools = "skyrl_probe_tool" in self._apply_template(user, True, [tool])
+            before = self._apply_template(user, True, [tool])
         except RenderError:
-            renders_tools = False
-        try:
-            return renders_tools, self._apply_template(user + [call], False, [tool])
-        except RenderError:
-            return renders_tools, ""
+            before = ""
+        renders_tools = "skyrl_probe_tool" in before
+        probe = ProbeRendering(before, "", renders_tools)
+        # arguments as a dict, else as OpenAI's JSON string; content "" or None (DeepSeek R1 renders calls only
+        # for `content is none`)
+        for arguments, content in (({PROBE_ARG: 1}, ""), ({PROBE_ARG: 1}, None), (json.dumps({PROBE_ARG: 1}), ""),
+                                   (json.dumps({PROBE_ARG: 1}), None)):
+            # a 9-character alphanumeric id: Mistral templates refuse any other
+            call = {"role": "assistant", "content": content, "tool_calls": [{
+                "type": "function", "id": "call00000", "function": {"name": PROBE_NAME, "arguments": arguments}}]}
+            try:
+                probe = ProbeRendering(before, self._apply_template(user + [call], False, [tool]), renders_tools)
+            except RenderError:
+                continue
+            if probe.renders_calls:
+                return probe, isinstance(arguments, str)
+        return probe, False
 
     def _first_special(self, text: str) -> int | None:
         """The first special token id in `text`."""
@@ -188,14 +208,21 @@ HERMES_TOOLS_PROMPT = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+OTHER_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "Write each function call as:\n{call}")
 
 
-def with_tools_system_block(messages: list[Message], tools: list[dict]) -> list[Message]:
-    """Qwen2.5's hermes tool instructions, appended to the system message (or as one), for templates that
-    ignore `tools=`: the same text the Qwen/Hermes templates render, so the model sees a familiar format."""
-    import json
-
-    block = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+def with_tools_system_block(messages: list[Message], tools: list[dict], fmt: ToolFormat = HERMES) -> list[Message]:
+    """Tool instructions appended to the system message (or as one), for templates that ignore `tools=`: Qwen2.5's
+    hermes text (what the Qwen/Hermes templates render, a format models know), or for a template whose calls are
+    in another format (DeepSeek R1) the same text asking for that format, so the model is told what we parse."""
+    tools_text = "\n".join(json.dumps(t) for t in tools)
+    if fmt.name == HERMES.name:
+        block = HERMES_TOOLS_PROMPT.format(tools=tools_text)
+    else:
+        block = OTHER_TOOLS_PROMPT.format(tools=tools_text, call=fmt.expected_format)
     if messages and messages[0].get("role") == "system":
         return [dict(messages[0], content=f"{messages[0]['content']}\n\n{block}"), *messages[1:]]
     return [{"role": "system", "content": block}, *messages]
