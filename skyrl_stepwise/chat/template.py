@@ -53,6 +53,8 @@ class TemplateRenderer:
         call_close = self._first_special(rendered_call[at:]) if at >= 0 else None
         if call_close is not None:  # harmony ends a tool-call turn with <|call|>: the engine must stop there too
             self.stop_ids.add(call_close)
+        # a call block's own closer (Command R's <|END_ACTION|>, MiniMax's </minimax:tool_call>) is part of the call
+        self._call_close = call_close if call_close not in (tokenizer.eos_token_id, self.close_id) else None
         specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
         self._special_texts = sorted(specials | {t for t in tokenizer.all_special_tokens if t})
 
@@ -89,7 +91,8 @@ class TemplateRenderer:
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """The sampled text without its closing token (the template handles any reasoning in it); with tools,
         calls in the template's format become calls and the content is the text before them."""
-        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        ends = completion_ids and completion_ids[-1] in self.stop_ids and completion_ids[-1] != self._call_close
+        ids = completion_ids[:-1] if ends else completion_ids
         text = self.decode(ids)
         if "<|channel|>" in text:  # gpt-oss (harmony): the template wants final text and analysis apart
             content, thinking, calls = parse_harmony_text(text)
