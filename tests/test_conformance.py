@@ -154,8 +154,7 @@ RESULTS = {"one_call": ["1234"], "parallel_calls": ["8642", "998"], "text_then_c
 INSTRUCTED = {"granite-3.3": lambda calls: "<|tool_call|>" + json.dumps(
     [{"name": n, "arguments": a} for n, a in calls])}
 # families whose call format has no parser yet (issue 28 part A adds them): checked once it lands
-AWAITING_PARSER = {"command-r7b", "deepseek-v3.1", "gemma-4", "glm-4.6", "granite-3.3", "llama-3.1", "llama-3.2",
-                   "qwen3-coder", "qwen3.5", "seed-oss"}
+AWAITING_PARSER: set[str] = set()
 TOOL_PROMPT = [{"role": "system", "content": "You are a careful assistant."},
                {"role": "user", "content": "Compute 1200+34, 4321*2, 999-1 and 7000+77."}]
 
@@ -174,34 +173,38 @@ def _assistant(content, calls, string_args=False):
     return msg
 
 
-def _common_prefix(a: str, b: str) -> int:
+def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
 
 
-def _rendered_turn(tok, kwargs, content, calls, stop_ids) -> list[int] | None:
-    """The ids the template renders for this assistant turn after the generation prompt, up to and including the
-    first stop token (looking into the next message where the turn itself has none: GLM's <|observation|>)."""
+def _rendered_turn(tok, kwargs, content, calls, chat) -> list[int] | None:
+    """The ids the template renders for this assistant turn after the generation prompt (ids in common with it
+    dropped), up to and including the first stop token, looking into the next message where the turn itself has
+    none (GLM's <|observation|>); where no rendering has one (DeepSeek R1 closes no call turn), the renderer's close."""
     user = [{"role": "user", "content": "U"}]
-    prompt = _apply(tok, user, True, kwargs)
+    prompt = tok(_apply(tok, user, True, kwargs), add_special_tokens=False)["input_ids"]
     follow = {"role": "tool", "tool_call_id": "call00000", "name": CALC, "content": "R"} if calls else \
         {"role": "user", "content": "V"}
-    for string_args in (False, True):
+    unclosed = None
+    for string_args, content in ((False, content), (True, content), (True, content or None)):  # R1: None
         for after in ([], [follow], [{"role": "user", "content": "V"}]):
             try:
                 full = _apply(tok, user + [_assistant(content, calls, string_args)] + after, False, kwargs)
             except Exception:  # noqa: BLE001 - the template refuses this shape; try the next
                 continue
-            text = full[_common_prefix(prompt, full):]
-            if calls and not all(n in text for n, _ in calls):
+            ids = tok(full, add_special_tokens=False)["input_ids"]
+            ids = ids[_common_prefix(prompt, ids):]
+            if calls and not all(n in chat.decode(ids) for n, _ in calls):
                 break  # this template does not render the calls this way
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            end = next((i for i, t in enumerate(ids) if t in stop_ids), None)
+            end = next((i for i, t in enumerate(ids) if t in chat.stop_ids), None)
             if end is not None:
                 return ids[:end + 1]
-    return None
+            if not after:
+                unclosed = ids + [chat.close_id]
+    return unclosed
 
 
 def _sampled_turn(family, tok, chat, kind, content, calls) -> list[int] | None:
@@ -214,7 +217,9 @@ def _sampled_turn(family, tok, chat, kind, content, calls) -> list[int] | None:
             return None
         if two.count(CALC) < 2:
             return None
-    ids = _rendered_turn(tok, kwargs, content, calls, chat.stop_ids) if (calls or content) else None
+    ids = _rendered_turn(tok, kwargs, content, calls, chat) if (calls or content) else None
+    if calls and ids is None and content and _rendered_turn(tok, kwargs, "", calls, chat) is not None:
+        return None  # the template renders calls only without text (DeepSeek R1)
     if calls and ids is None:  # the template does not render calls: what its tools block asks for
         emit = INSTRUCTED.get(family, lambda cs: "\n".join(
             "<tool_call>\n" + json.dumps({"name": n, "arguments": a}) + "\n</tool_call>" for n, a in cs))
@@ -308,12 +313,14 @@ async def test_family_tool_calls(family, retention):
             refused = kind in ("unknown_tool", "invalid_arguments")
             assert got == emitted[kind] and all(refused or c.error is None for c in turn.tool_calls), \
                 (family, kind, turn)
-        if kind == "text_then_call" and "I will compute it." in chat.decode(ids):  # Mistral, Llama drop the text
+        sampled_text = chat.decode(ids)
+        if kind == "text_then_call" and -1 < sampled_text.find("I will compute it.") < sampled_text.find(CALC):
+            # (Mistral, Llama drop the text; Gemma 4 writes it after the call)
             # exactly the text before the call where the template renders calls (no separator it adds again)
             renders_calls = getattr(chat, "renders_tool_calls", True)
-            text = turn.content or turn.reasoning or ""  # harmony: text before a call is analysis
-            assert (text == "I will compute it.") if renders_calls else \
-                text.startswith("I will compute it."), (family, turn)
+            text = (turn.content or turn.reasoning or "").split("</think>")[-1]  # harmony: text before a call is analysis
+            assert (text.lstrip() == "I will compute it.") if renders_calls else \
+                text.strip().startswith("I will compute it."), (family, turn)
     for i, kind in enumerate(kinds[:-1]):
         prev, nxt = out.prompt_token_ids[i] + out.response_ids[i], out.prompt_token_ids[i + 1]
         extended = nxt[:len(prev)] == prev
@@ -381,7 +388,7 @@ def test_tool_turn_stop_tokens_come_from_the_template(tmp_path):
     assert stops("glm-4.6") == ({"<|endoftext|>", "<|user|>", "<|observation|>"}, "<|user|>")
     assert stops("gpt-oss") == ({"<|return|>", "<|call|>"}, "<|return|>")
     assert stops("llama-3.1") == ({"<|eot_id|>", "<|eom_id|>"}, "<|eot_id|>")
-    assert stops("gemma-4")[0] == {"<eos>", "<turn|>", "<|tool_response>"}
+    assert stops("gemma-4")[0] == {"<turn|>", "<|tool_response>"}
     assert stops("deepseek-v3.1")[0] == {"<｜end▁of▁sentence｜>"}
     assert stops("qwen2.5")[0] == {"<|im_end|>"}
     # a local model folder's generation_config.json adds the ids its model stops on (Llama 3.2: <|eom_id|>)

@@ -15,14 +15,15 @@ logger = logging.getLogger(__name__)
 
 
 def create_renderer(tokenizer, renderer: str = "auto", chat_template_kwargs: dict[str, Any] | None = None,
-                    thinking_retention: str = "template") -> ChatRenderer:
+                    thinking_retention: str = "template", tool_parser: str = "auto") -> ChatRenderer:
     """`generator.renderer`: `template` (the model's own chat template), a `renderers` name (`qwen3`, `llama-3`,
-    `gpt-oss`, ...), or `auto`: the library where it has a renderer for this model, the template otherwise."""
+    `gpt-oss`, ...), or `auto`: the library where it has a renderer for this model, the template otherwise.
+    `generator.tool_parser`: the template backend's call format, `auto` = the one its template renders."""
     if thinking_retention not in THINKING_RETENTION:
         raise ValueError(f"generator.thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
     name = None if renderer == "template" else library_renderer_name(tokenizer, renderer)
     if name is None:
-        return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention)
+        return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention, tool_parser)
     try:
         return LibraryRenderer(tokenizer, name, chat_template_kwargs, thinking_retention)
     except Exception as e:
@@ -32,7 +33,7 @@ def create_renderer(tokenizer, renderer: str = "auto", chat_template_kwargs: dic
         # e.g. gpt-oss's harmony encoder downloads its vocabulary on first use: offline, the template still works
         logger.warning("renderers' %r renderer is unavailable for %s (%s: %s); using the chat template",
                        name, tokenizer.name_or_path, type(e).__name__, e)
-        return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention)
+        return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention, tool_parser)
 
 
 def renderer_names() -> list[str]:

@@ -231,7 +231,16 @@ def check_observations_kept(new_messages: list[Message], new_text: str, renderer
         if not isinstance(content, str) or not content.strip():
             continue
         text = content.strip()
-        if text in new_text or json.dumps(text)[1:-1] in new_text:
+        if any(form in new_text for form in rendered_forms(text)):
             continue
         raise RenderError(f"the chat template of {renderer_name!r} drops {message.get('role')!r} messages: "
                           f"{text[:60]!r} is not in the next prompt; use a renderer or role the template supports")
+
+
+def rendered_forms(text: str) -> tuple[str, ...]:
+    """How a template may write a message's text: as is, JSON-escaped, or through Jinja's `tojson`, which also
+    escapes <, >, & and ' (Command R renders tool results that way)."""
+    escaped = json.dumps(text)[1:-1]
+    html_safe = (escaped.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+                 .replace("'", "\\u0027"))
+    return text, escaped, html_safe, json.dumps(text, ensure_ascii=False)[1:-1]

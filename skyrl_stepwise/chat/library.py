@@ -6,15 +6,19 @@ what it does; we only check its bridge's prefix contract and say why it declined
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
                                       check_observations_kept, probe_role_support)
+from skyrl_stepwise.chat.tool_formats import tool_format
 from skyrl_stepwise.chat.tool_parsers import HARMONY_FORMAT, HERMES_FORMAT, LLAMA_JSON_FORMAT
 
 # The call format of the library's renderers, by name prefix, for answering a malformed call; families not
 # listed get the error without a format (rather than a wrong one).
 CALL_FORMATS = (("qwen", HERMES_FORMAT), ("llama", LLAMA_JSON_FORMAT), ("gpt-oss", HARMONY_FORMAT))
+# The chat/tool_formats reader of each library family whose parser can take a malformed call for an answer.
+TEXT_FORMATS = (("llama", "llama_json"),)
 
 
 # Models the library's name map leaves out whose templates its renderer reproduces token for token
@@ -52,6 +56,9 @@ class LibraryRenderer:
             raise ValueError(f"{self.name} reports no stop token ids for {tokenizer.name_or_path!r}")
         self.stop_ids, self.close_id = set(stops), stops[0]
         self.call_format = next((f for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
+        # the same format read from text, for a turn the library's parser takes for an answer (see `parse`)
+        text_format = next((f for prefix, f in TEXT_FORMATS if renderer_name.startswith(prefix)), None)
+        self.text_format = None if text_format is None else tool_format(text_format)
         self.roles = probe_role_support(lambda m: self.decode(self.renderer.render_ids(m, add_generation_prompt=True)))
 
     def encode(self, text: str) -> list[int]:
@@ -74,8 +81,20 @@ class LibraryRenderer:
         calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if ok else str(c.status), c.id,
                                  None if ok else self.call_format)
                  for c in parsed.tool_calls for ok in [c.status == ToolCallParseStatus.OK]]
+        if tools and not calls and self.text_format is not None:
+            calls = self._malformed_calls(completion_ids, tools)
         return ParsedTurn(parsed.content, parsed.reasoning_content, calls,
                           calls_text=self._calls_text(completion_ids, parsed.content) if calls else "")
+
+    def _malformed_calls(self, completion_ids: list[int], tools: list[dict]) -> list[ToolCallRequest]:
+        """A turn that opens like a call in this family's format but that the library's parser read as an answer
+        (Llama 3's parser does so for invalid JSON): its malformed calls, so they are answered, never graded."""
+        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        _, calls = self.text_format.parse_text(self.decode(ids), tools)
+        if not any(c.error for c in calls):
+            return []
+        return [c if c.error is None else replace(c, expected_format=c.expected_format or self.text_format.expected_format)
+                for c in calls]
 
     def _calls_text(self, completion_ids: list[int], content: str) -> str:
         """The sampled text after the content (the calls as written), where it can be found; "" otherwise."""

@@ -11,11 +11,16 @@ sampled and take only the template's rendering of the new messages (found after 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept,
-                                      fold_system_into_user, probe_call_message, probe_role_support)
+                                      fold_system_into_user, probe_call_message, probe_role_support,
+                                      rendered_forms)
+from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat
+from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering
+from skyrl_stepwise.chat.tool_formats.hermes import HERMES
 from skyrl_stepwise.chat.tool_parsers import parse_harmony_text, tool_parser_for
 
 # Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
@@ -30,7 +35,7 @@ class TemplateRenderer:
     """`tokenizer.apply_chat_template` + the real-history bridge described in the module docstring."""
 
     def __init__(self, tokenizer, chat_template_kwargs: dict[str, Any] | None = None,
-                 thinking_retention: str = "template") -> None:
+                 thinking_retention: str = "template", tool_parser: str = "auto") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; set one or use a renderer "
                              "from the `renderers` library (generator.renderer)")
@@ -50,22 +55,29 @@ class TemplateRenderer:
         # A base-model tokenizer can end text with EOS (<|endoftext|>) and turns with another token (<|im_end|>).
         self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
-        self.renders_tools, rendered_call = self._tool_support()
-        self.renders_tool_calls = "skyrl_probe_call" in rendered_call
-        self.tool_parser = tool_parser_for(rendered_call, tokenizer)
+        probe, self.string_arguments = self._tool_support()
+        self.renders_tools, self.renders_tool_calls = probe.renders_tools, probe.renders_calls
+        # the format the template renders calls in (generator.tool_parser overrides); unknown: fails here
+        self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser)
         # what the template writes between a turn's text and its first call (Qwen: "\n"), so text before a call
         # is parsed without it and the template's rendering of the turn reproduces the sampled text
         self.content_call_separator = self._content_call_separator()
-        # harmony ends a tool-call turn with <|call|>, GLM with <|observation|>, Llama 3 (ipython) with <|eom_id|>:
-        # the engine must stop there too
+        # harmony ends a tool-call turn with <|call|>, GLM with <|observation|>, Gemma 4 with <|tool_response>,
+        # Llama 3 (ipython) with <|eom_id|>: the engine must stop there too
         self.stop_ids |= self._call_turn_stops() | generation_config_stops(tokenizer.name_or_path)
+        # a stop token that closes the call block itself (harmony's <|call|>) stays in the text the parser reads
+        at = probe.with_call.rfind(PROBE_ARG)
+        call_close = next((t for t in self.encode(probe.with_call[at:]) if t in self._special_ids), None) \
+            if at >= 0 else None
+        self._call_close = call_close if call_close in self.stop_ids - {tokenizer.eos_token_id, self.close_id} \
+            else None
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The chat template as text; tool schemas go where the template puts them, or in a hermes system block
         if it ignores `tools=` (SmolLM2), so the model always sees what it may call; a template without a system
         role (Gemma 2) gets the system prompt, tools block included, in the first user turn."""
         if tools and not self.renders_tools:
-            messages = with_tools_system_block(messages, tools)
+            messages = with_tools_system_block(messages, tools, self.tool_parser.format)
         if not self.roles.system:
             messages = fold_system_into_user(messages)
         return self._apply_template(messages, add_generation_prompt, tools)
@@ -97,14 +109,18 @@ class TemplateRenderer:
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """The sampled text without its closing token (the template handles any reasoning in it); with tools,
         calls in the template's format become calls and the content is the text before them."""
-        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        ends = completion_ids and completion_ids[-1] in self.stop_ids and completion_ids[-1] != self._call_close
+        ids = completion_ids[:-1] if ends else completion_ids
         text = self.decode(ids)
         if "<|channel|>" in text:  # gpt-oss (harmony): the template wants final text and analysis apart
             content, thinking, calls = parse_harmony_text(text)
             return ParsedTurn(content, thinking, calls if tools else [], reasoning_key="thinking")
         if not tools:
             return ParsedTurn(text)
-        content, calls = self.tool_parser.parse(ids, self.decode)
+        content, calls = self.tool_parser.parse(ids, self.decode, tools)
+        if self.string_arguments:  # the template concatenates arguments as text (DeepSeek R1): OpenAI's JSON string
+            calls = [replace(c, arguments=json.dumps(c.arguments, ensure_ascii=False))
+                     if c.error is None and isinstance(c.arguments, dict) else c for c in calls]
         if not self.renders_tool_calls:
             # a template that cannot render `tool_calls` would drop the calls from a re-rendered history: keep them
             # in the content, as sampled
@@ -156,52 +172,78 @@ class TemplateRenderer:
             m.pop("reasoning_content", None)
             m.pop("thinking", None)
         text = self.render(marked, True, tools)
-        at = text.rfind(_LAST_MARKER)
-        if at >= 0:
-            at += len(_LAST_MARKER)
-        elif last >= 0 and marked[last].get("tool_calls"):
-            at = self._turn_start(marked, last, text, tools)
-            if at < 0:  # where the turn starts is unknown: without its calls, the marker shows it
-                marked[last] = {k: v for k, v in marked[last].items() if k != "tool_calls"}
-                try:
-                    text = self.render(marked, True, tools)
-                except RenderError:
-                    return None
-                at = text.rfind(_LAST_MARKER)
-                at = at + len(_LAST_MARKER) if at >= 0 else -1
-        if at < 0:
-            return None
+        found = self._turn_end(text, history, last, end_id)
+        if found is None and _LAST_MARKER not in text and last >= 0 and marked[last].get("tool_calls"):
+            # where the turn is cannot be told: without its calls, the marker shows it
+            marked[last] = {k: v for k, v in marked[last].items() if k != "tool_calls"}
+            try:
+                text = self.render(marked, True, tools)
+            except RenderError:
+                return None
+            found = self._turn_end(text, history, last, end_id)
+        return None if found is None else text[found:]
+
+    def _turn_end(self, text: str, history: list[Message], last: int, end_id: int) -> int | None:
+        """Where the last assistant turn's rendering ends in `text` (its content is `_LAST_MARKER`), or None.
+
+        The turn starts after its marker, or at its last call's name after the previous message's text (Gemma 4
+        writes a turn's content after its calls and their results; Mistral, Llama, Hermes 3 write no content for a
+        call turn), and ends before the first new message's text (which may quote anything, a turn's end token
+        too). It ends after the first `end_id` there, else after the earliest special token following the
+        marker."""
+        marker = text.rfind(_LAST_MARKER)
+        previous = history[last - 1].get("content") if last > 0 else None
+        prev_end = max((i + len(form) for form in rendered_forms(previous.strip())
+                        if (i := text.rfind(form, 0, marker if marker >= 0 else len(text))) >= 0),
+                       default=-1) if isinstance(previous, str) and previous.strip() else -1
+        origin = max(prev_end, 0)
+        limit = min((i for m in history[last + 1:] if isinstance(m.get("content"), str) and m["content"].strip()
+                     for form in rendered_forms(m["content"].strip()) if (i := text.find(form, origin)) >= 0),
+                    default=len(text))
+        starts = [marker + len(_LAST_MARKER)] if 0 <= marker < limit else []
+        calls = history[last].get("tool_calls") or []
+        name = (calls[-1].get("function") or {}).get("name") if calls else None
+        if name and (i := text.find(name, origin, limit)) >= 0:  # the turn's last call is rendered there
+            starts.append(i + len(name))
         end_text = self.decode([end_id])
-        if end_id in self._special_ids and (i := text.find(end_text, at)) >= 0:
-            return text[i + len(end_text):]
-        closes = [(i, t) for t in self._special_texts if (i := text.find(t, at)) >= 0]
+        for start in starts if end_id in self._special_ids else ():
+            if (i := text.find(end_text, start, limit)) >= 0:
+                return i + len(end_text)
+        if not 0 <= marker < limit:
+            return None
+        closes = [(i, t) for t in self._special_texts if (i := text.find(t, marker, limit)) >= 0]
         if not closes:
             return None
         i, t = min(closes)
-        return text[i + len(t):]
+        return i + len(t)
 
-    def _turn_start(self, marked: list[Message], last: int, text: str, tools: list[dict] | None) -> int:
-        """Where the last assistant turn starts in `text` (the rendering of `marked`), for a template that renders a
-        call turn without its content: the rendering of the history before it (with the generation prompt) is a
-        prefix of `text` in every template we know; -1 where it is not."""
-        try:
-            head = self.render(marked[:last], True, tools)
-        except RenderError:
-            return -1
-        return len(head) if text.startswith(head) else -1
-
-    def _tool_support(self) -> tuple[bool, str]:
-        """Whether the template renders `tools=` schemas, and its rendering of an assistant tool call ("" if it
-        refuses one): the call's format (probed once)."""
+    def _tool_support(self) -> tuple[ProbeRendering, bool]:
+        """How the template renders tools and an assistant tool call (probed once): whether it renders `tools=`
+        schemas, the call's format, the special token that closes a tool-call turn; and whether it needs call
+        arguments as a JSON string (it refuses or drops a dict, as DeepSeek R1's template does)."""
+        tool = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
         user = [{"role": "user", "content": "U"}]
         try:
-            renders_tools = "skyrl_probe_tool" in self._apply_template(user, True, [_PROBE_TOOL])
+            before = self._apply_template(user, True, [tool])
         except RenderError:
-            renders_tools = False
-        try:
-            return renders_tools, self._apply_template(user + [probe_call_message()], False, [_PROBE_TOOL])
-        except RenderError:
-            return renders_tools, ""
+            before = ""
+        renders_tools = "skyrl_probe_tool" in before
+        probe = ProbeRendering(before, "", renders_tools)
+        # arguments as a dict, else as OpenAI's JSON string; content "" or None (DeepSeek R1 renders calls only
+        # for `content is none`)
+        for arguments, content in (({PROBE_ARG: 1}, ""), ({PROBE_ARG: 1}, None), (json.dumps({PROBE_ARG: 1}), ""),
+                                   (json.dumps({PROBE_ARG: 1}), None)):
+            # a 9-character alphanumeric id: Mistral templates refuse any other
+            call = {"role": "assistant", "content": content, "tool_calls": [{
+                "type": "function", "id": "call00000", "function": {"name": PROBE_NAME, "arguments": arguments}}]}
+            try:
+                probe = ProbeRendering(before, self._apply_template(user + [call], False, [tool]), renders_tools)
+            except RenderError:
+                continue
+            if probe.renders_calls:
+                return probe, isinstance(arguments, str)
+        return probe, False
 
     def _call_turn_stops(self) -> set[int]:
         """The ids a tool-call turn ends with where a plain turn's terminator does not end it: the first special
@@ -292,12 +334,21 @@ HERMES_TOOLS_PROMPT = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+OTHER_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "Write each function call as:\n{call}")
 
 
-def with_tools_system_block(messages: list[Message], tools: list[dict]) -> list[Message]:
-    """Qwen2.5's hermes tool instructions, appended to the system message (or as one), for templates that
-    ignore `tools=`: the same text the Qwen/Hermes templates render, so the model sees a familiar format."""
-    block = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+def with_tools_system_block(messages: list[Message], tools: list[dict], fmt: ToolFormat = HERMES) -> list[Message]:
+    """Tool instructions appended to the system message (or as one), for templates that ignore `tools=`: Qwen2.5's
+    hermes text (what the Qwen/Hermes templates render, a format models know), or for a template whose calls are
+    in another format (DeepSeek R1) the same text asking for that format, so the model is told what we parse."""
+    tools_text = "\n".join(json.dumps(t) for t in tools)
+    if fmt.name == HERMES.name:
+        block = HERMES_TOOLS_PROMPT.format(tools=tools_text)
+    else:
+        block = OTHER_TOOLS_PROMPT.format(tools=tools_text, call=fmt.expected_format)
     if messages and messages[0].get("role") == "system":
         return [dict(messages[0], content=f"{messages[0]['content']}\n\n{block}"), *messages[1:]]
     return [{"role": "system", "content": block}, *messages]

@@ -100,7 +100,7 @@ class AgentLoop:
         self.cfg = cfg
         self.engine = engine
         self.renderer = renderer or create_renderer(tokenizer, cfg.renderer, dict(cfg.chat_template_kwargs),
-                                                    cfg.thinking_retention)
+                                                    cfg.thinking_retention, cfg.tool_parser)
         self.close_id = self.renderer.close_id
 
     def _sampling(self, trajectory_id: TrajectoryID, turn: int) -> SamplingParams:

@@ -86,7 +86,8 @@ def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg:
     ends its turn would sample it; `gen_cfg` (the run's generator config: renderer, stop strings, history mode)
     decides everything else, exactly as in RL.
     """
-    chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention)
+    chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention,
+                           gen_cfg.tool_parser)
     turns = [[chat.encode(m["content"]) + [chat.close_id] for m in split_turns(c)[1]] for c in conversations]
     longest = max(len(t) for ts in turns for t in ts)
     cfg = replace(gen_cfg, n_samples_per_prompt=1, step_wise_trajectories=True, merge_stepwise_output=True,
