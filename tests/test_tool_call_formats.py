@@ -181,3 +181,18 @@ def test_tool_parser_key_is_validated():
     with pytest.raises(ValueError, match="generator.tool_parser='nope'"):
         GeneratorConfig(tool_parser="nope").validate()
     GeneratorConfig(tool_parser="glm").validate()
+
+
+def test_library_renderer_answers_a_call_its_parser_reads_as_the_final_answer():
+    """`renderers`' Llama 3 parser takes a call whose JSON does not decode for the final answer; the family's own
+    format reader makes it a malformed call, so it is answered and the episode goes on."""
+    tok = family_tokenizer("llama-3.2")
+    chat = create_renderer(tok, "auto")
+    assert chat.name == "renderers:llama-3"
+    sampled = tok('{"name": "search", "parameters": {"query": "x"', add_special_tokens=False)["input_ids"]
+    turn = chat.parse(sampled + [tok.convert_tokens_to_ids("<|eot_id|>")], [], TOOLS)
+    assert [(c.error, c.expected_format) for c in turn.tool_calls] == [
+        ("invalid_json", FORMATS["llama_json"].expected_format)]
+    # a plain answer stays the final answer
+    plain = tok("The answer is 5.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|eot_id|>")]
+    assert chat.parse(plain, [], TOOLS).tool_calls == []

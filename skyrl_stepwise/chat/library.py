@@ -10,11 +10,14 @@ from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
                                       check_observations_kept)
-from skyrl_stepwise.chat.tool_parsers import HARMONY_FORMAT, HERMES_FORMAT, LLAMA_JSON_FORMAT
+from skyrl_stepwise.chat.tool_formats import FORMATS, ToolParser
 
-# The call format of the library's renderers, by name prefix, for answering a malformed call; families not
-# listed get the error without a format (rather than a wrong one).
-CALL_FORMATS = (("qwen", HERMES_FORMAT), ("llama", LLAMA_JSON_FORMAT), ("gpt-oss", HARMONY_FORMAT))
+# The call format of the library's renderers, by name prefix (first match), for answering a malformed call and
+# for reading a call its parser missed; families not listed get the error without a format (rather than a wrong one).
+CALL_FORMATS = (("qwen3.5", "qwen_xml"), ("qwen3.6", "qwen_xml"), ("qwen3.8", "qwen_xml"), ("prime-qwen3", "qwen_xml"),
+                ("qwen", "hermes"), ("nemotron", "qwen_xml"), ("llama", "llama_json"), ("gpt-oss", "harmony"),
+                ("glm", "glm"), ("deepseek-v3", "deepseek_v3"), ("deepseek-r1", "deepseek_v3"),
+                ("minimax", "minimax"), ("gemma4", "gemma4"))
 
 
 # Models the library's name map leaves out whose templates its renderer reproduces token for token
@@ -51,7 +54,9 @@ class LibraryRenderer:
         if not stops:
             raise ValueError(f"{self.name} reports no stop token ids for {tokenizer.name_or_path!r}")
         self.stop_ids, self.close_id = set(stops), stops[0]
-        self.call_format = next((f for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
+        fmt = next((FORMATS[f] for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
+        self.call_format = fmt.expected_format if fmt is not None else None
+        self.own_parser = ToolParser(fmt, tokenizer) if fmt is not None else None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -73,7 +78,19 @@ class LibraryRenderer:
         calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if ok else str(c.status), c.id,
                                  None if ok else self.call_format)
                  for c in parsed.tool_calls for ok in [c.status == ToolCallParseStatus.OK]]
+        if tools and not calls and self.own_parser is not None:
+            # the library reads a call it cannot decode as the final answer (Llama 3's invalid JSON): a turn that
+            # opens a call in the family's format is a (malformed) call, answered, never the episode's end
+            content, own = self.own_parser.parse(list(completion_ids), self._decode_turn, tools)
+            if own:
+                return ParsedTurn(content, parsed.reasoning_content, own)
         return ParsedTurn(parsed.content, parsed.reasoning_content, calls)
+
+    def _decode_turn(self, ids: list[int]) -> str:
+        """The sampled turn's text without the token that ended it."""
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        return self.decode(ids)
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
                     new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
