@@ -196,3 +196,18 @@ def test_library_renderer_answers_a_call_its_parser_reads_as_the_final_answer():
     # a plain answer stays the final answer
     plain = tok("The answer is 5.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|eot_id|>")]
     assert chat.parse(plain, [], TOOLS).tool_calls == []
+
+
+def test_auto_picks_the_library_renderer_a_local_folder_renders_like():
+    """A model the library does not know by name (a local folder) gets the renderer that renders what its template
+    renders, as its hub name would; a template no renderer reproduces keeps the template."""
+    import copy
+
+    local = {}
+    for family, expected in (("qwen3", "renderers:qwen3"), ("nemotron-3-nano", "renderers:nemotron-3"),
+                             ("qwen2.5", "template:/models/qwen2.5")):
+        local[family] = tok = copy.deepcopy(family_tokenizer(family))
+        tok.name_or_path = tok.init_kwargs["name_or_path"] = f"/models/{family}"
+        assert create_renderer(tok, "auto").name == expected
+    # an explicit tool parser keeps the template backend it applies to
+    assert create_renderer(local["qwen3"], "auto", tool_parser="hermes").name == "template:/models/qwen3"

@@ -35,6 +35,49 @@ def library_renderer_name(tokenizer, requested: str) -> str | None:
     return MODEL_RENDERER_MAP.get(name) or next((r for pattern, r in ALIASES if pattern.fullmatch(name)), None)
 
 
+# Conversations both backends render to compare them: a system prompt, a second user turn after an answer, a tool
+# call and its result, each with the generation prompt (what every rollout prompt is made of).
+_MATCH_PROBES = (
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}],
+    [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}],
+    [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "", "tool_calls": [{
+        "type": "function", "id": "call00000", "function": {"name": "t", "arguments": {"q": "x"}}}]},
+     {"role": "tool", "content": "R1", "tool_call_id": "call00000", "name": "t"}],
+)
+_MATCH_TOOLS = [{"type": "function", "function": {"name": "t", "description": "d", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+# renderers never tried by rendering: gpt-oss's harmony encoder downloads its vocabulary on first use
+_NOT_MATCHED = ("gpt-oss", "default")
+
+
+def renderer_matching_template(tokenizer, template, tool_format: str) -> str | None:
+    """The `renderers` renderer that renders exactly what this tokenizer's chat template renders, for a model the
+    library does not know by name (a local folder, a fine-tune): the one that turns every probe conversation into
+    the template's own ids. Only renderers of the template's call format are tried; None if none matches.
+
+    `template` is the TemplateRenderer of the same tokenizer (its rendering is the reference)."""
+    import renderers
+    from renderers.base import RENDERER_REGISTRY, _populate_registry
+    from renderers.configs import config_from_name
+
+    _populate_registry()
+    candidates = [name for name in sorted(RENDERER_REGISTRY) if name not in _NOT_MATCHED and next(
+        (f for prefix, f in CALL_FORMATS if name.startswith(prefix)), None) == tool_format]
+    try:
+        expected = [template.encode(template.render(m, True, _MATCH_TOOLS)) for m in _MATCH_PROBES]
+    except RenderError:
+        return None
+    for name in candidates:
+        try:
+            library = renderers.create_renderer(tokenizer, config_from_name(name))
+            if all(list(library.render_ids(m, tools=_MATCH_TOOLS, add_generation_prompt=True)) == ids
+                   for m, ids in zip(_MATCH_PROBES, expected)):
+                return name
+        except Exception:  # a renderer that needs other tokens or kwargs does not render this model  # noqa: BLE001
+            continue
+    return None
+
+
 class LibraryRenderer:
     """A `renderers.Renderer` behind our ChatRenderer contract."""
 
