@@ -211,3 +211,15 @@ def test_auto_picks_the_library_renderer_a_local_folder_renders_like():
         assert create_renderer(tok, "auto").name == expected
     # an explicit tool parser keeps the template backend it applies to
     assert create_renderer(local["qwen3"], "auto", tool_parser="hermes").name == "template:/models/qwen3"
+
+
+@pytest.mark.parametrize(("family", "stops", "not_stops"), [
+    ("gemma-4", {"<|tool_response>"}, {"<tool_call|>"}),  # each call has its closer: stop after the last one
+    ("seed-oss", {"<seed:eos>"}, {"</seed:tool_call>"}),
+    ("command-r7b", {"<|END_ACTION|>"}, set()),  # one block holds every call: its closer ends the call turn
+    ("gpt-oss", {"<|call|>"}, set()),
+])
+def test_a_call_turn_stops_after_its_last_call(family, stops, not_stops):
+    chat = _renderer(family)
+    names = set(family_tokenizer(family).convert_ids_to_tokens(sorted(chat.stop_ids)))
+    assert stops <= names and not (not_stops & names), names

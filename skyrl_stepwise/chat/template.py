@@ -48,9 +48,7 @@ class TemplateRenderer:
         self.renders_tools, self.renders_tool_calls = probe.renders_tools, probe.renders_calls
         # the format the template renders calls in (generator.tool_parser overrides); unknown: fails here
         self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser)
-        rendered_call = probe.with_call
-        at = rendered_call.rfind(PROBE_ARG)
-        call_close = self._first_special(rendered_call[at:]) if at >= 0 else None
+        call_close = self._call_turn_stop(probe)
         if call_close is not None:  # harmony ends a tool-call turn with <|call|>: the engine must stop there too
             self.stop_ids.add(call_close)
         # a call block's own closer (Command R's <|END_ACTION|>, MiniMax's </minimax:tool_call>) is part of the call
@@ -180,8 +178,28 @@ class TemplateRenderer:
             except RenderError:
                 continue
             if probe.renders_calls:
+                two = dict(call, tool_calls=call["tool_calls"] * 2)  # parallel calls, where the template takes them
+                try:
+                    probe = replace(probe, with_two_calls=self._apply_template(user + [two], False, [tool]))
+                except RenderError:
+                    pass
                 return probe, isinstance(arguments, str)
         return probe, False
+
+    def _call_turn_stop(self, probe: ProbeRendering) -> int | None:
+        """The special token that ends a tool-call turn (None: the turn terminator does): harmony's <|call|>, a call
+        block's closer (Command R's <|END_ACTION|>). Where every call has a closer of its own (Gemma 4's
+        <tool_call|>, Seed-OSS's </seed:tool_call>) it is the token after the last one, so parallel calls are not
+        cut after the first."""
+        at = probe.with_call.rfind(PROBE_ARG)
+        first = self._first_special(probe.with_call[at:]) if at >= 0 else None
+        two = probe.with_two_calls
+        if first is None or not two:
+            return first
+        closer = self.decode([first])
+        if two.count(closer) - probe.before.count(closer) < 2:
+            return first
+        return self._first_special(two[two.rfind(closer) + len(closer):])
 
     def _first_special(self, text: str) -> int | None:
         """The first special token id in `text`."""
