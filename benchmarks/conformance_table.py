@@ -12,14 +12,16 @@ Offline: the family tokenizers of tests/family_tokenizers.py and the scripted en
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the conformance test and tokenizers
 
-from family_tokenizers import FAMILIES  # noqa: E402
+from family_tokenizers import FAMILIES, family_tokenizer  # noqa: E402
 from test_conformance import PROMPT, _generator  # noqa: E402
+from test_tool_call_formats import CALLS, SINGLE_CALL, TOOLS, UNRENDERED, _renderer, _sampled_call_turn  # noqa: E402
 
 from skyrl_stepwise.generator import TrajectoryID  # noqa: E402
 from skyrl_stepwise.generator.merge import merge_stepwise_output  # noqa: E402
@@ -33,7 +35,7 @@ def forward_tokens(output) -> int:
 
 
 def measure(family: str, retention: str) -> tuple[str, str]:
-    """Two table cells ('re-renders (reasons) | samples, tokens step-wise -> merged') and the renderer's name."""
+    """Two table cells ('re-renders (reasons) | samples, tokens step-wise -> merged') and the renderer."""
     generator, chat, _ = _generator(family, retention)
     out = asyncio.run(generator.generate([PROMPT], ["conformance"], [{}], [TrajectoryID("q", 0)]))
     metrics = out.rollout_metrics
@@ -43,19 +45,39 @@ def measure(family: str, retention: str) -> tuple[str, str]:
     fallbacks = int(metrics["generate/bridge_fallbacks"])
     merged = merge_stepwise_output(out)
     rerenders = f"{fallbacks} ({reasons})" if fallbacks else "0"
-    return f"{rerenders} | {len(merged)}, {forward_tokens(out)} -> {forward_tokens(merged)}", chat.name
+    return f"{rerenders} | {len(merged)}, {forward_tokens(out)} -> {forward_tokens(merged)}", chat
+
+
+def calls_parsed(family: str, backend) -> str:
+    """'parsed/emitted format' over one call and two parallel calls exactly as the family's template renders them
+    (tests/test_tool_call_formats.py), read by `backend` (the `auto` renderer: the library's parser, or ours in the
+    format the template's rendering selects)."""
+    chat, tok = _renderer(family), family_tokenizer(family)
+    emitted = parsed = 0
+    for n in (1,) if family in SINGLE_CALL else (1, 2):
+        if chat.renders_tool_calls:
+            ids = _sampled_call_turn(family, chat, CALLS[:n])
+        else:
+            ids = tok(UNRENDERED[chat.tool_parser.name][n - 1], add_special_tokens=False)["input_ids"] + [chat.close_id]
+        turn = backend.parse(ids, [], TOOLS)
+        got = [(c.name, json.loads(c.arguments) if isinstance(c.arguments, str) else c.arguments)
+               for c in turn.tool_calls if c.error is None]
+        emitted += n
+        parsed += sum(1 for call in CALLS[:n] if call in got)
+    return f"{parsed}/{emitted} {getattr(backend, 'tool_parser', chat.tool_parser).name}"
 
 
 def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     families = sys.argv[1:] or sorted(FAMILIES)
-    print("| family | backend | `template`: re-renders (reason) | `template`: samples, tokens | "
+    print("| family | backend | calls parsed | `template`: re-renders (reason) | `template`: samples, tokens | "
           "`all`: re-renders | `all`: samples, tokens |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for family in families:
         template_cells, backend = measure(family, "template")
         all_cells, _ = measure(family, "all")
-        print(f"| {family} | {backend.split(':')[0]} | {template_cells} | {all_cells} |")
+        print(f"| {family} | {backend.name.split(':')[0]} | {calls_parsed(family, backend)} | {template_cells} | "
+              f"{all_cells} |")
 
 
 if __name__ == "__main__":

@@ -181,3 +181,45 @@ def test_tool_parser_key_is_validated():
     with pytest.raises(ValueError, match="generator.tool_parser='nope'"):
         GeneratorConfig(tool_parser="nope").validate()
     GeneratorConfig(tool_parser="glm").validate()
+
+
+def test_library_renderer_answers_a_call_its_parser_reads_as_the_final_answer():
+    """`renderers`' Llama 3 parser takes a call whose JSON does not decode for the final answer; the family's own
+    format reader makes it a malformed call, so it is answered and the episode goes on."""
+    tok = family_tokenizer("llama-3.2")
+    chat = create_renderer(tok, "auto")
+    assert chat.name == "renderers:llama-3"
+    sampled = tok('{"name": "search", "parameters": {"query": "x"', add_special_tokens=False)["input_ids"]
+    turn = chat.parse(sampled + [tok.convert_tokens_to_ids("<|eot_id|>")], [], TOOLS)
+    assert [(c.error, c.expected_format) for c in turn.tool_calls] == [
+        ("invalid_json", FORMATS["llama_json"].expected_format)]
+    # a plain answer stays the final answer
+    plain = tok("The answer is 5.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|eot_id|>")]
+    assert chat.parse(plain, [], TOOLS).tool_calls == []
+
+
+def test_auto_picks_the_library_renderer_a_local_folder_renders_like():
+    """A model the library does not know by name (a local folder) gets the renderer that renders what its template
+    renders, as its hub name would; a template no renderer reproduces keeps the template."""
+    import copy
+
+    local = {}
+    for family, expected in (("qwen3", "renderers:qwen3"), ("nemotron-3-nano", "renderers:nemotron-3"),
+                             ("qwen2.5", "template:/models/qwen2.5")):
+        local[family] = tok = copy.deepcopy(family_tokenizer(family))
+        tok.name_or_path = tok.init_kwargs["name_or_path"] = f"/models/{family}"
+        assert create_renderer(tok, "auto").name == expected
+    # an explicit tool parser keeps the template backend it applies to
+    assert create_renderer(local["qwen3"], "auto", tool_parser="hermes").name == "template:/models/qwen3"
+
+
+@pytest.mark.parametrize(("family", "stops", "not_stops"), [
+    ("gemma-4", {"<|tool_response>"}, {"<tool_call|>"}),  # each call has its closer: stop after the last one
+    ("seed-oss", {"<seed:eos>"}, {"</seed:tool_call>"}),
+    ("command-r7b", {"<|END_ACTION|>"}, set()),  # one block holds every call: its closer ends the call turn
+    ("gpt-oss", {"<|call|>"}, set()),
+])
+def test_a_call_turn_stops_after_its_last_call(family, stops, not_stops):
+    chat = _renderer(family)
+    names = set(family_tokenizer(family).convert_ids_to_tokens(sorted(chat.stop_ids)))
+    assert stops <= names and not (not_stops & names), names

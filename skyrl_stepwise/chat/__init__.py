@@ -7,7 +7,7 @@ from typing import Any
 
 from skyrl_stepwise.chat.base import (ChatRenderer, ConversationTurn, Message, NextPrompt, ParsedTurn, RenderError,
                                       RoleSupport, ToolCallRequest, check_observations_kept, conversation_turn)
-from skyrl_stepwise.chat.library import LibraryRenderer, library_renderer_name
+from skyrl_stepwise.chat.library import LibraryRenderer, library_renderer_name, renderer_matching_template
 from skyrl_stepwise.chat.template import TemplateRenderer
 
 THINKING_RETENTION = ("template", "all")
@@ -23,7 +23,15 @@ def create_renderer(tokenizer, renderer: str = "auto", chat_template_kwargs: dic
         raise ValueError(f"generator.thinking_retention must be one of {THINKING_RETENTION}, got {thinking_retention!r}")
     name = None if renderer == "template" else library_renderer_name(tokenizer, renderer)
     if name is None:
-        return TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention, tool_parser)
+        template = TemplateRenderer(tokenizer, chat_template_kwargs, thinking_retention, tool_parser)
+        # auto, for a model the library does not know by name: the library renderer that renders what the
+        # template renders, so a local folder gets the renderer its hub name would
+        name = renderer_matching_template(tokenizer, template, template.tool_parser.name) \
+            if renderer == "auto" and tool_parser == "auto" else None
+        if name is None:
+            return template
+        logger.info("renderers' %r renderer renders what the chat template of %s renders: using it", name,
+                    tokenizer.name_or_path)
     try:
         return LibraryRenderer(tokenizer, name, chat_template_kwargs, thinking_retention)
     except Exception as e:

@@ -242,6 +242,11 @@ class TemplateRenderer:
             except RenderError:
                 continue
             if probe.renders_calls:
+                two = dict(call, tool_calls=call["tool_calls"] * 2)  # parallel calls, where the template takes them
+                try:
+                    probe = replace(probe, with_two_calls=self._apply_template(user + [two], False, [tool]))
+                except RenderError:
+                    pass
                 return probe, isinstance(arguments, str)
         return probe, False
 

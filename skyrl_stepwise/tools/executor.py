@@ -29,6 +29,7 @@ PARSE_HINTS = {
     "malformed_structure": "the call does not have the expected structure",
     "unknown_tool": "the call names a tool that does not exist",
     "missing_arguments": "the call has no arguments part",
+    "unparsed_call_marker": "a tool call was opened but could not be read",
 }
 MAX_SCHEMA_ERRORS = 3  # enough to fix a call, short enough not to flood the context
 

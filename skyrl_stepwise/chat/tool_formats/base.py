@@ -138,3 +138,23 @@ def blocks(text: str, open_tag: str, close_tag: str) -> tuple[int, list[tuple[st
         found.append((text[at + len(open_tag):end], True))
         at = text.find(open_tag, end + len(close_tag))
     return start, found
+
+
+def library_token_parser(name: str, markers: tuple[str, ...]) -> LibraryParser:
+    """A `LibraryParser` for the `renderers` token-level parser `name`: it finds calls by token id, so it is used
+    only where every one of `markers` is a single token (else None: the text reader runs)."""
+
+    def build(tokenizer):
+        from renderers.parsers import get_tool_parser
+
+        if any(tokenizer.convert_tokens_to_ids(m) in (None, tokenizer.unk_token_id) for m in markers):
+            return None
+        library = get_tool_parser(name, tokenizer)
+
+        def parse(ids: list[int], decode) -> tuple[str, list[ToolCallRequest]]:
+            content_ids, parsed = library.extract(ids)
+            return decode(content_ids), [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == "ok"
+                                                         else str(c.status), c.id) for c in parsed]
+        return parse
+    return build
+

@@ -14,7 +14,7 @@ import json
 import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
-from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks, library_token_parser
 
 CALLS_BEGIN, CALL_BEGIN, CALL_END, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 MARKERS = (CALLS_BEGIN, "<｜tool▁calls▁end｜>", CALL_BEGIN, CALL_END, SEP)
@@ -55,26 +55,10 @@ def _call(body: str, closed: bool) -> ToolCallRequest:
         return ToolCallRequest(name, None, body, "invalid_json")
 
 
-def library_deepseek_v3(tokenizer):
-    """The library's token-level V3/R1 parser where every marker is one token, else None (text parser)."""
-    from renderers.parsers import get_tool_parser
-
-    ids = [tokenizer.convert_tokens_to_ids(m) for m in MARKERS]
-    if any(i in (None, tokenizer.unk_token_id) for i in ids):
-        return None
-    library = get_tool_parser("deepseek-v3", tokenizer)
-
-    def parse(ids: list[int], decode) -> tuple[str, list[ToolCallRequest]]:
-        content_ids, parsed = library.extract(ids)
-        return decode(content_ids), [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == "ok"
-                                                     else str(c.status), c.id) for c in parsed]
-    return parse
-
-
 DEEPSEEK_V3 = ToolFormat(
     name="deepseek_v3", expected_format=V3_FORMAT, markers=(CALLS_BEGIN, CALL_BEGIN),
     renders=re.compile(re.escape(CALL_BEGIN) + r"\s*function\s*" + re.escape(SEP) + r"\s*skyrl_probe_call"),
-    parse_text=parse_deepseek_text, library=library_deepseek_v3,
+    parse_text=parse_deepseek_text, library=library_token_parser("deepseek-v3", MARKERS),
     description="DeepSeek V3/R1 fenced JSON (DeepSeek V3, R1, R1-Distill)")
 DEEPSEEK_V31 = ToolFormat(
     name="deepseek_v31", expected_format=V31_FORMAT, markers=(CALLS_BEGIN, CALL_BEGIN),

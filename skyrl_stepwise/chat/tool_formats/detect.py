@@ -31,6 +31,7 @@ class ProbeRendering:
     before: str  # [user] with the generation prompt
     with_call: str  # [user, assistant with the probe call]; "" if the template refused it
     renders_tools: bool
+    with_two_calls: str = ""  # the same with two parallel calls; "" if not rendered
 
     @property
     def call_turn(self) -> str:

@@ -10,7 +10,7 @@ import json
 import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
-from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks, call_from_object
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks, call_from_object, library_token_parser
 
 HERMES_FORMAT = '<tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>'
 
@@ -35,25 +35,9 @@ def parse_hermes_text(text: str, tools: list[dict] | None = None) -> tuple[str, 
     return text[:start], calls
 
 
-def library_hermes(tokenizer):
-    """The library's token-level parser where `<tool_call>` is a single token, else None (text parser)."""
-    from renderers.parsers import get_tool_parser
-
-    single = tokenizer.convert_tokens_to_ids("<tool_call>")
-    if single in (None, tokenizer.unk_token_id):
-        return None
-    library = get_tool_parser("qwen3", tokenizer)
-
-    def parse(ids: list[int], decode) -> tuple[str, list[ToolCallRequest]]:
-        content_ids, parsed = library.extract(ids)
-        return decode(content_ids), [ToolCallRequest(c.name, c.arguments, c.raw, None if c.status == "ok"
-                                                     else str(c.status), c.id) for c in parsed]
-    return parse
-
-
 HERMES = ToolFormat(
     name="hermes", expected_format=HERMES_FORMAT, markers=("<tool_call>",),
     renders=re.compile(r'<tool_call>\s*\{\s*"name":\s*"skyrl_probe_call"'),
     instructs=re.compile(r'<tool_call>\s*\{\s*\\?"name\\?":'),
-    parse_text=parse_hermes_text, library=library_hermes,
+    parse_text=parse_hermes_text, library=library_token_parser("qwen3", ("<tool_call>",)),
     description="Hermes/Qwen JSON in <tool_call> tags (Qwen2.5, Qwen3, QwQ, Hermes, SmolLM3, Granite 4)")
