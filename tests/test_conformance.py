@@ -185,7 +185,8 @@ def _rendered_turn(tok, kwargs, content, calls, chat) -> list[int] | None:
     dropped), up to and including the first stop token, looking into the next message where the turn itself has
     none (GLM's <|observation|>); where no rendering has one (DeepSeek R1 closes no call turn), the renderer's close."""
     user = [{"role": "user", "content": "U"}]
-    prompt = tok(_apply(tok, user, True, kwargs), add_special_tokens=False)["input_ids"]
+    prompt_text = _apply(tok, user, True, kwargs)
+    prompt = tok(prompt_text, add_special_tokens=False)["input_ids"]
     follow = {"role": "tool", "tool_call_id": "call00000", "name": CALC, "content": "R"} if calls else \
         {"role": "user", "content": "V"}
     unclosed = None
@@ -195,8 +196,11 @@ def _rendered_turn(tok, kwargs, content, calls, chat) -> list[int] | None:
                 full = _apply(tok, user + [_assistant(content, calls, string_args)] + after, False, kwargs)
             except Exception:  # noqa: BLE001 - the template refuses this shape; try the next
                 continue
-            ids = tok(full, add_special_tokens=False)["input_ids"]
-            ids = ids[_common_prefix(prompt, ids):]
+            if full.startswith(prompt_text):  # the text after the generation prompt
+                ids = tok(full[len(prompt_text):], add_special_tokens=False)["input_ids"]
+            else:  # it rewrites the generation prompt (Gemma 4 drops an empty thought channel): the ids after it
+                ids = tok(full, add_special_tokens=False)["input_ids"]
+                ids = ids[_common_prefix(prompt, ids):]
             if calls and not all(n in chat.decode(ids) for n, _ in calls):
                 break  # this template does not render the calls this way
             end = next((i for i, t in enumerate(ids) if t in chat.stop_ids), None)
