@@ -308,6 +308,8 @@ async def test_family_tool_calls(family, retention):
     for i, kind in enumerate(kinds):
         trained = [t for t, k in zip(out.response_ids[i], out.loss_masks[i]) if k]
         assert trained == sampled[i], f"{family} {kind}: trained ids differ from sampled ids"
+        if sampled[i][-1] in chat.stop_ids:  # the family's own turn end (<|call|>, <|observation|>, ...): nothing after
+            assert out.response_ids[i] == sampled[i], (family, kind)
     emitted = {kind: calls for kind, _, calls in TURNS}
     for kind, turn, ids in zip(kinds, parsed, sampled):
         got = [(c.name, decode_arguments(c.arguments)[0]) for c in turn.tool_calls]
