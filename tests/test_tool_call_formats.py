@@ -260,3 +260,13 @@ async def test_a_call_in_the_family_format_is_answered(family, retention):
     assert "5" in chat.decode(nxt.ids[len(chain):] if nxt.extended else nxt.ids)
     if retention == "all":
         assert nxt.extended, nxt.reason
+
+
+def test_a_template_that_ignores_tools_is_told_its_own_call_format():
+    """DeepSeek V3.1's template renders calls but not tool schemas: the schemas go in a system block that asks for
+    calls in the format the template renders (and the parser reads), not hermes."""
+    chat = _renderer("deepseek-v3.1")
+    assert not chat.renders_tools and chat.renders_tool_calls
+    text = chat.render([{"role": "user", "content": "Q"}], True, TOOLS)
+    assert FORMATS["deepseek_v31"].expected_format in text and '"name": "search"' in text
+    assert "<tool_call>" not in text
