@@ -223,3 +223,50 @@ def test_a_call_turn_stops_after_its_last_call(family, stops, not_stops):
     chat = _renderer(family)
     names = set(family_tokenizer(family).convert_ids_to_tokens(sorted(chat.stop_ids)))
     assert stops <= names and not (not_stops & names), names
+
+
+# Families whose call turn cannot be answered yet (issue 28 part B: system-role folding, observation role fallback).
+ANSWER_GAPS = {("gemma-2", "template"): "no system role", ("gemma-2", "all"): "no system role",
+               ("phi-3.5", "template"): "drops tool messages", ("phi-3.5", "all"): "drops tool messages",
+               ("gemma-4", "all"): "a tool message needs its call, which the `all` bridge leaves out"}
+
+
+@pytest.mark.parametrize(("family", "retention"), [
+    pytest.param(f, r, marks=[pytest.mark.xfail(strict=True, reason=ANSWER_GAPS[f, r])] if (f, r) in ANSWER_GAPS
+                 else []) for f in sorted(FAMILIES) for r in ("template", "all")])
+async def test_a_call_in_the_family_format_is_answered(family, retention):
+    """The template-rendered call is parsed, run, and its result reaches the next prompt, which extends the sampled
+    ids unless the template rewrites the history (then re-rendered, with the reason)."""
+    from skyrl_stepwise.tools import ToolExecutor, to_messages
+    from skyrl_stepwise.tools.builtin import CalculatorTool
+
+    tok, calculator = family_tokenizer(family), CalculatorTool()
+    chat = TemplateRenderer(tok, dict(FAMILIES[family].render_kwargs), retention)
+    question, tools = [{"role": "user", "content": "What is 2+3?"}], [calculator.schema]
+    prompt = chat.prompt_ids(question, tools)
+    if chat.renders_tool_calls:
+        sampled = _sampled_call_turn(family, chat, [("calculator", {"expression": "2+3"})])
+    else:
+        text = {"hermes": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
+                "granite": '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]'}
+        sampled = tok(text[chat.tool_parser.name], add_special_tokens=False)["input_ids"] + [chat.close_id]
+    turn = chat.parse(sampled, prompt, tools)
+    results = await ToolExecutor({"calculator": calculator}).execute(turn.tool_calls)
+    observations = to_messages(results)
+    assert [r.content for r in results] == ["5"]
+    nxt = chat.next_prompt(prompt, sampled, question + [turn.message()] + observations, observations, tools)
+    chain = prompt + sampled
+    assert nxt.extended == (nxt.ids[:len(chain)] == chain)
+    assert "5" in chat.decode(nxt.ids[len(chain):] if nxt.extended else nxt.ids)
+    if retention == "all":
+        assert nxt.extended, nxt.reason
+
+
+def test_a_template_that_ignores_tools_is_told_its_own_call_format():
+    """DeepSeek V3.1's template renders calls but not tool schemas: the schemas go in a system block that asks for
+    calls in the format the template renders (and the parser reads), not hermes."""
+    chat = _renderer("deepseek-v3.1")
+    assert not chat.renders_tools and chat.renders_tool_calls
+    text = chat.render([{"role": "user", "content": "Q"}], True, TOOLS)
+    assert FORMATS["deepseek_v31"].expected_format in text and '"name": "search"' in text
+    assert "<tool_call>" not in text

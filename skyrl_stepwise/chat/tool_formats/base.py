@@ -123,6 +123,19 @@ def xml_arguments(name: str, pairs: list[tuple[str, str]], tools: list[dict] | N
     return ToolCallRequest(name, arguments, raw, "invalid_json" if bad else None)
 
 
+def parse_blocks(text: str, open_tag: str, close_tag: str, read_block: Callable[[str], list[ToolCallRequest]]
+                 ) -> tuple[str, list[ToolCallRequest]]:
+    """(content before the first block, the calls of every `open_tag ... close_tag` block): `read_block` reads the
+    body of a closed block (one call or several); a block the turn ended inside is one unclosed_block call."""
+    start, found = blocks(text, open_tag, close_tag)
+    if start < 0:
+        return text, []
+    calls = []
+    for body, closed in found:
+        calls.extend(read_block(body) if closed else [ToolCallRequest(None, None, body, "unclosed_block")])
+    return text[:start], calls
+
+
 def blocks(text: str, open_tag: str, close_tag: str) -> tuple[int, list[tuple[str, bool]]]:
     """(start of the first block, [(body, closed)]) of every `open_tag ... close_tag` block; an unclosed block
     runs to the end of the text and is the last."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
-from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, parse_blocks
 
 OPEN, CLOSE = "<|tool_call>", "<tool_call|>"
 GEMMA4_FORMAT = f'{OPEN}call:<tool name>{{<key>:<value>,...}}{CLOSE} (strings between <|"|> delimiters)'
@@ -15,24 +15,19 @@ _CALL = re.compile(r"^\s*call:([^{\s]+)\s*(\{.*\})\s*$", re.DOTALL)
 
 def parse_gemma4_text(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
     """(content before the first call, every call attempt) from decoded Gemma 4 text."""
+    return parse_blocks(text, OPEN, CLOSE, _read_call)
+
+
+def _read_call(body: str) -> list[ToolCallRequest]:
     from renderers.gemma4 import _ArgumentParser
 
-    start, found = blocks(text, OPEN, CLOSE)
-    if start < 0:
-        return text, []
-    calls = []
-    for body, closed in found:
-        m = _CALL.match(body)
-        if not closed:
-            calls.append(ToolCallRequest(None, None, body, "unclosed_block"))
-        elif m is None:
-            calls.append(ToolCallRequest(None, None, body, "malformed_structure"))
-        else:
-            try:
-                calls.append(ToolCallRequest(m.group(1), _ArgumentParser(m.group(2)).parse(), body))
-            except ValueError:
-                calls.append(ToolCallRequest(m.group(1), None, body, "malformed_structure"))
-    return text[:start], calls
+    m = _CALL.match(body)
+    if m is None:
+        return [ToolCallRequest(None, None, body, "malformed_structure")]
+    try:
+        return [ToolCallRequest(m.group(1), _ArgumentParser(m.group(2)).parse(), body)]
+    except ValueError:
+        return [ToolCallRequest(m.group(1), None, body, "malformed_structure")]
 
 
 GEMMA4 = ToolFormat(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
-from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks, xml_arguments
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, parse_blocks, xml_arguments
 
 GLM_FORMAT = "<tool_call><tool name>\n<arg_key><name></arg_key>\n<arg_value><value></arg_value>\n</tool_call>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -20,24 +20,17 @@ _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", r
 
 def parse_glm_text(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
     """(content before the first call, every call attempt) from decoded GLM text."""
-    start, found = blocks(text, "<tool_call>", "</tool_call>")
-    if start < 0:
-        return text, []
-    calls = []
-    for body, closed in found:
-        if not closed:
-            calls.append(ToolCallRequest(None, None, body, "unclosed_block"))
-            continue
+
+    def read(body: str) -> list[ToolCallRequest]:
         first = body.find("<arg_key>")
         name = (body if first < 0 else body[:first]).strip()
         pairs = _PAIR.findall(body)
         if not name or "<" in name or "\n" in name:
-            calls.append(ToolCallRequest(None, None, body, "missing_name"))
-        elif len(pairs) != body.count("<arg_key>") or len(pairs) != body.count("<arg_value>"):
-            calls.append(ToolCallRequest(name, None, body, "malformed_structure"))
-        else:
-            calls.append(xml_arguments(name, pairs, tools, body))
-    return text[:start], calls
+            return [ToolCallRequest(None, None, body, "missing_name")]
+        if len(pairs) != body.count("<arg_key>") or len(pairs) != body.count("<arg_value>"):
+            return [ToolCallRequest(name, None, body, "malformed_structure")]
+        return [xml_arguments(name, pairs, tools, body)]
+    return parse_blocks(text, "<tool_call>", "</tool_call>", read)
 
 
 GLM = ToolFormat(

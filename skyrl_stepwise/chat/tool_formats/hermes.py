@@ -10,29 +10,22 @@ import json
 import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
-from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks, call_from_object, library_token_parser
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, call_from_object, library_token_parser, parse_blocks
 
 HERMES_FORMAT = '<tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>'
 
 
 def parse_hermes_text(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
     """(content before the first call, every call attempt) from decoded text."""
-    start, found = blocks(text, "<tool_call>", "</tool_call>")
-    if start < 0:
-        return text, []
-    calls = []
-    for body, closed in found:
-        body = body.strip()
-        if not closed:
-            calls.append(ToolCallRequest(None, None, body, "unclosed_block"))
-            continue
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            calls.append(ToolCallRequest(None, None, body, "invalid_json"))
-            continue
-        calls.append(call_from_object(obj, body))
-    return text[:start], calls
+    return parse_blocks(text, "<tool_call>", "</tool_call>", _read_call)
+
+
+def _read_call(body: str) -> list[ToolCallRequest]:
+    body = body.strip()
+    try:
+        return [call_from_object(json.loads(body), body)]
+    except json.JSONDecodeError:
+        return [ToolCallRequest(None, None, body, "invalid_json")]
 
 
 HERMES = ToolFormat(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
-from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks, xml_arguments
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, parse_blocks, xml_arguments
 
 OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 MINIMAX_FORMAT = f'{OPEN}\n<invoke name="<tool name>">\n<parameter name="<name>"><value></parameter>\n</invoke>\n{CLOSE}'
@@ -17,24 +17,20 @@ _PARAM = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.DOTALL)
 
 def parse_minimax_text(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
     """(content before the first call block, every call attempt) from decoded MiniMax text."""
-    start, found = blocks(text, OPEN, CLOSE)
-    if start < 0:
-        return text, []
-    calls = []
-    for body, closed in found:
+
+    def read(body: str) -> list[ToolCallRequest]:
         invokes = _INVOKE.findall(body)
-        if not closed:
-            calls.append(ToolCallRequest(None, None, body, "unclosed_block"))
-        elif not invokes or len(invokes) != body.count("<invoke"):
-            calls.append(ToolCallRequest(None, None, body, "malformed_structure"))
-        for name, inner in invokes if closed else ():
+        calls = [] if invokes and len(invokes) == body.count("<invoke") else [
+            ToolCallRequest(None, None, body, "malformed_structure")]
+        for name, inner in invokes:
             if not name.strip():
                 calls.append(ToolCallRequest(None, None, inner, "missing_name"))
             elif inner.count("<parameter") != len(_PARAM.findall(inner)):
                 calls.append(ToolCallRequest(name.strip(), None, inner, "malformed_structure"))
             else:
                 calls.append(xml_arguments(name.strip(), _PARAM.findall(inner), tools, inner))
-    return text[:start], calls
+        return calls
+    return parse_blocks(text, OPEN, CLOSE, read)
 
 
 MINIMAX = ToolFormat(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from skyrl_stepwise.chat.base import ToolCallRequest
-from skyrl_stepwise.chat.tool_formats.base import ToolFormat, blocks, xml_arguments
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, parse_blocks, xml_arguments
 
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)(</function>\s*)?$", re.DOTALL)
 _PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
@@ -22,21 +22,15 @@ def xml_parser(open_tag: str, close_tag: str):
     """The text reader of calls in `open_tag ... close_tag` blocks."""
 
     def parse(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
-        start, found = blocks(text, open_tag, close_tag)
-        if start < 0:
-            return text, []
-        calls = []
-        for body, closed in found:
+        def read(body: str) -> list[ToolCallRequest]:
             m = _FUNCTION.match(body)
-            if not closed:
-                calls.append(ToolCallRequest(None, None, body, "unclosed_block"))
-            elif m is None or not m.group(3):
-                calls.append(ToolCallRequest(m.group(1).strip() if m else None, None, body, "malformed_structure"))
-            elif m.group(2).count("<parameter=") != len(_PARAM.findall(m.group(2))):
-                calls.append(ToolCallRequest(m.group(1).strip(), None, body, "malformed_structure"))
-            else:
-                calls.append(xml_arguments(m.group(1).strip(), _PARAM.findall(m.group(2)), tools, body))
-        return text[:start], calls
+            if m is None or not m.group(3):
+                return [ToolCallRequest(m.group(1).strip() if m else None, None, body, "malformed_structure")]
+            params = _PARAM.findall(m.group(2))
+            if m.group(2).count("<parameter=") != len(params):
+                return [ToolCallRequest(m.group(1).strip(), None, body, "malformed_structure")]
+            return [xml_arguments(m.group(1).strip(), params, tools, body)]
+        return parse_blocks(text, open_tag, close_tag, read)
     return parse
 
 
