@@ -225,18 +225,12 @@ def test_a_call_turn_stops_after_its_last_call(family, stops, not_stops):
     assert stops <= names and not (not_stops & names), names
 
 
-# Families whose call turn cannot be answered yet (issue 28 part B: system-role folding, observation role fallback).
-ANSWER_GAPS = {("gemma-2", "template"): "no system role", ("gemma-2", "all"): "no system role",
-               ("phi-3.5", "template"): "drops tool messages", ("phi-3.5", "all"): "drops tool messages",
-               ("gemma-4", "all"): "a tool message needs its call, which the `all` bridge leaves out"}
-
-
-@pytest.mark.parametrize(("family", "retention"), [
-    pytest.param(f, r, marks=[pytest.mark.xfail(strict=True, reason=ANSWER_GAPS[f, r])] if (f, r) in ANSWER_GAPS
-                 else []) for f in sorted(FAMILIES) for r in ("template", "all")])
+@pytest.mark.parametrize("retention", ["template", "all"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 async def test_a_call_in_the_family_format_is_answered(family, retention):
     """The template-rendered call is parsed, run, and its result reaches the next prompt, which extends the sampled
     ids unless the template rewrites the history (then re-rendered, with the reason)."""
+    from skyrl_stepwise.chat import conversation_turn
     from skyrl_stepwise.tools import ToolExecutor, to_messages
     from skyrl_stepwise.tools.builtin import CalculatorTool
 
@@ -252,9 +246,11 @@ async def test_a_call_in_the_family_format_is_answered(family, retention):
         sampled = tok(text[chat.tool_parser.name], add_special_tokens=False)["input_ids"] + [chat.close_id]
     turn = chat.parse(sampled, prompt, tools)
     results = await ToolExecutor({"calculator": calculator}).execute(turn.tool_calls)
-    observations = to_messages(results)
     assert [r.content for r in results] == ["5"]
-    nxt = chat.next_prompt(prompt, sampled, question + [turn.message()] + observations, observations, tools)
+    # in roles the template renders, as the generator sends them (Phi-3.5 and Gemma 2 get the result as a user turn)
+    conversation = conversation_turn(turn, to_messages(results), chat.roles)
+    observations = conversation.observations
+    nxt = chat.next_prompt(prompt, sampled, question + [conversation.assistant] + observations, observations, tools)
     chain = prompt + sampled
     assert nxt.extended == (nxt.ids[:len(chain)] == chain)
     assert "5" in chat.decode(nxt.ids[len(chain):] if nxt.extended else nxt.ids)
