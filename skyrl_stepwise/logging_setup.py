@@ -38,6 +38,36 @@ FILE_FORMAT = "%(asctime)s %(levelname)s [pid %(process)d] %(name)s: %(message)s
 
 _active: dict | None = None  # the run's log file and levels while `run_logging` is open
 
+# Dependency warnings every run prints that tell a user nothing they can act on (vLLM-on-CPU start-up notes, Ray's
+# token notice, a deprecation inside vLLM's own API): run.log only. Matched by logger prefix and message start,
+# so a new or different warning from the same component still reaches the console; ours always do.
+BENIGN_WARNINGS = (
+    ("ray._private.authentication", "Token authentication is enabled for this Ray cluster"),
+    ("vllm.triton_utils", "Triton is installed, but doesn't include CPU backend"),
+    ("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected"),
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32"),
+    ("vllm.engine.arg_utils", "The global random seed is set to"),
+    ("vllm.config", "Enforce eager set, disabling torch.compile"),
+    ("vllm.config", "Inductor compilation was disabled by user settings"),
+    ("vllm.config", "Model Runner V2 requires Triton"),
+    ("vllm.v1.engine.input_processor", "Passing raw prompts to InputProcessor is deprecated"),
+)
+
+
+def is_benign_warning(record: logging.LogRecord) -> bool:
+    """A known dependency warning a user cannot act on (BENIGN_WARNINGS): kept in run.log, off the console."""
+    if record.levelno >= logging.ERROR:
+        return False
+    message = record.getMessage().lstrip()
+    return any(record.name.startswith(prefix) and message.startswith(start) for prefix, start in BENIGN_WARNINGS)
+
+
+class BenignWarningFilter(logging.Filter):
+    """Drops BENIGN_WARNINGS from a console handler (workers forward theirs to the driver's console)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_benign_warning(record)
+
 
 def parse_level(value: str, key: str) -> int:
     """A level name from the config as a logging level; a typo fails naming the key, not deep inside logging."""
@@ -57,6 +87,8 @@ class ConsoleFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         own = record.name.split(".", 1)[0] in OWN_LOGGERS
+        if not own and is_benign_warning(record):
+            return False
         return record.levelno >= (self.own_level if own else self.other_level)
 
 
@@ -216,6 +248,7 @@ def route_worker_logs() -> None:
     to_console = logging.StreamHandler(forwarded)
     to_console.setLevel(forward_lvl)
     to_console.setFormatter(_Trimmed("%(levelname)s %(name)s: %(message)s"))
+    to_console.addFilter(BenignWarningFilter())
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)

@@ -27,7 +27,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ("dynamic_sampling/generated_signal_frac", "generated groups with variance (dynamic sampling)")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
-        ("train/packed_tokens", "packed for the update"), ("generate/response_tokens_trained", "trained (loss mask)")]),
+        ("train/packed_tokens", "packed for the update"), ("train/forward_tokens", "forwarded (tree: distinct prefixes)"),
+        ("generate/response_tokens_trained", "trained (loss mask)")]),
     ("Sequence length", "tokens", "count", [
         ("generate/batch_padded_seq_len", "batch_padded_seq_len"), ("generate/tokens_per_sample_max", "longest sample"),
         ("generate/tokens_per_sample_mean", "mean sample")]),
@@ -37,7 +38,7 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ("generate/bridge_fallbacks", "bridge fallbacks"), ("generate/retokenize_drift_steps", "retokenize drift steps"),
         ("generate/failed_trajectories", "failed trajectories")]),
 ]
-TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_sync", "eval", "step"]
+TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_sync", "weight_sync_probe", "eval", "step"]
 TIMING_LABELS = {"generate": "rollouts", "train": "update", "step": "whole step"}  # as the progress bars say
 # per-step table: (metric, column title); columns no step has are left out
 TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("environment/em", "EM"),
@@ -47,6 +48,7 @@ TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("en
                  ("policy/loss", "loss"), ("policy/kl_loss", "KL"), ("train/grad_norm", "grad norm"),
                  ("generate/num_samples", "samples"), ("generate/real_tokens", "tokens"),
                  ("generate/batch_padded_seq_len", "padded len"), ("generate/merge_rate", "merge rate"),
+                 ("train/forward_tokens", "fwd tokens"), ("train/compression_ratio", "compression"),
                  ("generate/bridge_fallbacks", "fallbacks"), ("timing/generate_s", "generate s"),
                  ("timing/train_s", "update s"), ("timing/weight_sync_s", "sync s"), ("timing/step_s", "step s")]
 STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"), ("X", ":")]
@@ -214,8 +216,14 @@ def _status(history: list[dict], total_steps: int, failure: BaseException | None
     done = max((r["step"] for r in history), default=0)
     if failure is None:
         return f"finished: {done} of {total_steps} steps."
-    what = "interrupted" if isinstance(failure, KeyboardInterrupt) else \
-        f"failed with `{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}`"
+    import asyncio
+
+    if isinstance(failure, (KeyboardInterrupt, asyncio.CancelledError)):  # Ctrl-C or SIGTERM
+        return (f"**interrupted at step {done}** of {total_steps}; the steps below were logged before that. The same "
+                "command resumes from the last complete checkpoint (see Files).")
+    what = f"failed with `{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}`"
+    if done == 0:
+        return f"**{what}** before step 1 of {total_steps}; nothing was trained (details in run.log)."
     return f"**{what}** after step {done} of {total_steps}; the steps below were logged before that."
 
 
@@ -232,6 +240,7 @@ def _files(cfg, run_dir: Path) -> list[str]:
     lines = [f"Run directory: `{run_dir.resolve()}`", ""]
     entries = [(run_dir / "metrics.jsonl", "every step's metrics, one JSON object per line"),
                (run_dir / "curves.png", "the plots above"),
+               (run_dir / "rollouts.jsonl", "decoded trajectories of every step and eval (`skyrl-stepwise show`)"),
                (run_dir / "run.log", "vLLM, Ray, transformers and retrieval-server output, our own log lines"),
                (run_dir / ".hydra" / "config.yaml", "the composed config (`overrides.yaml`: the command line)")]
     for path, what in entries:
@@ -285,6 +294,30 @@ def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
     return lines
 
 
+def rollouts_section(run_dir: Path, max_chars: int = 1200) -> list[str]:
+    """The decoded samples of the last training step and the last eval (rollouts.jsonl), each as a text block:
+    what the model wrote, the tool calls it made and what came back, next to the reward they got."""
+    from skyrl_stepwise.trainer.rollout_samples import format_sample, load_rollouts
+
+    samples = load_rollouts(run_dir)
+    if not samples:
+        return []
+    lines = ["## Rollout samples", "",
+             f"A few decoded trajectories (best and worst of a group first); every step's are in `rollouts.jsonl` "
+             f"(`skyrl-stepwise show {run_dir}` prints them, `--step N` one step).", ""]
+    train = [s for s in samples if s["stage"] == "train"]
+    evals = [s for s in samples if s["stage"] != "train"]
+    for title, chosen in (("last training step", train), ("last eval", evals)):
+        if not chosen:
+            continue
+        last = max(s["step"] for s in chosen)
+        stage = [s for s in chosen if s["step"] == last][-1]["stage"]
+        picked = [s for s in chosen if s["step"] == last and s["stage"] == stage]
+        lines += [f"### {title} ({stage}, step {last})", "", "````text",
+                  *[format_sample(s, max_chars) for s in picked], "````", ""]
+    return lines
+
+
 def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None,
                      failure: BaseException | None = None) -> Path:
     """report.md + curves.png in `run_dir` from metrics.jsonl (else `history`); returns report.md's path."""
@@ -297,6 +330,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
              *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
              "## Steps", "", step_table(steps) if steps else "No step was logged.", "",
+             *rollouts_section(run_dir),
              "## Files", "", *_files(cfg, run_dir), ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(parts))

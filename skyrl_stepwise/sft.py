@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -39,15 +40,68 @@ def _conversations(cfg) -> tuple[list[list[dict]], str]:
     return conversations, digest
 
 
-def cache_key(cfg, data_digest: str) -> str:
-    """Everything the warm-started weights depend on."""
-    model = Path(cfg.trainer.model_path)
-    weights = sorted((p.name, p.stat().st_size) for p in model.glob("*.safetensors")) if model.is_dir() else []
-    inputs = {"model": str(cfg.trainer.model_path), "weights": weights, "data": data_digest,
+# Generator keys that conversation_samples overrides or that never reach a replayed conversation (the engine is
+# scripted): every other generator key is part of the SFT key, so a new key can only make the cache miss, never
+# reuse a warm start trained on different samples.
+_GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_prompt", "step_wise_trajectories",
+                              "merge_stepwise_output", "apply_overlong_filtering", "show_progress"}
+_SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
+_FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
+                         "gradient_checkpointing"}  # where, how fast and in what memory: not what
+
+
+def file_digest(path: Path, memo_path: Path | None = None) -> str:
+    """sha256 of a file's content. Weight files are large, so their digest is remembered in `memo_path` under
+    (path, size, mtime): a warm start is keyed on what the weights are, not on what they are called."""
+    stat = path.stat()
+    memo_key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = {}
+    if memo_path is not None and memo_path.is_file():
+        try:
+            memo = json.loads(memo_path.read_text())
+        except json.JSONDecodeError:
+            memo = {}
+    if memo_key in memo:
+        return memo[memo_key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if memo_path is not None:
+        memo[memo_key] = digest
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(memo_path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    return digest
+
+
+def model_digest(model_path: str, memo_path: Path | None = None) -> dict[str, str] | str:
+    """The content of a model folder: every file (weights, config, tokenizer, chat template) by its sha256.
+    A hub id (not a folder) is its name."""
+    model = Path(model_path)
+    if not model.is_dir():
+        return str(model_path)
+    return {f.name: file_digest(f, memo_path) for f in sorted(model.iterdir()) if f.is_file()}
+
+
+def cache_key(cfg, data_digest: str, tools: list[dict] | None = None, memo_path: Path | None = None) -> str:
+    """Everything the warm-started weights depend on: the base model's content (weights and chat template),
+    the conversations, the SFT settings, every generator setting that reaches the SFT samples, the optimizer
+    and the trainer's numerics; `tools`: the schemas rendered into tool-using prompts."""
+    gen = dataclasses.asdict(cfg.generator)
+    gen = {k: v for k, v in gen.items() if k not in _GENERATOR_KEYS_NOT_IN_SFT}
+    gen["sampling"] = {k: v for k, v in gen["sampling"].items() if k in _SAMPLING_KEYS_IN_SFT}
+    optim = {k: v for k, v in dataclasses.asdict(cfg.trainer.optim).items()
+             if k not in ("lr", "scheduler", "num_warmup_steps")}  # SFT sets these from cfg.sft
+    fsdp = {k: v for k, v in dataclasses.asdict(cfg.trainer.fsdp).items() if k not in _FSDP_KEYS_NOT_IN_SFT}
+    inputs = {"model": model_digest(cfg.trainer.model_path, memo_path), "data": data_digest,
               "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k not in ("enabled", "ckpt_interval")},
-              "renderer": [cfg.generator.renderer, dict(cfg.generator.chat_template_kwargs),
-                           cfg.generator.thinking_retention, list(cfg.generator.sampling.stop)],
-              "trainer": [cfg.trainer.fsdp.mixed_precision, cfg.trainer.micro_batch_tokens, cfg.trainer.seed]}
+              "generator": gen, "optim": optim, "fsdp": fsdp,
+              "trainer": [cfg.trainer.micro_batch_tokens, cfg.trainer.seed, cfg.trainer.attn_implementation]}
+    if tools:
+        inputs["tools"] = tools
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -66,17 +120,20 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
     from transformers import AutoTokenizer
 
     from skyrl_stepwise.models.prepare import cache_root
-    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft, uses_tools
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     conversations, digest = _conversations(cfg)
-    out = cache_root() / "sft" / cache_key(cfg, digest)
+    tools = configured_tool_schemas(cfg.environment.tool.tools_path) \
+        if any(uses_tools(c) for c in conversations) else None
+    out = cache_root() / "sft" / cache_key(cfg, digest, tools, memo_path=cache_root() / "sft" / "file_digests.json")
     if (out / COMPLETE).is_file():
         log(f"sft: cached warm start {out} (inputs unchanged)")
         return out
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    samples = conversation_samples(tokenizer, conversations, cfg.generator)
+    samples = conversation_samples(tokenizer, conversations, cfg.generator, tools)
     batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
     trained = sum(sum(m) for m in samples.loss_masks)
     log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "

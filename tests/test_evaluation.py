@@ -57,3 +57,37 @@ def test_per_source_means_show_in_the_table_and_the_console_line():
     assert result.by_source == {"a": 1.0, "b": 0.5}
     assert result.describe().endswith("on 4 prompts (a 1.000, b 0.500)")
     assert "| after SFT | 0.750 | [" in eval_table([result]) and "| 1.000 | 0.500 |" in eval_table([result])
+
+
+async def test_eval_scores_every_prompt_even_failed_or_overlong_ones(tokenizer):
+    """A prompt whose trajectory failed, or whose first prompt exceeds max_input_length, was left out of the
+    mean: stages were compared on different subsets. It now scores 0 and is counted."""
+    from skyrl_stepwise.data.dataset import PromptRow
+    from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+    from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
+    from skyrl_stepwise.inference.scripted import ScriptedEngine
+    from skyrl_stepwise.trainer.loop import evaluate_prompts
+
+    class OneTurn:
+        async def reset(self, prompt_messages, extras):
+            if extras["extra_info"].get("crash"):
+                raise RuntimeError("env down")
+            return list(prompt_messages)
+
+        async def step(self, action_text):
+            return StepResult([], reward=1.0, done=True)
+
+    registry = EnvRegistry()
+    registry.register("one", OneTurn)
+    engine = ScriptedEngine(lambda prompt, session, index: tokenizer.encode("yes", add_special_tokens=False)
+                            + [tokenizer.eos_token_id], tokenizer)
+    cfg = GeneratorConfig(max_turns=1, max_input_length=64, show_progress=False,
+                          sampling=GeneratorSamplingConfig(max_generate_length=8, temperature=0.0))
+    rows = [PromptRow(prompt=[{"role": "user", "content": text}], env_class="one", reward_spec={},
+                      data_source="toy", instance_id=f"q{i}", extra_info=extra)
+            for i, (text, extra) in enumerate([("Hi?", {}), ("Hi?", {"crash": True}), ("word " * 200, {}),
+                                               ("Yo?", {})])]
+    result = await evaluate_prompts(StepwiseGenerator(tokenizer, engine, registry, cfg), rows, "after RL")
+    assert result.scores == [1.0, 0.0, 0.0, 1.0] and result.num_prompts == 4 and result.unscored == 2
+    assert "(2 unscored, counted as 0" in result.describe()
+    assert "| 4 (2 unscored) |" in eval_table([result])

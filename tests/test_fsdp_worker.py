@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
 @pytest.mark.parametrize("key, value, message", [
     ("algorithm.advantage_estimator", "gae",
      "trainer.algorithm.advantage_estimator: 'gae' cannot be broadcast step-wise; use grpo or rloo"),
-    ("algorithm.loss_reduction", "sequence_mean", "trainer.algorithm.loss_reduction"),
+    ("algorithm.loss_reduction", "sample_mean", "trainer.algorithm.loss_reduction"),
     ("algorithm.kl_loss_type", "kl3", "trainer.algorithm.kl_loss_type"),
     ("algorithm.dual_clip_c", 0.5, "trainer.algorithm.dual_clip_c"),
     ("optim.scheduler", "cosine", "trainer.optim.num_training_steps"),
@@ -72,7 +73,7 @@ def test_config_is_a_hydra_structured_config():
 # ------------------------------------------------------- acceptance: merged == step-wise, loss and grads
 
 def _chat_trajs(tokenizer) -> list[Traj]:
-    """Search-style 1-3 turn chains with the real tokenizer and chat template; outcome reward on the last step."""
+    """Search-style 1-3 turn chains with the real tokenizer and chat template; per-step rewards."""
     def enc(text):
         return tokenizer.encode(text, add_special_tokens=False)
 
@@ -88,7 +89,7 @@ def _chat_trajs(tokenizer) -> list[Traj]:
     return [
         Traj(TrajectoryID("q1", 0), p, [enc("<search>2+3</search><|im_end|>"), enc("<search>sum</search><|im_end|>"),
                                         enc("<answer>5</answer><|im_end|>")], [obs("5"), obs("adds")],
-             [0.0, 0.0, 1.0]),
+             [0.0, 0.3, 1.0]),  # a per-step reward at turn 1 (e.g. the gold answer was retrieved)
         Traj(TrajectoryID("q1", 1), p, [enc("<search>two</search><|im_end|>"), enc("<answer>6</answer>")],
              [obs("2")], [0.0, 0.0]),
         Traj(TrajectoryID("q1", 2), p, [enc("<answer>4</answer><|im_end|>")], [], [0.2]),
@@ -117,8 +118,11 @@ def _loss_and_grads(model, batch: TrainBatch, cfg: AlgorithmConfig, budget: int)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("reduction", ["token_mean", "trajectory_mean"])
-def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokenizer, reduction):
+@pytest.mark.parametrize("reduction, step_advantage", [
+    *[(r, m) for r in ("token_mean", "trajectory_mean") for m in ("outcome", "discounted", "gigpo")],
+    ("sequence_mean", "outcome"),  # the per-sample mean of SkyRL/verl: shown NOT to be merge-invariant
+])
+def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokenizer, reduction, step_advantage):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -141,24 +145,40 @@ def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokeni
     assert len(merged) == 3 < len(stepwise) == 6
 
     cfg = AlgorithmConfig(advantage_estimator="grpo", tis_ratio_clip_high=2.0, use_kl_loss=True, kl_loss_coef=0.1,
-                          loss_reduction=reduction)
-    results = []
+                          loss_reduction=reduction, step_advantage=step_advantage, gamma=0.8)
+    results, advantages = [], []
     for out, budget in ((stepwise, 120), (merged, 100_000)):
         o = old if out is stepwise else _by_chain_position(stepwise, old, out)
         r = ref if out is stepwise else _by_chain_position(stepwise, ref, out)
-        batch = TrainBatch.from_output(out, compute_advantages(out, cfg), o, r, loss_weights=loss_weights(out, cfg))
+        advantages.append(compute_advantages(out, cfg))
+        batch = TrainBatch.from_output(out, advantages[-1], o, r, loss_weights=loss_weights(out, cfg))
         if reduction == "trajectory_mean":  # each of the 3 trajectories weighs 1 in either cut
             assert batch.loss_denominator() == pytest.approx(3)
         results.append(_loss_and_grads(model, batch, cfg, budget))
+    # the same per-token advantages in either cut, and (per-step modes) not just the outcome broadcast
+    def flat(rows):
+        return [x for row in rows for x in row]
+
+    assert flat(_by_chain_position(stepwise, advantages[0], merged)) == pytest.approx(flat(advantages[1]))
+    if step_advantage != "outcome":
+        outcome = compute_advantages(stepwise, replace(cfg, step_advantage="outcome"))
+        assert flat(advantages[0]) != pytest.approx(flat(outcome))
     (loss_s, grads_s, m_s, n_s), (loss_m, grads_m, m_m, n_m) = results
     assert n_s > 1 and n_m == 1  # step-wise spread over several micro-batches, merged in one row
     assert m_s["policy/clip_frac"] > 0 and m_s["policy/tis_clip_frac"] > 0 and abs(loss_s) > 1e-3
+    if reduction == "sequence_mean":  # 6 step samples vs 3 merged ones: each sample weighs 1, so the loss moves
+        assert abs(loss_m - loss_s) > 0.05 * abs(loss_s)
+        assert max((grads_m[k] - grads_s[k]).abs().max().item() for k in grads_s) > 1e-4
+        return
     assert loss_m == pytest.approx(loss_s, rel=1e-4, abs=1e-6)  # fp32 noise only
     for k in ("policy/pg_loss", "policy/kl_loss", "policy/clip_frac", "policy/tis_weight", "policy/entropy"):
         assert m_m[k] == pytest.approx(m_s[k], rel=1e-4, abs=1e-7), k
     assert grads_s.keys() == grads_m.keys()
     for k in grads_s:
-        torch.testing.assert_close(grads_m[k], grads_s[k], rtol=1e-3, atol=1e-6, msg=k)
+        # per-step advantages make a token's summed gradient cancel more (one embedding row gets terms of both signs),
+        # so the fp32 summation-order noise is judged against the tensor's own scale there; outcome keeps 1e-6
+        atol = 1e-6 if step_advantage == "outcome" else 1e-4 * grads_s[k].abs().max().item()
+        torch.testing.assert_close(grads_m[k], grads_s[k], rtol=1e-3, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
     assert sum(g.abs().sum() for g in grads_s.values()) > 0
 
 

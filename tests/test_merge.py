@@ -237,6 +237,22 @@ def test_break_in_the_middle_starts_a_new_group():
     assert m.stop_reasons == ["s1", "s3"] and m.is_last_step == [False, True]
 
 
+def test_turn_indices_follow_their_tokens_and_observations_belong_to_the_step_before():
+    out = make(prompts=[[1], [1, 2, 3], [1, 2, 3, 40, 5], [1, 2, 3, 40, 5, 6, 7]],
+               responses=[[2], [4], [6], [8, 9]], tids=["a"] * 4, last=[False, False, False, True],
+               rewards=[[0.1], [0.2], [0.3], [0.0, 1.0]])
+    out.turn_indices = [[0], [1], [2], [3, 3]]
+    m = merge_stepwise_output(out)
+    assert m.response_ids == [[2, 3, 4], [6, 7, 8, 9]]
+    assert m.turn_indices == [[0, 0, 1], [2, 2, 3, 3]]  # the break (token 40) starts the second sample at turn 2
+    assert m.rewards == [[0.1, 0.0, 0.2], [0.3, 0.0, 0.0, 1.0]]  # each step's reward stays on its own token
+    out.turn_indices = None
+    assert merge_stepwise_output(out).turn_indices is None
+    out.turn_indices = [[0], [1], [2], [3, 2]]
+    with pytest.raises(ValueError, match="sample 3: turn_indices must be >= 0 and non-decreasing"):
+        out.validate()
+
+
 def test_never_merges_across_trajectories():
     out = make(prompts=[[1], [1, 2]], responses=[[2], [3]], tids=["a", "b"], last=[True, True])
     assert merge_stepwise_output(out).response_ids == [[2], [3]]

@@ -184,7 +184,7 @@ def test_actor_options_pin_the_bundle():
 # --- a simulated cluster in a child process -----------------------------------------------------------
 
 
-def _run_child(shape: str) -> dict:
+def _run_child(shape: str, *args: str) -> dict:
     """Run this file as a script for one cluster shape and return what it observed.
 
     The child gets its own Ray temp dir: `Cluster` records its address in <temp dir>/ray/ray_current_cluster,
@@ -192,7 +192,7 @@ def _run_child(shape: str) -> dict:
     """
     tmp = tempfile.mkdtemp(prefix="raypl-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": tmp}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), shape], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), shape, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=300)
@@ -265,6 +265,23 @@ def test_two_nodes_put_eight_ranks_on_each(two_nodes):
     _assert_colocated_placement(observed, world=16, engines=8)
     assert sorted(Counter(node for node, _ in observed["policy"]).values()) == [8, 8]
     assert sorted(Counter(node for node, _ in observed["engines"]).values()) == [4, 4]
+    # engines on the second node share GPUs with policy ranks: a broadcast group would put two NCCL ranks on one
+    # GPU, so auto must never pick it there (and an explicit broadcast is refused); split layouts still broadcast
+    assert two_nodes["weight_sync"] == {"colocated_auto": "file", "colocated_broadcast": "refused",
+                                        "split_auto": "broadcast", "one_node_colocated_auto": "file"}
+
+
+@pytest.mark.integration
+def test_a_weights_file_is_written_on_each_engine_node_by_a_policy_rank_there(tiny_model_dir):
+    """Colocated across nodes, the engines of node B read a file that node B's policy rank wrote, with the full
+    weights rank 0 (node A) gathered and sent it over the trainer's own group: no broadcast group with the
+    engines (NCCL refuses two ranks on one GPU), nothing through the driver, no file left behind."""
+    observed = _run_child("weights", str(tiny_model_dir))
+    assert observed["method"] == "file"
+    assert observed["writers"] == ["node_b"]  # rank 0's node has no engine: it sends, it does not write
+    assert observed["params"] == observed["expected_params"] > 0
+    assert observed["max_abs_diff"] == 0.0 and observed["tensors"] == observed["expected_tensors"]
+    assert observed["files_left"] == []
 
 
 # --- the child: one simulated cluster, observations printed as JSON -----------------------------------
@@ -338,6 +355,104 @@ def _busy() -> dict:
     return observed
 
 
+def _weight_sync_methods(fit: dict) -> dict:
+    """What weight_sync.method resolves to for the placement just observed (engines and rank 0 where they landed)."""
+    from types import SimpleNamespace
+
+    from skyrl_stepwise.trainer.weight_sync import resolve_method
+
+    class Engine:  # a vLLM engine as resolve_method sees it: both carriers, on the node it landed on
+        def __init__(self, node_id: str) -> None:
+            self.node_id = node_id
+
+        async def update_weights_from_file(self, path): ...
+
+        async def update_weights_from_broadcast(self, *args): ...
+
+    group = SimpleNamespace(node_id=fit["policy"][0][0], node_ids=[node for node, _ in fit["policy"]])
+    rank0_only = SimpleNamespace(node_id=group.node_id, node_ids=[group.node_id])  # split: policy on one node
+    engines = SimpleNamespace(engines=[Engine(node) for node, _ in fit["engines"]])
+    same_node = SimpleNamespace(engines=[Engine(group.node_id)])
+    try:
+        resolve_method("broadcast", group, engines, engines_share_policy_gpus=True)
+        broadcast = "accepted"
+    except ValueError:
+        broadcast = "refused"
+    return {"colocated_auto": resolve_method("auto", group, engines, engines_share_policy_gpus=True),
+            "colocated_broadcast": broadcast,
+            "split_auto": resolve_method("auto", rank0_only, engines, engines_share_policy_gpus=False),
+            "one_node_colocated_auto": resolve_method("auto", group, same_node, engines_share_policy_gpus=True)}
+
+
+def _observe_weights_file(model_dir: str) -> dict:
+    """Two simulated nodes, a policy rank on each, one engine (a file reader) on node B: one weight sync."""
+    import asyncio
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from skyrl_stepwise.inference.weights import load_weights_file, shared_memory_dir
+    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.trainer.weight_sync import WeightSync, WeightSyncConfig
+    from skyrl_stepwise.trainer.worker_group import PolicyGroup
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
+                                                            "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2, resources={"node_b": 1})
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+
+        @ray.remote(num_cpus=0, resources={"node_b": 0.1})
+        class Reader:
+            def node(self) -> str:
+                return ray.get_runtime_context().get_node_id()
+
+            def load(self, path: str) -> dict:
+                return {k: v.double().sum().item() for k, v in load_weights_file(path).items()}
+
+        reader = Reader.remote()
+        nodes = {"node_a": None, "node_b": ray.get(reader.node.remote())}
+
+        class Engine:
+            node_id = nodes["node_b"]
+            sums: dict = {}
+
+            async def update_weights_from_file(self, path: str) -> None:
+                Engine.sums = ray.get(reader.load.remote(path))
+
+        cfg = TrainerConfig(model_path=model_dir)
+        cfg.fsdp.world_size, cfg.fsdp.backend, cfg.fsdp.mixed_precision = 2, "gloo", False
+        group = PolicyGroup(cfg, trainable=False, actor_options=[{"resources": {"node_a": 0.1}},
+                                                                 {"resources": {"node_b": 0.1}}])
+        nodes["node_a"] = group.node_ids[0]
+        sync = WeightSync(WeightSyncConfig(), group, Engine(), engines_share_policy_gpus=True)
+        exported: dict = {}
+        original_call = group.call
+
+        def recording_call(method, *args):
+            result = original_call(method, *args)
+            if method == "export_weights":
+                exported.update(result)
+            return result
+
+        group.call = recording_call
+        params = asyncio.run(sync.sync())
+        state = original_call("full_state_dict")
+        expected = {k: v.double().sum().item() for k, v in state.items()}
+        expected_params = sum(v.numel() for v in state.values())
+        group.shutdown()
+        by_id = {v: k for k, v in nodes.items()}
+        return {"method": sync.method, "writers": sorted(by_id[n] for n in exported["paths"]), "params": params,
+                "expected_params": expected_params,
+                "max_abs_diff": max(abs(Engine.sums[k] - v) for k, v in expected.items()),
+                "tensors": sorted(Engine.sums), "expected_tensors": sorted(expected),
+                "files_left": sorted(p.name for p in shared_memory_dir().glob("skyrl_stepwise_weights_*"))}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def _free_gpus(expected: float, timeout_s: float = 10) -> float:
     import ray
 
@@ -367,6 +482,7 @@ def _observe(shape: str) -> dict:
             observed["busy"] = _busy()
         else:
             observed["fit"] = _fit(TWO_NODES)
+            observed["weight_sync"] = _weight_sync_methods(observed["fit"])
         observed["gpus_free_at_end"] = _free_gpus(8.0 * nodes)
         return observed
     finally:
@@ -375,4 +491,7 @@ def _observe(shape: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(RESULT_TAG + json.dumps(_observe(sys.argv[1])), flush=True)
+    if sys.argv[1] == "weights":
+        print(RESULT_TAG + json.dumps(_observe_weights_file(sys.argv[2])), flush=True)
+    else:
+        print(RESULT_TAG + json.dumps(_observe(sys.argv[1])), flush=True)

@@ -119,12 +119,17 @@ async def test_zero_staleness_is_the_synchronous_loop_not_this():
 
 
 class SlowPolicy:
-    """PolicyGroup's interface; an update blocks its thread for a while, as a Ray get on a real update does."""
+    """PolicyGroup's interface; an update or a checkpoint save blocks its thread for a while, as a Ray get does."""
 
     def __init__(self) -> None:
         self.trained_steps: list[str] = []
+        self.saved_steps: list[int] = []
 
     def call(self, method: str, *args):
+        if method == "save_checkpoint":
+            time.sleep(0.5)
+            self.saved_steps.append(args[0])
+            return None
         if method == "compute_logprobs":
             return [[-0.5] * len(ids) for ids in args[0].response_ids]
         if method == "train_step":
@@ -213,6 +218,28 @@ async def test_the_loop_trains_every_step_on_rollouts_one_update_old(tokenizer, 
     assert policy.trained_steps == ["train0", "train1", "train2", "train3"]
     assert all(r["timing/rollout_wait_s"] < r["timing/generate_s"] for r in records[1:])  # hidden by the update
     assert trainer.ahead is None  # closed with the run
+
+
+async def test_a_checkpoint_save_never_stalls_the_rollouts_running_ahead(tokenizer, tmp_path):
+    """A save is a blocking Ray get; on the event loop it froze the rollouts ahead (and their tools' timeouts
+    then fired for calls that had finished). The loop must keep ticking through every save."""
+    trainer, _, policy = _trainer(tokenizer, tmp_path, max_staleness=1)
+    trainer.cfg.trainer.ckpt_interval = 1
+    gaps: list[float] = []
+
+    async def heartbeat():
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    beat = asyncio.create_task(heartbeat())
+    await trainer.fit()
+    beat.cancel()
+    assert policy.saved_steps == [1, 2, 3, 4]
+    assert max(gaps) < 0.25, max(gaps)  # each save blocks its thread for 0.5 s, never the loop
 
 
 def test_config_refuses_stale_rollouts_without_importance_weights_or_with_memory_handover():

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from skyrl_stepwise.envs.base import EnvRegistry
 from skyrl_stepwise.envs.rewards import em_check, last_answer, normalize_answer, subem_check
-from skyrl_stepwise.envs.search import INVALID_ACTION, SearchEnv, SearchEnvConfig, parse_action, register_search_env
+from skyrl_stepwise.envs.search import (INVALID_ACTION, SearchEnv, SearchEnvConfig, intermediate_retrieval_reward,
+                                        parse_action, register_search_env)
 from skyrl_stepwise.retrieval.index import load_or_build
 from skyrl_stepwise.retrieval.server import BackgroundServer, create_app
 from test_retrieval_server import small_corpus
@@ -225,3 +226,34 @@ async def test_generator_rollout_with_search_env(server, tokenizer, conversation
     assert out.rollout_metrics["environment/em"] == 1.0
     assert out.rollout_metrics["environment/search_calls"] == 1.0
     assert sum(r[-1] for r in out.rewards if r) == 1.0
+
+
+def test_intermediate_retrieval_reward_is_paid_once_per_episode():
+    class Episode:
+        rewarded_retrieval = False
+
+    episode, metrics = Episode(), {}
+    docs = 'Doc 1(Title: "Asia") Asia is the largest continent.'
+    assert intermediate_retrieval_reward("Doc 1(Title: Europe) ...", ["Asia"], 0.5, episode, metrics) == 0.0
+    assert metrics == {"answer_retrieved": 0.0, "intermediate_reward": 0.0}
+    assert intermediate_retrieval_reward(docs, ["asia"], 0.5, episode, metrics) == 0.5
+    assert metrics == {"answer_retrieved": 1.0, "intermediate_reward": 0.5}
+    assert intermediate_retrieval_reward(docs, ["asia"], 0.5, episode, metrics) == 0.0  # no farming by repeating
+    assert metrics["answer_retrieved"] == 1.0 and metrics["intermediate_reward"] == 0.0
+    off = Episode()
+    assert intermediate_retrieval_reward(docs, ["asia"], 0.0, off, metrics) == 0.0 and not off.rewarded_retrieval
+    with pytest.raises(ValueError, match="SearchEnvConfig.intermediate_reward must be >= 0"):
+        SearchEnvConfig(intermediate_reward=-1.0)
+
+
+@pytest.mark.integration
+async def test_search_step_earns_the_intermediate_reward_on_its_own_step(server):
+    for bonus in (0.0, 0.25):
+        env = SearchEnv(fast_cfg(server.url, intermediate_reward=bonus))
+        await env.reset(PROMPT, {**EXTRAS, "max_turns": 4})
+        first = await env.step("<search> largest continent by land area </search>")
+        again = await env.step("<search> largest continent by land area </search>")
+        final = await env.step("<answer> Asia </answer>")
+        assert first.reward == bonus and again.reward == 0.0 and final.reward == 1.0
+        assert first.metrics["answer_retrieved"] == again.metrics["answer_retrieved"] == 1.0
+        assert first.metrics["intermediate_reward"] == bonus

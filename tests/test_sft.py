@@ -116,3 +116,76 @@ def test_a_resumed_sft_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_mo
     assert resumed.worker.weights_checksum() == expected_weights != policy(tmp_path / "fresh").worker.weights_checksum()
     assert [h["sft/loss"] for h in history] == pytest.approx([h["sft/loss"] for h in expected], rel=1e-6)
     assert [p.name for p in complete_checkpoints(tmp_path / "ckpts")] == ["step_4"]  # older ones pruned
+
+
+@pytest.mark.parametrize("change", [
+    "trainer.optim.weight_decay=0.1", "trainer.optim.max_grad_norm=0.5", "trainer.optim.betas=[0.8,0.99]",
+    "trainer.optim.eps=1e-6", "generator.history=retokenize", "generator.use_conversation_multi_turn=false",
+    "generator.thinking_retention=all", "generator.sampling.stop=[]", "sft.lr=1e-4", "trainer.seed=7",
+    "trainer.fsdp.mixed_precision=false", "weights", "chat_template"])
+def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, tiny_model_dir, tmp_path):
+    """A setting that changes the SFT samples or the optimizer, or the base model's content (weights, chat
+    template) under the same file names and sizes, must miss the cache: a stale warm start was reused silently."""
+    import shutil
+
+    from skyrl_stepwise.sft import cache_key
+    from skyrl_stepwise.train import load_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    memo = tmp_path / "digests.json"
+    base = ["experiment=search_r1_tiny"]
+    overrides = base if change in ("weights", "chat_template") else base + [change]
+    cfg = load_config(base)
+    cfg.trainer.model_path = str(model)
+    before = cache_key(cfg, "data", memo_path=memo)
+    assert cache_key(cfg, "data", memo_path=memo) == before  # deterministic (and the memo of weight digests agrees)
+    changed = load_config(overrides)
+    changed.trainer.model_path = str(model)
+    if change == "weights":  # same name, same size, other values
+        weights = model / "model.safetensors"
+        raw = bytearray(weights.read_bytes())
+        raw[-1] ^= 0xFF
+        weights.write_bytes(bytes(raw))
+    if change == "chat_template":
+        (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    assert cache_key(changed, "data", memo_path=memo) != before
+    # what cannot change the weights leaves the key alone: the cache still serves every other run
+    same = load_config(base + ["trainer.fsdp.gradient_checkpointing=true", "total_steps=9",
+                               "generator.n_samples_per_prompt=3"])
+    same.trainer.model_path = str(model)
+    if change not in ("weights", "chat_template"):
+        assert cache_key(same, "data", memo_path=memo) == before
+
+
+TOOL_DEMO = [
+    {"role": "user", "content": "What is 6 * 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call_0", "function": {"name": "calculator", "arguments": '{"expression": "6 * 7"}'}}]},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "<answer>42</answer>"},
+]
+
+
+def test_tool_call_demonstrations_train_the_calls_the_parser_reads_under_the_rl_prompt(tokenizer):
+    """OpenAI-shaped `tool_calls` become the hermes call text the renderer parses back into the same call, and the
+    prompt shows the run's tool schemas exactly as the tool env's RL prompt does."""
+    from skyrl_stepwise.chat import create_renderer
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+
+    tools = configured_tool_schemas(None)
+    cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]))
+    out = conversation_samples(tokenizer, [TOOL_DEMO, [TOOL_DEMO[0], {"role": "assistant", "content": "42"}]], cfg,
+                               tools)
+    chat = create_renderer(tokenizer, cfg.renderer)
+    assert out.prompt_token_ids[0] == chat.prompt_ids(TOOL_DEMO[:1], tools)  # what RL renders for a tool row
+    assert out.prompt_token_ids[1] == chat.prompt_ids(TOOL_DEMO[:1])  # no tool use: no schemas, as before
+    mask = out.loss_masks[0]
+    first_turn_end = mask.index(0)  # the first untrained token: the tool result follows the call turn
+    call_turn = out.response_ids[0][:first_turn_end]
+    parsed = chat.parse(call_turn, out.prompt_token_ids[0], tools)
+    assert [(c.name, c.arguments, c.error) for c in parsed.tool_calls] == [("calculator", {"expression": "6 * 7"},
+                                                                           None)]
+    observation = tokenizer.decode([t for t, m in zip(out.response_ids[0], mask) if not m])
+    assert "42" in observation

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,7 @@ import yaml
 from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
 from skyrl_stepwise.tools import (Tool, ToolConfigError, ToolExecutor, ToolResult, build_tools, load_tools,
                                   load_tools_yaml, parse_tool_specs, to_messages, tool_schemas)
+from skyrl_stepwise.tools.base import check_tool_spec
 from skyrl_stepwise.tools.builtin import CalculatorError, CalculatorTool, SearchTool, safe_eval
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "conf" / "tools" / "search_calculator.yaml"
@@ -28,12 +31,19 @@ def schema(name: str, properties: dict | None = None, required: list | None = No
     return {"type": "function", "function": {"name": name, "description": f"the {name} tool", "parameters": params}}
 
 
+@dataclass
+class SleepConfig:
+    delay: float = 0.0
+
+
 class SleepTool(Tool):
-    """Sleeps `delay` seconds (from its config), then answers; records how often it ran."""
+    """Sleeps `delay` seconds (from its typed config), then answers; records how often it ran."""
+
+    config_class = SleepConfig
 
     def __init__(self, config=None, tool_schema=None):
         super().__init__(config, tool_schema or schema("sleep", {"tag": {"type": "string"}}))
-        self.delay = float(self.config.get("delay", 0.0))
+        self.delay = float(self.cfg.delay)
         self.runs = 0
 
     async def call(self, arguments):
@@ -340,6 +350,25 @@ async def test_each_call_has_its_own_timeout():
     assert ex.counts == {"slow/timeout": 1, "calculator/ok": 1}
 
 
+async def test_a_stalled_event_loop_is_not_charged_to_the_tool():
+    """A 0.2 s tool under a 1 s timeout, while something blocks the loop for 1.5 s: the tool finished, so its
+    result must come back (a wall-clock deadline answered "timed out" and the model was trained on that)."""
+    ex = ToolExecutor({"slow": SleepTool({"delay": 0.2}, schema("slow"))}, timeout_s=1.0)
+    call = asyncio.create_task(ex.execute([ToolCallRequest("slow", {})]))
+    await asyncio.sleep(0.05)
+    time.sleep(1.5)  # a blocking call on the loop (e.g. a Ray get)
+    (result,) = await call
+    assert result.ok and result.content == "slow done", result
+    # a tool that really runs past its budget still times out, stalls or not
+    ex = ToolExecutor({"slow": SleepTool({"delay": 5}, schema("slow"))}, timeout_s=0.3)
+    call = asyncio.create_task(ex.execute([ToolCallRequest("slow", {})]))
+    await asyncio.sleep(0.05)
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    (result,) = await call
+    assert result.error_kind == "timeout" and time.perf_counter() - t0 < 1.0
+
+
 @pytest.mark.parametrize("error, expected", [
     (ValueError("boom"), "Error: tool 'boom' failed: ValueError: boom"),
     (KeyError("k"), "Error: tool 'boom' failed: KeyError: 'k'"),
@@ -472,3 +501,44 @@ async def test_call_ids_match_the_assistant_message_and_to_messages_shape():
     assert messages[0]["name"] == "" and messages[0]["content"].startswith("Error: tool call not understood")
     assert isinstance(results[0], ToolResult)
     assert ex.schemas == [CalculatorTool.default_schema]
+
+
+# ------------------------------------------------------------------------------- no silent inputs (issue 29)
+
+class NoConfigTool(Tool):
+    """A custom tool that declares no config_class."""
+
+    async def call(self, arguments):
+        return "ok"
+
+
+def test_custom_tool_config_keys_are_checked_against_its_typed_config(tmp_path):
+    """A typo in a custom tool's `config:` fails at load, like a built-in's; a tool without config_class takes
+    none (its keys used to be accepted and ignored)."""
+    for class_name, config, expected in (("test_tools.SleepTool", {"dealy": 1}, "unknown config key 'dealy'"),
+                                         ("test_tools.NoConfigTool", {"retries": 3}, "declares no `config_class`")):
+        path = write_yaml(tmp_path, {"tools": [{"class_name": class_name, "config": config,
+                                                "tool_schema": schema("t")}]})
+        with pytest.raises(ToolConfigError, match=expected) as info:
+            check_tool_spec(load_tools_yaml(path)[0])  # what a run checks at start-up, nothing built
+        assert str(path) in str(info.value) and "tools[0]" in str(info.value)
+        with pytest.raises(ToolConfigError, match=expected):
+            build_tools(load_tools_yaml(path))
+    assert isinstance(check_tool_spec(load_tools_yaml(write_yaml(tmp_path, {"tools": [
+        {"class_name": "test_tools.SleepTool", "config": {"delay": 0.5}, "tool_schema": schema("t")}]}))[0]), type)
+
+
+def test_a_schema_requiring_an_undeclared_property_is_refused_at_load(tmp_path):
+    bad = schema("search", {"query": {"type": "string"}}, required=["querry"], additionalProperties=False)
+    path = write_yaml(tmp_path, {"tools": [{"class_name": "search", "tool_schema": bad}]})
+    with pytest.raises(ToolConfigError, match=r"tools\[0\].tool_schema.function.parameters.required: \['querry'\] "
+                                              r"not among the declared properties \['query'\]"):
+        load_tools_yaml(path)
+
+
+def test_yaml_syntax_errors_name_line_and_column(tmp_path):
+    path = write_yaml(tmp_path, "tools:\n  - class_name: calculator\n    config: {max_digits: 10\n")
+    with pytest.raises(ToolConfigError) as info:
+        load_tools_yaml(path)
+    first = str(info.value).splitlines()[0]
+    assert re.match(rf"{re.escape(str(path))}:\d+:\d+: invalid YAML: ", first), first

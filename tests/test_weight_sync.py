@@ -194,8 +194,8 @@ async def test_vllm_engine_scores_like_the_trainer_after_a_file_sync_and_after_a
         by_file = WeightSync(WeightSyncConfig(), group, vllm_engine)
         assert by_file.method == "file"
         assert await train_and_sync(by_file, targets[0]) == num_params
-        # the driver got a dict of two counts, never the weights (540 MB in fp32)
-        assert group.returned_bytes["export_weights"] < 200
+        # the driver got two counts and the file's path per node, never the weights (540 MB in fp32)
+        assert group.returned_bytes["export_weights"] < 400
         assert "full_state_dict" not in group.returned_bytes
 
         # the same through a gloo group of rank 0 + the engine's worker, in 16 MB buckets; twice, so the second
@@ -211,3 +211,59 @@ async def test_vllm_engine_scores_like_the_trainer_after_a_file_sync_and_after_a
         await vllm_engine.update_weights_from_file(str(original))
     fresh = _MeasuredGroup(PolicyWorker(cfg, trainable=False))
     assert (await probe_logprobs(fresh, vllm_engine, probe_ids)).max_abs_diff < 1e-3
+
+
+def test_a_full_shared_memory_falls_back_to_disk_naming_the_sizes(tmp_path, monkeypatch, caplog):
+    """Docker's default /dev/shm is 64 MiB; SmolLM2 in bf16 is ~270 MB: the write must not fail mid-run."""
+    import logging
+    import shutil
+    from collections import namedtuple
+    from pathlib import Path
+
+    from skyrl_stepwise.inference import weights
+
+    usage = namedtuple("usage", "total used free")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(64 << 20, 0, 64 << 20) if Path(p) == shm
+                        else usage(1 << 40, 0, 1 << 40))
+    target, warning = weights.weights_target(shm / "w.safetensors", 270 << 20, tmp_path / "disk")
+    assert target == tmp_path / "disk" / "w.safetensors"
+    assert "64 MiB free" in warning and "270 MiB" in warning and "--shm-size" in warning
+    assert weights.weights_target(shm / "w.safetensors", 1 << 20) == (shm / "w.safetensors", None)
+
+    fallback = tmp_path / "elsewhere.safetensors"
+
+    class Group:  # rank 0 wrote the update outside shared memory and said so
+        node_id = "here"
+        calls: list[str] = []
+
+        def call(self, method, *args):
+            self.calls.append(method)
+            if method == "remove_weights_file":
+                assert args == ([str(fallback)],)
+                fallback.unlink()
+                return None
+            path, dtype, nodes = args
+            assert nodes == ["here"]
+            fallback.write_bytes(b"weights")
+            return {"params": 3, "bytes": 7, "paths": {"here": str(fallback)}, "warning": "no room in /dev/shm"}
+
+    class Engine:
+        node_id = "here"
+        loaded: list[str] = []
+
+        async def update_weights_from_file(self, path):
+            assert Path(path).read_bytes() == b"weights"
+            self.loaded.append(path)
+
+    import asyncio
+
+    monkeypatch.setattr("skyrl_stepwise.trainer.weight_sync.current_node_id", lambda: "here")
+    sync = WeightSync(WeightSyncConfig(method="file"), Group(), Engine())
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise"):
+        assert asyncio.run(sync.sync()) == 3
+        asyncio.run(sync.sync())
+    assert Engine.loaded == [str(fallback)] * 2 and not fallback.exists()  # read from there, then removed
+    assert Group.calls == ["export_weights", "remove_weights_file"] * 2
+    assert caplog.text.count("no room in /dev/shm") == 1  # said once, not every step

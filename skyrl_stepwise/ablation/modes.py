@@ -4,6 +4,8 @@ Replaying the *same* rollouts through every builder makes cost differences due t
 With exact history a trajectory is one token chain, so `trajectory` (one sample per trajectory,
 observations masked) and `step_wise_merged` build identical samples; a template fallback or
 re-tokenization drift breaks the chain and both then yield one sample per chain.
+`tree` trains the step-wise samples themselves with trainer.packing=tree (trainer/tree.py): the same per-step
+samples and loss, every distinct prefix of a prompt group forwarded once.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.metrics import batch_padded_seq_len
 from skyrl_stepwise.generator.output import GeneratorOutput
 
-MODES = ("trajectory", "step_wise", "step_wise_merged")
+MODES = ("trajectory", "step_wise", "step_wise_merged", "tree")
 
 
 def build_samples(stepwise: GeneratorOutput, mode: str) -> GeneratorOutput:
     """The training samples a mode would use for these rollouts."""
-    if mode == "step_wise":
+    if mode in ("step_wise", "tree"):
         return stepwise
     if mode in ("step_wise_merged", "trajectory"):
         return merge_stepwise_output(stepwise)
@@ -31,18 +33,28 @@ class SampleCost:
     """Token accounting of one batch of samples: what the trainer's forward pass pays for."""
 
     samples: int
-    forward_tokens: int  # sum of prompt+response over samples: tokens a packed forward runs
+    forward_tokens: int  # tokens a packed forward runs: sum of prompt+response (rows), distinct prefixes (tree)
     trained_tokens: int  # loss-masked response tokens
     batch_padded_seq_len: int
     padded_tokens: int  # what a left/right padded [samples, batch_padded_seq_len] batch runs
 
     @classmethod
-    def of(cls, output: GeneratorOutput) -> SampleCost:
+    def of(cls, output: GeneratorOutput, packing: str = "rows") -> SampleCost:
+        """`packing="tree"`: the forward runs each distinct prefix of the batch once (one trie, one micro-batch;
+        the replay replaces it with what the worker actually forwarded)."""
+        from skyrl_stepwise.trainer.tree import unique_tokens
+
         padded = batch_padded_seq_len(output)
+        seqs = [p + r for p, r in zip(output.prompt_token_ids, output.response_ids)]
         return cls(samples=len(output),
-                   forward_tokens=sum(len(p) + len(r) for p, r in zip(output.prompt_token_ids, output.response_ids)),
+                   forward_tokens=unique_tokens(seqs) if packing == "tree" else sum(map(len, seqs)),
                    trained_tokens=sum(sum(m) for m in output.loss_masks),
                    batch_padded_seq_len=padded, padded_tokens=padded * len(output))
+
+
+def packing_of(mode: str) -> str:
+    """The trainer.packing a mode trains with: only `tree` packs prefix tries, every other mode plain rows."""
+    return "tree" if mode == "tree" else "rows"
 
 
 def trajectory_lengths(stepwise: GeneratorOutput) -> list[int]:

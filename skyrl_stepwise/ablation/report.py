@@ -53,7 +53,7 @@ def plot_costs(rows: list[dict], path: Path) -> None:
         ax.bar(range(len(rows)), [r.get(key, 0) or 0 for r in rows], color=colors)
         ax.set_title(titles[key], fontsize=10)
         ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=7, ha="right")
-    fig.suptitle("Same rollouts, three ways to train on them (blue: exact history, orange: retokenize)")
+    fig.suptitle("Same rollouts, each way to train on them (blue: exact history, orange: retokenize)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

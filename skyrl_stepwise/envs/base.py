@@ -70,7 +70,8 @@ class EnvRegistry:
         try:
             return self._factories[name]()
         except KeyError:
-            raise KeyError(f"unknown env_class {name!r}; registered: {sorted(self._factories)}") from None
+            raise KeyError(f"unknown env_class {name!r}; registered: {sorted(self._factories)} (a run adds its own "
+                           "with environment.env_classes: {name: pkg.module:Class})") from None
 
     def names(self) -> list[str]:
         """The registered env classes, for config validation and error messages."""

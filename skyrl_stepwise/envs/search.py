@@ -47,6 +47,10 @@ class SearchEnvConfig(RetrieverEndpointConfig):
     doc_template: str = "Doc {index}(Title: {title}) {text}\n"
     failure_template: str = "\n\n<information>Search failed: {error}</information>\n\n"
     invalid_action_message: str = INVALID_ACTION
+    # Per-step credit: a search whose documents contain a golden answer (normalised substring) earns this reward on
+    # its own step, once per episode (repeating the search earns nothing more). 0 = off, the Search-R1 recipe.
+    # Whether the answer was retrieved is logged per step either way (environment/answer_retrieved).
+    intermediate_reward: float = 0.0
 
     def __post_init__(self) -> None:
         """Fail at config time, not mid-rollout, on a template that uses unknown fields."""
@@ -61,6 +65,8 @@ class SearchEnvConfig(RetrieverEndpointConfig):
                                  f"{sorted(fields)}: {e!r}") from None
         if self.topk < 1:
             raise ValueError(f"SearchEnvConfig.topk must be >= 1, got {self.topk}")
+        if self.intermediate_reward < 0:
+            raise ValueError(f"SearchEnvConfig.intermediate_reward must be >= 0 (0 = off), got {self.intermediate_reward}")
 
 
 def parse_action(text: str) -> tuple[str, str] | None:
@@ -101,6 +107,7 @@ class SearchEnv:
         self.max_turns = self.cfg.max_turns
         self.turns = 0
         self.actions: list[str] = []
+        self.rewarded_retrieval = False
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
         """Keep the golden answers and the generator's max_turns; the prompt passes through unchanged."""
@@ -108,7 +115,7 @@ class SearchEnv:
         self.max_turns = int(extras.get("max_turns", self.cfg.max_turns))
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
-        self.turns, self.actions = 0, []
+        self.turns, self.actions, self.rewarded_retrieval = 0, [], False
         return list(prompt_messages)
 
     async def step(self, action_text: str) -> StepResult:
@@ -126,6 +133,7 @@ class SearchEnv:
                            subem=float(answer is not None and subem_check(answer, self.targets)))
             return StepResult(observations=[], reward=reward, done=True, metrics=metrics)
 
+        reward = 0.0
         if action is None:
             text = self.cfg.invalid_action_message
         else:
@@ -133,13 +141,27 @@ class SearchEnv:
             t0 = time.perf_counter()
             try:
                 docs = (await self.client.search([action[1]], self.cfg.topk))[0]
-                text = self.cfg.observation_template.format(
-                    results=format_documents(docs, self.cfg.doc_template).strip())
+                documents = format_documents(docs, self.cfg.doc_template).strip()
+                text = self.cfg.observation_template.format(results=documents)
+                reward = intermediate_retrieval_reward(documents, self.targets, self.cfg.intermediate_reward, self,
+                                                       metrics)
             except (RetrievalError, httpx.HTTPError) as e:  # a broken retriever must not end the episode
                 metrics["search_failures"] = 1.0
                 text = self.cfg.failure_template.format(error=(str(e) or type(e).__name__)[:300])
             metrics["retrieval_seconds"] = time.perf_counter() - t0
-        return StepResult(observations=[{"role": "user", "content": text}], reward=0.0, done=False, metrics=metrics)
+        return StepResult(observations=[{"role": "user", "content": text}], reward=reward, done=False, metrics=metrics)
+
+
+def intermediate_retrieval_reward(text: str, targets: list[str], bonus: float, episode, metrics: dict[str, float]
+                                  ) -> float:
+    """Shared by the search and tool envs: pay `bonus` once per episode (`episode.rewarded_retrieval`) when a golden
+    answer appears in retrieved text, so a policy cannot farm it by repeating a search; metrics say what happened."""
+    hit = subem_check(text, targets)
+    paid = bonus if hit and bonus > 0 and not episode.rewarded_retrieval else 0.0
+    episode.rewarded_retrieval = episode.rewarded_retrieval or paid > 0
+    metrics["answer_retrieved"] = float(hit)
+    metrics["intermediate_reward"] = paid
+    return paid
 
 
 def register_search_env(registry: EnvRegistry, cfg: SearchEnvConfig | None = None, name: str = "search") -> None:

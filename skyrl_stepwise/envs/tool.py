@@ -16,7 +16,7 @@ from typing import Any
 from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
 from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check
-from skyrl_stepwise.envs.search import ground_truth_targets
+from skyrl_stepwise.envs.search import ground_truth_targets, intermediate_retrieval_reward
 from skyrl_stepwise.tools import ToolExecutor, build_tools, load_tools_yaml, to_messages
 from skyrl_stepwise.tools.base import ToolLike
 from skyrl_stepwise.tools.builtin import CalculatorTool, SearchTool
@@ -35,6 +35,9 @@ class ToolEnvConfig:
     # written for tag-based agents (Search-R1's `<search>` instructions contradict function calling).
     question_only: bool = False
     max_turns: int = 4  # used only when the generator does not pass extras["max_turns"]
+    # Per-step credit: a turn whose tool results contain a golden answer (normalised substring) earns this reward on
+    # its own step, once per episode. 0 = off. environment/answer_retrieved is logged per tool turn either way.
+    intermediate_reward: float = 0.0
 
 
 def final_answer(content: str) -> str:
@@ -52,6 +55,7 @@ class ToolEnv:
         self.executor: ToolExecutor | None = None
         self.targets: list[str] = []
         self.turns, self.max_turns = 0, cfg.max_turns
+        self.rewarded_retrieval = False
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
         """Pick this row's tools, keep its golden answers, and adapt the prompt to function calling."""
@@ -64,7 +68,7 @@ class ToolEnv:
         self.tool_schemas = [t.schema for t in tools.values()]
         self.targets = ground_truth_targets(extras)
         self.max_turns = int(extras.get("max_turns", self.cfg.max_turns))
-        self.turns = 0
+        self.turns, self.rewarded_retrieval = 0, False
         return self._prompt(list(prompt_messages), extras)
 
     def _prompt(self, messages: list[Message], extras: dict[str, Any]) -> list[Message]:
@@ -90,7 +94,10 @@ class ToolEnv:
             results = await self.executor.execute(calls)
             metrics = {f"tool/{k}": float(v) for k, v in self.executor.reset_counts().items()}
             metrics["tool_calls"] = float(len(calls))
-            return StepResult(to_messages(results), 0.0, False, metrics)
+            messages = to_messages(results)
+            reward = intermediate_retrieval_reward("\n".join(m["content"] for m in messages), self.targets,
+                                                   self.cfg.intermediate_reward, self, metrics)
+            return StepResult(messages, reward, False, metrics)
         answer = final_answer(turn.content) if not calls else None
         reward = exact_match_score(answer, self.targets)
         return StepResult([], reward, True, {"em": reward, "answered": float(answer is not None),

@@ -17,19 +17,24 @@ from skyrl_stepwise.inference.base import InferenceEngine
 
 
 def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
-    """One sample per step, steps of a trajectory contiguous, the step reward on its last token.
+    """One sample per step, steps of a trajectory contiguous, the step reward on its last token and the turn index
+    on every token (so per-step credit survives merging).
 
     Failed trajectories give no samples (they are listed in failed_trajectory_ids); rollout_logprobs is None
     unless the engine returned logprobs for every step, so nothing downstream mistakes a placeholder for one.
     """
     kept = [r for r in results if r.failure is None]
     out = GeneratorOutput([], [], [], [], stop_reasons=[], rollout_logprobs=[], trajectory_ids=[],
-                          is_last_step=[], failed_trajectory_ids=[r.trajectory_id for r in results if r.failure])
+                          is_last_step=[], turn_indices=[],
+                          failed_trajectory_ids=[r.trajectory_id for r in results if r.failure])
+    dropped = 0
     for traj in kept:
         for i, step in enumerate(traj.steps):
             rewards = [0.0] * len(step.response_ids)
             if rewards:
                 rewards[-1] = step.reward
+            elif step.reward != 0.0:  # an empty turn has no token to carry its reward: counted, never hidden
+                dropped += 1
             out.prompt_token_ids.append(step.prompt_ids)
             out.response_ids.append(step.response_ids)
             out.rewards.append(rewards)
@@ -38,6 +43,8 @@ def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
             out.rollout_logprobs.append(step.logprobs)
             out.trajectory_ids.append(traj.trajectory_id)
             out.is_last_step.append(i == len(traj.steps) - 1)
+            out.turn_indices.append([i] * len(step.response_ids))
+    out.rollout_metrics["generate/step_rewards_dropped_empty_turn"] = dropped
     if any(step.logprobs is None for traj in kept for step in traj.steps):
         out.rollout_logprobs = None
     return out

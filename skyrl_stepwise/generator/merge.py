@@ -12,6 +12,10 @@ Rewards come out per token. Per-token inputs are carried over unchanged. A per-s
 last token of the merged response up to and including that step: the step's last response token, or, if the
 step's response is empty, the token before it. Merged or not, every sample therefore has one reward form
 and the total reward of every trajectory is preserved.
+
+Turn indices (when the input has them) are carried per token too; the observation delta takes the index of the
+step before it. The merge computes no credit: each step's reward stays on that step's tokens, so per-step
+advantages (trainer/credit.py) come out the same per token whether samples are merged or not.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class _Group:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
     last: int = 0  # index of the group's last step in the input
 
 
@@ -76,6 +81,10 @@ def _add_step(group: _Group, output: GeneratorOutput, i: int, delta: list[int]) 
     if output.rollout_logprobs is not None:
         group.logprobs += [0.0] * len(delta) + output.rollout_logprobs[i]
     group.rewards += [0.0] * len(delta)
+    if output.turn_indices is not None:  # the observation belongs to the step whose action it answers
+        step_turns = output.turn_indices[i]
+        before = group.turns[-1] if group.turns else (step_turns[0] if step_turns else 0)  # (empty steps so far)
+        group.turns += [before] * len(delta) + step_turns
     if isinstance(reward, list):
         group.rewards += reward
     else:  # a float lands on the last token so far: the step's last response token unless it has none
@@ -127,6 +136,7 @@ def merge_stepwise_output(output: GeneratorOutput) -> GeneratorOutput:
         rollout_logprobs=None if output.rollout_logprobs is None else [g.logprobs for g in groups],
         trajectory_ids=[output.trajectory_ids[g.last] for g in groups],
         is_last_step=[output.is_last_step[g.last] for g in groups],
+        turn_indices=None if output.turn_indices is None else [g.turns for g in groups],
         rollout_metrics=metrics,
         failed_trajectory_ids=list(output.failed_trajectory_ids),
     )

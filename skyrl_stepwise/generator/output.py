@@ -28,6 +28,10 @@ class GeneratorOutput:
     rollout_logprobs: list[list[float]] | None = None
     trajectory_ids: list[TrajectoryID] | None = None
     is_last_step: list[bool] | None = None
+    # Per response token, the turn (0-based, within its trajectory) whose step it belongs to; observation tokens a
+    # merge puts between two steps belong to the step before them (the step whose action they answer). Credit
+    # assignment finds each step's reward, return and observation history through it, however samples were cut.
+    turn_indices: list[list[int]] | None = None
     rollout_metrics: dict = field(default_factory=dict)
     # Trajectories whose infrastructure failed: no samples here, but their groups lost a member, which the
     # advantage baseline must know (a group left with one trajectory has nothing to compare against).
@@ -40,7 +44,7 @@ class GeneratorOutput:
         """Fail early, naming the field, when the parallel lists disagree."""
         n = len(self.prompt_token_ids)
         for name in ("response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs",
-                     "trajectory_ids", "is_last_step"):
+                     "trajectory_ids", "is_last_step", "turn_indices"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"GeneratorOutput.{name} has {len(value)} entries, prompt_token_ids has {n}")
@@ -52,6 +56,12 @@ class GeneratorOutput:
                                  f"{len(self.rollout_logprobs[i])} rollout_logprobs")
             if self.rewards and isinstance(self.rewards[i], list) and len(self.rewards[i]) != len(resp):
                 raise ValueError(f"sample {i}: {len(resp)} response ids but {len(self.rewards[i])} rewards")
+            if self.turn_indices is not None:
+                turns = self.turn_indices[i]
+                if len(turns) != len(resp):
+                    raise ValueError(f"sample {i}: {len(resp)} response ids but {len(turns)} turn_indices")
+                if any(b < a for a, b in zip(turns, turns[1:])) or (turns and turns[0] < 0):
+                    raise ValueError(f"sample {i}: turn_indices must be >= 0 and non-decreasing, got {turns}")
 
     @classmethod
     def concat(cls, outputs: list[GeneratorOutput]) -> GeneratorOutput:

@@ -20,6 +20,7 @@ import torch
 
 from skyrl_stepwise.inference.base import GenerationResult, SamplingParams, validate_prompt
 from skyrl_stepwise.inference.config import EngineConfig
+from skyrl_stepwise.inference.truncation import truncate_logits
 from skyrl_stepwise.models.prepare import resolve_model_path
 
 
@@ -32,19 +33,11 @@ class _Request:
 
 def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     """The logits a token is drawn from, in vLLM's order: temperature, then top-k, then top-p (dropped
-    tokens get -inf). Greedy (temperature 0) leaves them as they are, like vLLM's processed logprobs."""
+    tokens get -inf; inference/truncation.py, which the trainer scores with too). Greedy (temperature 0)
+    leaves them as they are, like vLLM's processed logprobs."""
     if sampling.temperature == 0:
         return logits
-    logits = logits / sampling.temperature
-    if sampling.top_k > 0:
-        kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > sampling.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    return logits
+    return truncate_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
 
 
 def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> tuple[int, float]:

@@ -44,10 +44,27 @@ def write_weights_file(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype:
     from safetensors.torch import save_file
 
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two writers on one host (a simulated cluster) never mix
     save_file(engine_tensors(named_tensors, dtype), str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     return path.stat().st_size
+
+
+def weights_target(path: str | Path, nbytes: int, fallback_dir: str | Path | None = None) -> tuple[Path, str | None]:
+    """Where an update of `nbytes` goes: `path` when its filesystem has room for it (and the .tmp written first,
+    so a small margin), else the same name in `fallback_dir` (default: the disk-backed temp dir), with a warning
+    naming both sizes. Docker's default /dev/shm is 64 MiB: a 135M-parameter model in bf16 is ~270 MB, and a
+    full /dev/shm would fail the write mid-run or starve every process that maps shared memory."""
+    import shutil
+
+    path = Path(path)
+    free = shutil.disk_usage(path.parent).free
+    if free >= nbytes * 1.02 + (1 << 20):
+        return path, None
+    target = Path(fallback_dir or tempfile.gettempdir()) / path.name
+    return target, (f"weight sync: {path.parent} has {free / 2**20:.0f} MiB free but an update is "
+                    f"{nbytes / 2**20:.0f} MiB; writing it to {target.parent} instead (slower; give the container "
+                    f"more shared memory, e.g. `docker run --shm-size=2g`)")
 
 
 def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -84,5 +101,5 @@ def weights_file() -> Iterator[Path]:
     try:
         yield path
     finally:
-        for stale in (path, path.with_name(path.name + ".tmp")):
+        for stale in (path, *path.parent.glob(path.name + ".*.tmp")):
             stale.unlink(missing_ok=True)

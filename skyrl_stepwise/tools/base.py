@@ -13,7 +13,7 @@ import dataclasses
 import importlib
 import inspect
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_tools_yaml, validate_tool_schema
 
@@ -30,6 +30,9 @@ class ToolLike(Protocol):
 
     name: str
     schema: dict[str, Any]
+    # A dataclass whose fields are the keys the tools YAML may set under `config:` (checked when the file loads,
+    # an unknown key named); None: the tool takes no config, so any `config:` key is refused.
+    config_class: ClassVar[type | None]
 
     async def call(self, arguments: dict[str, Any]) -> str:
         """Run the tool on schema-checked arguments; the returned text is the tool message the model sees
@@ -40,9 +43,11 @@ class ToolLike(Protocol):
 class Tool:
     """Base class for tools built from YAML: `Tool(config, tool_schema)` like verl's BaseTool.
 
-    Subclasses set `default_schema` (used when the YAML gives none) and implement `call`."""
+    Subclasses set `default_schema` (used when the YAML gives none), `config_class` (a dataclass of the options
+    their YAML `config:` may set; `self.cfg` is then an instance of it) and implement `call`."""
 
     default_schema: dict[str, Any] | None = None
+    config_class: ClassVar[type | None] = None
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None) -> None:
         schema = tool_schema if tool_schema is not None else self.default_schema
@@ -50,6 +55,7 @@ class Tool:
             raise ToolConfigError(f"{type(self).__name__}: no tool_schema given and the class has no default_schema")
         validate_tool_schema(schema, f"{type(self).__name__}.tool_schema")
         self.config: dict[str, Any] = dict(config or {})
+        self.cfg = check_tool_config(type(self), self.config, type(self).__name__)
         self.schema: dict[str, Any] = schema
 
     @property
@@ -80,6 +86,22 @@ def config_from_dict(cls: type, data: dict[str, Any], owner: str) -> Any:
     return cls(**data)
 
 
+def check_tool_config(cls: type, config: dict[str, Any], owner: str) -> Any:
+    """The tool's typed config from a YAML `config:` mapping: an instance of `cls.config_class`, or None for a tool
+    that takes none. Any key the class does not declare is refused, naming it, so a typo never trains silently
+    with a default."""
+    config_cls = getattr(cls, "config_class", None)
+    if config_cls is None:
+        if config:
+            raise ToolConfigError(f"{owner}: unknown config key(s) {sorted(config)}: {cls.__name__} declares no "
+                                  "`config_class`, so it takes no config; give the class `config_class = <a "
+                                  "dataclass>` whose fields are the keys it accepts")
+        return None
+    if not dataclasses.is_dataclass(config_cls):
+        raise ToolConfigError(f"{owner}: {cls.__name__}.config_class must be a dataclass, got {config_cls!r}")
+    return config_from_dict(config_cls, dict(config), owner)
+
+
 def resolve_tool_class(class_name: str) -> type:
     """A builtin short name ("search", "calculator") or a dotted "pkg.module.Class" -> the class object."""
     path = BUILTIN_TOOLS.get(class_name, class_name)
@@ -100,13 +122,25 @@ def resolve_tool_class(class_name: str) -> type:
     return cls
 
 
-def build_tool(spec: ToolSpecConfig, index: int = 0) -> ToolLike:
-    """Instantiate one spec as `cls(config=..., tool_schema=...)` and check it honours the tool contract."""
+def check_tool_spec(spec: ToolSpecConfig, index: int = 0) -> type:
+    """The spec's class, importable, with its `config:` keys checked against the class's typed config, without
+    building the tool (no connections): what a run checks at start-up, before any engine starts."""
     where = f"{spec.source}: tools[{index}] (class_name {spec.class_name!r})"
     try:
         cls = resolve_tool_class(spec.class_name)
     except ToolConfigError as e:
         raise ToolConfigError(f"{where}: {e}") from None
+    try:
+        check_tool_config(cls, spec.config, f"{where}.config")
+    except (TypeError, ValueError) as e:  # a config class's own checks (__post_init__) do not know the file
+        raise ToolConfigError(str(e) if str(e).startswith(where) else f"{where}.config: {e}") from None
+    return cls
+
+
+def build_tool(spec: ToolSpecConfig, index: int = 0) -> ToolLike:
+    """Instantiate one spec as `cls(config=..., tool_schema=...)` and check it honours the tool contract."""
+    where = f"{spec.source}: tools[{index}] (class_name {spec.class_name!r})"
+    cls = check_tool_spec(spec, index)
     try:
         tool = cls(config=dict(spec.config), tool_schema=spec.tool_schema)
     except ToolConfigError as e:
@@ -136,6 +170,14 @@ def build_tools(specs: list[ToolSpecConfig]) -> dict[str, ToolLike]:
 def load_tools(path: str | Path) -> dict[str, ToolLike]:
     """Read, validate and instantiate a tools YAML file in one step (what a recipe usually wants)."""
     return build_tools(load_tools_yaml(path))
+
+
+def configured_tool_schemas(tools_path: str | Path | None) -> list[dict[str, Any]]:
+    """The schemas the `tool` env shows the model for `environment.tool.tools_path` (None: the built-in search and
+    calculator), without building any tool: what SFT prompts and rollout logs need to match RL prompts."""
+    if tools_path is None:
+        return [resolve_tool_class("search").default_schema, resolve_tool_class("calculator").default_schema]
+    return [spec.tool_schema for spec in load_tools_yaml(tools_path)]
 
 
 def tool_schemas(tools: dict[str, ToolLike]) -> list[dict[str, Any]]:

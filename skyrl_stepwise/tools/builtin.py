@@ -20,7 +20,7 @@ import httpx
 
 from skyrl_stepwise.envs.search import format_documents
 from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalError, RetrieverEndpointConfig
-from skyrl_stepwise.tools.base import Tool, config_from_dict
+from skyrl_stepwise.tools.base import Tool
 from skyrl_stepwise.tools.config import ToolConfigError
 
 
@@ -145,9 +145,7 @@ class CalculatorTool(Tool):
         },
     }
 
-    def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None) -> None:
-        super().__init__(config, tool_schema)
-        self.cfg = config_from_dict(CalculatorConfig, self.config, "calculator")
+    config_class = CalculatorConfig
 
     async def call(self, arguments: dict[str, Any]) -> str:
         """The value of `arguments["expression"]` as text; refusals raise CalculatorError (a tool_error)."""
@@ -179,6 +177,8 @@ class SearchTool(Tool):
     """`search(query)`: top-k passages from a Search-R1 retriever; a failing retriever yields a readable
     'Search failed: ...' text (counted in `failures`), never an exception, so the episode goes on."""
 
+    config_class = SearchToolConfig
+
     default_schema = {
         "type": "function",
         "function": {
@@ -195,7 +195,6 @@ class SearchTool(Tool):
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None,
                  client: RetrievalClient | None = None) -> None:
         super().__init__(config, tool_schema)
-        self.cfg = config_from_dict(SearchToolConfig, self.config, "search")
         self.client = client or RetrievalClient(self.cfg.client_config())
         self.failures = 0
 

@@ -97,6 +97,26 @@ def validate_tool_schema(schema: Any, where: str) -> None:
     except SchemaError as e:
         path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
         raise ToolConfigError(f"{where}.function.parameters{path}: not a valid JSON schema: {e.message}") from None
+    check_satisfiable(parameters, f"{where}.function.parameters")
+
+
+def check_satisfiable(schema: dict, where: str) -> None:
+    """Refuse an object schema that requires a property it does not declare: valid JSON schema, but almost always a
+    typo (`required: [querry]`), and with `additionalProperties: false` no call could ever pass, so every call
+    would come back as an error while the run trains on. Nested object schemas are checked too."""
+    properties = schema.get("properties")
+    required = schema.get("required") or []
+    if schema.get("type") == "object" and isinstance(required, list):
+        declared = set(properties or {})
+        missing = [r for r in required if r not in declared]
+        if missing:
+            raise ToolConfigError(f"{where}.required: {missing} not among the declared properties "
+                                  f"{sorted(declared)}; a call would have to pass an undeclared argument")
+    for name, sub in (properties or {}).items():
+        if isinstance(sub, dict):
+            check_satisfiable(sub, f"{where}.properties.{name}")
+    if isinstance(schema.get("items"), dict):
+        check_satisfiable(schema["items"], f"{where}.items")
 
 
 def parse_tool_specs(data: Any, source: str = "<dict>") -> list[ToolSpecConfig]:
@@ -151,5 +171,17 @@ def load_tools_yaml(path: str | Path) -> list[ToolSpecConfig]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ToolConfigError(f"{path}: invalid YAML: {e}") from None
+        raise ToolConfigError(yaml_error_message(path, e)) from None
     return parse_tool_specs(data, str(path))
+
+
+def yaml_error_message(path: str | Path, error: yaml.YAMLError) -> str:
+    """`file:line:column: problem` (1-based, as editors count) for a YAML syntax error, and the offending line."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    problem = " ".join(str(p) for p in (getattr(error, "context", None), getattr(error, "problem", None)) if p) \
+        or str(error)
+    if mark is None:
+        return f"{path}: invalid YAML: {problem}"
+    lines = (mark.buffer or "").splitlines() if getattr(mark, "buffer", None) else []
+    shown = f"\n  {lines[mark.line]}\n  {' ' * mark.column}^" if mark.line < len(lines) else ""
+    return f"{path}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {problem}{shown}"

@@ -167,18 +167,13 @@ class ToolExecutor:
         """Run a validated call; its own timeout, its exceptions turned into text (CancelledError still
         propagates, so cancelling a rollout cancels its tools)."""
         t0 = time.perf_counter()
-        timer = asyncio.timeout(self.timeout_s)
         try:
-            async with timer:
-                content = await tool.call(arguments)
-        except TimeoutError as e:
-            seconds = time.perf_counter() - t0
-            if timer.expired():
-                return ToolResult(call_id, name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.",
-                                  ok=False, error_kind="timeout", seconds=seconds)
-            return self._tool_error(call_id, name, e, seconds)  # the tool's own TimeoutError, not ours
+            content = await run_with_timeout(tool.call(arguments), self.timeout_s)
+        except ToolTimeout:
+            return ToolResult(call_id, name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.",
+                              ok=False, error_kind="timeout", seconds=time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - any tool failure is the model's observation, not a crash
-            return self._tool_error(call_id, name, e, time.perf_counter() - t0)
+            return self._tool_error(call_id, name, e, time.perf_counter() - t0)  # its own TimeoutError too
         seconds = time.perf_counter() - t0
         if not isinstance(content, str):
             return ToolResult(call_id, name, f"Error: tool {name!r} returned {type(content).__name__}, not text.",
@@ -194,6 +189,37 @@ class ToolExecutor:
         detail = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         return ToolResult(call_id, name, f"Error: tool {name!r} failed: {detail[:500]}", ok=False,
                           error_kind="tool_error", seconds=seconds)
+
+
+class ToolTimeout(Exception):
+    """Our timeout expired (a tool's own TimeoutError is a tool error, not this)."""
+
+
+async def run_with_timeout(awaitable, timeout_s: float, tick_s: float = 0.05):
+    """Await a tool call, failing with ToolTimeout once it has had `timeout_s` of the event loop's time.
+
+    A wall-clock deadline would charge the tool for time the loop itself was stalled (a blocking call
+    elsewhere: the tool's reply arrived, but the loop could not run it), and a call that had finished would
+    be answered "timed out" and trained on. So time is counted in ticks: a gap between two ticks longer than
+    two ticks is a stalled loop, and only two ticks of it are charged to the tool.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(awaitable)
+    used, last = 0.0, loop.time()
+    try:
+        while True:
+            await asyncio.wait({task}, timeout=max(min(tick_s, timeout_s - used), 0.0))
+            if task.done():
+                return task.result()
+            now = loop.time()
+            used += min(now - last, 2 * tick_s)
+            last = now
+            if used >= timeout_s:
+                raise ToolTimeout
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def to_messages(results: list[ToolResult]) -> list[Message]:

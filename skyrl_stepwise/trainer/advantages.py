@@ -1,5 +1,7 @@
 """Outcome advantages for step-wise samples: one number per trajectory, broadcast to all its steps.
 
+(This is `trainer.algorithm.step_advantage=outcome`, the default; per-step modes live in credit.py.)
+
 A trajectory's score is the sum of the rewards of all its samples (step-wise, merged or whole: the same
 total). Scores are compared within a prompt group (same instance_id) by GRPO or RLOO; the resulting
 advantage is then written on every loss-masked token of every sample of that trajectory, so an early
@@ -78,9 +80,14 @@ def groups_with_signal(scores: dict[TrajectoryID, float]) -> tuple[int, int]:
 def loss_weights(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]] | None:
     """Per-token loss weights for `loss_reduction=trajectory_mean`: 1 / the loss-masked tokens of the token's
     trajectory, counted over all its samples, so each trajectory weighs 1 however it was cut into samples (a
-    per-sample mean would weigh a 4-step trajectory 4x when step-wise and 1x when merged). None: token_mean."""
+    per-sample mean would weigh a 4-step trajectory 4x when step-wise and 1x when merged). None: token_mean.
+
+    sequence_mean is that per-sample mean (1 / the sample's loss-masked tokens; SkyRL/verl's per-sequence mean),
+    kept for parity with their recipes although it is not merge-invariant."""
     if cfg.loss_reduction == "token_mean":
         return None
+    if cfg.loss_reduction == "sequence_mean":
+        return [[1.0 / sum(mask) if sum(mask) else 0.0] * len(mask) for mask in output.loss_masks]
     tokens: dict[TrajectoryID, int] = defaultdict(int)
     for tid, mask in zip(output.trajectory_ids, output.loss_masks):
         tokens[tid] += sum(mask)
@@ -89,7 +96,8 @@ def loss_weights(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[flo
 
 
 def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:
-    """Per-token advantages parallel to response_ids: the trajectory's advantage times the sample's loss mask."""
-    adv = group_advantages(trajectory_scores(output), cfg.advantage_estimator, cfg.norm_adv_by_std,
-                           failed=output.failed_trajectory_ids)
-    return [[adv[tid] * m for m in mask] for tid, mask in zip(output.trajectory_ids, output.loss_masks)]
+    """Per-token advantages parallel to response_ids for `cfg.step_advantage` (outcome: the trajectory's advantage
+    times the sample's loss mask); see credit.compute_credit, which also returns the credit metrics."""
+    from skyrl_stepwise.trainer.credit import compute_credit  # credit.py builds on this module
+
+    return compute_credit(output, cfg).advantages

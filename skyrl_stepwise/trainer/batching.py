@@ -7,6 +7,10 @@ restarting at 0 for every sample. transformers turns restarting position_ids int
 mask (sdpa/eager) or varlen attention (flash-attn) as long as the model is called with no attention_mask
 and use_cache=False; with the cache on it silently attends across samples (measured, transformers 5.19),
 hence `forward_logprobs` always passes use_cache=False.
+
+With `trainer.packing=tree` (trainer/tree.py) a micro-batch is instead one prefix trie of its samples: every
+distinct prefix forwarded once, an explicit ancestor mask, and per-sample logprob copies, so the worker's loss
+code sees the same flat per-sample tensors either way.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from skyrl_stepwise.generator.output import GeneratorOutput
+from skyrl_stepwise.inference.truncation import truncation_keep_mask
 
 
 @dataclass
@@ -158,6 +163,8 @@ class PackedMicroBatch:
     """One packed row plus flat per-response-token tensors, in sample order.
 
     Logits at `logit_index[j]` predict `targets[j]`; `response_lens` splits the flat tensors back per sample.
+    `subtree_end` is set for a tree row (packing=tree): the row is a trie in preorder, token q attends to token k
+    iff k <= q < subtree_end[k], and `logit_index` may repeat a node (one logprob copy per sample).
     """
 
     input_ids: torch.Tensor  # [1, T]
@@ -172,6 +179,7 @@ class PackedMicroBatch:
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
+    subtree_end: torch.Tensor | None = None  # [T], tree rows only
 
     @property
     def num_tokens(self) -> int:
@@ -188,12 +196,50 @@ class PackedMicroBatch:
         return [t.tolist() for t in flat.detach().float().cpu().split(self.response_lens)]
 
 
-def pack_micro_batch(batch: TrainBatch, indices: list[int]) -> PackedMicroBatch:
+def _flat_fields(batch: TrainBatch, indices: list[int]) -> dict[str, torch.Tensor | None]:
+    """The per-response-token fields of these samples, concatenated in sample order."""
+    def flat(name: str) -> torch.Tensor | None:
+        value = getattr(batch, name)
+        return None if value is None else torch.tensor([x for i in indices for x in value[i]], dtype=torch.float32)
+
+    return {"loss_mask": flat("loss_masks"), **{name: flat(name) for name in (
+        "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_weights")}}
+
+
+def pack_tree_micro_batch(batch: TrainBatch, indices: list[int]) -> PackedMicroBatch:
+    """These samples as one prefix-trie row (packing=tree): each distinct prefix once, position ids = depths.
+
+    Response token j of a sample is predicted from the node of the token before it, so each sample gathers its
+    own logprobs (a node shared by several samples' prefixes is gathered once per sample that trains it).
+    """
+    from skyrl_stepwise.trainer.tree import build_trie
+
+    seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in indices]
+    trie = build_trie(seqs)
+    logit_index: list[int] = []
+    targets: list[int] = []
+    for i, nodes in zip(indices, trie.sample_nodes):
+        p, resp = len(batch.prompt_ids[i]), batch.response_ids[i]
+        logit_index += nodes[p - 1:p - 1 + len(resp)]
+        targets += resp
+    ids, pos, end = (trie.tokens, trie.depths, trie.subtree_end) if len(trie) else ([0], [0], [1])
+    return PackedMicroBatch(
+        input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
+        logit_index=torch.tensor(logit_index, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
+        sample_indices=list(indices), response_lens=[len(batch.response_ids[i]) for i in indices],
+        subtree_end=torch.tensor(end, dtype=torch.long), **_flat_fields(batch, indices))
+
+
+def pack_micro_batch(batch: TrainBatch, indices: list[int], packing: str = "rows") -> PackedMicroBatch:
     """Concatenate these samples into one row; an empty `indices` gives a 1-token row with nothing to train.
 
     The empty row exists because FSDP ranks must run the same number of forward/backward passes: a rank
-    with fewer micro-batches runs empty ones.
+    with fewer micro-batches runs empty ones. `packing="tree"` builds a prefix-trie row instead.
     """
+    if packing == "tree":
+        return pack_tree_micro_batch(batch, indices)
+    if packing != "rows":
+        raise ValueError(f"trainer.packing: {packing!r} is not one of ('rows', 'tree')")
     ids: list[int] = []
     pos: list[int] = []
     logit_index: list[int] = []
@@ -207,71 +253,110 @@ def pack_micro_batch(batch: TrainBatch, indices: list[int]) -> PackedMicroBatch:
         pos += range(len(prompt) + len(resp))
     if not ids:
         ids, pos = [0], [0]
-
-    def flat(name: str, dtype=torch.float32) -> torch.Tensor | None:
-        value = getattr(batch, name)
-        return None if value is None else torch.tensor([x for i in indices for x in value[i]], dtype=dtype)
-
     return PackedMicroBatch(
         input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
         logit_index=torch.tensor(logit_index, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
         sample_indices=list(indices), response_lens=[len(batch.response_ids[i]) for i in indices],
-        loss_mask=flat("loss_masks"), advantages=flat("advantages"), old_logprobs=flat("old_logprobs"),
-        ref_logprobs=flat("ref_logprobs"), rollout_logprobs=flat("rollout_logprobs"),
-        loss_weights=flat("loss_weights"))
+        **_flat_fields(batch, indices))
 
 
-def rank_micro_batches(batch: TrainBatch, rank: int, world_size: int, max_tokens: int) -> list[list[int]]:
-    """This rank's micro-batches (batch indices): a token-balanced rank shard, packed by token budget."""
+def _sequences(batch: TrainBatch) -> list[list[int]]:
+    return [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+
+
+def rank_micro_batches(batch: TrainBatch, rank: int, world_size: int, max_tokens: int,
+                       packing: str = "rows") -> list[list[int]]:
+    """This rank's micro-batches (batch indices): a token-balanced rank shard, packed by token budget.
+
+    packing=tree shards and packs whole prompt groups (trie units, trainer/tree.py) priced by their distinct
+    prefixes, so a group's shared tokens are forwarded once, on one rank, in one micro-batch.
+    """
+    if packing == "tree":
+        from skyrl_stepwise.trainer.tree import pack_units, tree_units, unique_tokens
+
+        seqs = _sequences(batch)
+        units, _ = tree_units(seqs, batch.instance_ids, max_tokens)
+        shard = balanced_partition([unique_tokens([seqs[i] for i in u]) for u in units], world_size)[rank]
+        mine = [units[u] for u in shard]
+        return [sorted(i for u in b for i in mine[u]) for b in pack_units(seqs, mine, max_tokens)]
     lens = batch.seq_lens()
     shard = balanced_partition(lens, world_size)[rank]
     return [[shard[j] for j in b] for b in pack_indices([lens[i] for i in shard], max_tokens)]
 
 
-def packing_stats(batch: TrainBatch, micro_batches: list[list[int]]) -> dict[str, float]:
+def packing_stats(batch: TrainBatch, micro_batches: list[list[int]], packing: str = "rows",
+                  max_tokens: int | None = None) -> dict[str, float]:
     """Packing efficiency vs a padded batch (prompts left-padded, responses right-padded), for logging.
 
     pad_ratio = tokens run through the model / real tokens (1.0 means no padding at all);
     padded_batch_pad_ratio is what a left-padded [n, batch_padded_seq_len] batch would cost instead.
+    forward_tokens = tokens run through the model (rows: packed row lengths; tree: trie nodes per row);
+    unique_tokens = distinct prefixes of the whole batch (the least any packing on one rank can forward);
+    compression_ratio = real_tokens / forward_tokens (1.0 for rows; what tree packing saves).
     """
+    from skyrl_stepwise.trainer.tree import tree_units, unique_tokens
+
     lens = batch.seq_lens()
     real = sum(lens)
     packed = sum(max(1, sum(lens[i] for i in mb)) for mb in micro_batches)
+    seqs = _sequences(batch)
+    forward = packed if packing == "rows" else sum(max(1, unique_tokens([seqs[i] for i in mb]))
+                                                   for mb in micro_batches)
     padded_len = (max(map(len, batch.prompt_ids), default=0) + max(map(len, batch.response_ids), default=0))
-    return {
+    stats = {
         "train/real_tokens": real,
         "train/packed_tokens": packed,
+        "train/forward_tokens": forward,
+        "train/unique_tokens": unique_tokens(seqs),
+        "train/compression_ratio": real / max(forward, 1),
         "train/num_micro_batches": len(micro_batches),
         "train/pad_ratio": packed / max(real, 1),
         "train/batch_padded_seq_len": padded_len,
         "train/padded_batch_tokens": padded_len * len(batch),
         "train/padded_batch_pad_ratio": padded_len * len(batch) / max(real, 1),
     }
+    if packing == "tree" and max_tokens is not None:  # a group too big for one row loses some sharing: count it
+        stats["train/tree_split_groups"] = tree_units(seqs, batch.instance_ids, max_tokens)[1]
+    return stats
 
 
 class _TargetLogprob(torch.autograd.Function):
-    """log_softmax(logits / T)[target] in fp32, chunk by chunk, saving only the logits and the [R] logsumexp.
+    """log_softmax(truncate(logits / T))[target] in fp32, chunk by chunk, saving only the logits and the [R]
+    logsumexp.
 
     Plain autograd would keep every chunk's fp32 copy of the logits for backward (the full [R, V] in fp32);
     backward recomputes each chunk's softmax instead: d logp / d logits = (onehot(target) - softmax) / T.
+    With top-k / top-p the distribution is the sampler's truncated one (inference/truncation.py), recomputed
+    in backward from the same logits; the target is always kept, so a token the engine drew and the trainer's
+    slightly different logits would have cut scores finitely instead of -inf.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy, chunk_rows):
+    def _scaled(logits, targets, temperature, top_k, top_p):
+        x = logits.float() / temperature
+        keep = truncation_keep_mask(x, top_k, top_p)
+        if keep is not None:
+            keep.scatter_(-1, targets[:, None], True)
+            x = x.masked_fill(~keep, float("-inf"))
+        return x
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk_rows, top_k, top_p):
         logps, lses, ents = [], [], []
         for s in range(0, logits.shape[0], chunk_rows):
-            x = logits[s:s + chunk_rows].float() / temperature
+            x = _TargetLogprob._scaled(logits[s:s + chunk_rows], targets[s:s + chunk_rows], temperature, top_k, top_p)
             lse = torch.logsumexp(x, dim=-1)
             logps.append(x.gather(-1, targets[s:s + chunk_rows, None]).squeeze(-1) - lse)
             lses.append(lse)
             if with_entropy:
-                ents.append(lse - (torch.softmax(x, dim=-1) * x).sum(-1))
+                p = torch.softmax(x, dim=-1)
+                ents.append(lse - (p * x.masked_fill(p == 0, 0.0)).sum(-1))
 
         def cat(xs):  # an empty row still gets its own [0] tensors: a graph to backward through
             return torch.cat(xs) if xs else logits.new_zeros(0, dtype=torch.float32)
 
         ctx.save_for_backward(logits, targets, cat(lses))
-        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        ctx.temperature, ctx.chunk_rows, ctx.top_k, ctx.top_p = temperature, chunk_rows, top_k, top_p
         ent = cat(ents)
         ctx.mark_non_differentiable(ent)
         return cat(logps), ent
@@ -283,33 +368,43 @@ class _TargetLogprob(torch.autograd.Function):
         grad = torch.empty_like(logits)
         t, n = ctx.temperature, ctx.chunk_rows
         for s in range(0, logits.shape[0], n):
-            d = (logits[s:s + n].float() / t - lse[s:s + n, None]).exp()  # softmax
+            x = _TargetLogprob._scaled(logits[s:s + n], targets[s:s + n], t, ctx.top_k, ctx.top_p)
+            d = (x - lse[s:s + n, None]).exp()  # softmax (0 where truncated)
             d.scatter_add_(-1, targets[s:s + n, None], d.new_full((d.shape[0], 1), -1.0))  # softmax - onehot
             grad[s:s + n] = d.mul_(grad_logp[s:s + n, None] / -t)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    with_entropy: bool = False, chunk_rows: int = 1024
+                    with_entropy: bool = False, chunk_rows: int = 1024, top_k: int = -1, top_p: float = 1.0
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each target under [R, V] logits (fp32), optionally the entropy (no grad).
 
+    The distribution is the sampler's: logits / temperature, truncated by top_k / top_p exactly as the
+    engines truncate before drawing (their logprobs are of that distribution), so on-policy TIS weights are 1.
     logsumexp + gather per chunk of rows instead of a full log_softmax, in a custom autograd function: only
     [chunk, V] fp32 temporaries exist at once, in forward and in backward, and only the logits themselves
     (in their own dtype) and an [R] logsumexp are kept for backward. Entropy is a metric: no gradient.
     An empty row still returns a graph-connected [0] tensor, so a rank with no response token can backward.
     """
-    logp, ent = _TargetLogprob.apply(logits, targets, float(temperature), with_entropy, chunk_rows)
+    logp, ent = _TargetLogprob.apply(logits, targets, float(temperature), with_entropy, chunk_rows,
+                                     int(top_k), float(top_p))
     return logp, ent if with_entropy else None
 
 
 def forward_logprobs(model: torch.nn.Module, mb: PackedMicroBatch, temperature: float = 1.0,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, top_k: int = -1, top_p: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one packed row and return the logprobs (and entropy) of its response tokens, flat [R].
 
     Only the R positions that predict response tokens go through the LM head (logits_to_keep), so the
     [T, V] logits of prompt and observation positions are never built.
     """
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
-                logits_to_keep=mb.logit_index)
-    return gather_logprobs(out.logits[0], mb.targets, temperature, with_entropy)
+    if mb.subtree_end is None:
+        inputs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids}
+    else:  # a tree row: the ancestor mask in the form this model's attention takes (trainer/tree.py)
+        from skyrl_stepwise.trainer.tree import tree_model_inputs
+
+        inputs = tree_model_inputs(mb.input_ids, mb.position_ids, mb.subtree_end, model.config._attn_implementation)
+    out = model(**inputs, use_cache=False, logits_to_keep=mb.logit_index)
+    return gather_logprobs(out.logits[0], mb.targets, temperature, with_entropy, top_k=top_k, top_p=top_p)

@@ -11,17 +11,27 @@ from dataclasses import dataclass, field
 
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
-LOSS_REDUCTIONS = ("token_mean", "trajectory_mean")
+LOSS_REDUCTIONS = ("token_mean", "trajectory_mean", "sequence_mean")
+STEP_ADVANTAGES = ("outcome", "discounted", "gigpo")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKINGS = ("rows", "tree")
 
 
 @dataclass
 class AlgorithmConfig:
-    """What is optimised: outcome advantages broadcast to every step, PPO clip, truncated IS, KL."""
+    """What is optimised: per-step advantages (outcome by default), PPO clip, truncated IS, KL."""
 
     advantage_estimator: str = "grpo"
     norm_adv_by_std: bool = True
+    # How a trajectory's credit reaches its steps (trainer/credit.py), always grouped by prompt:
+    # outcome: the trajectory's advantage on every step; discounted: each step's return (its reward + gamma-
+    # discounted later rewards) minus the group's mean trajectory return (a trajectory-level baseline: stopping
+    # earlier earns nothing by itself); gigpo: the outcome advantage + step_advantage_weight x the step's return
+    # normalised among the group's steps with an identical observation history (GiGPO's anchor states).
+    step_advantage: str = "outcome"
+    gamma: float = 1.0  # discount over turns (discounted, gigpo)
+    step_advantage_weight: float = 1.0  # GiGPO's omega
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.28
     # Dual-clip PPO: caps the loss of negative-advantage tokens at dual_clip_c * |A|; None disables it.
@@ -36,6 +46,8 @@ class AlgorithmConfig:
     # trajectory_mean: each trajectory's token mean, averaged over the mini-batch's trajectories, so a long
     # trajectory counts as much as a short one (rLLM's seq-mean-token-mean, per trajectory, not per sample).
     # Both sum over a trajectory's tokens, so splitting it into steps or merging steps never changes the loss.
+    # sequence_mean: each sample's token mean, averaged over samples (SkyRL/verl's per-sequence mean, for parity with
+    # their recipes). NOT merge-invariant: a 4-step trajectory weighs 4 samples step-wise and 1 merged.
     loss_reduction: str = "token_mean"
     # DAPO's dynamic sampling: a prompt group whose samples all scored the same has zero GRPO/RLOO advantage
     # and teaches nothing. When on, a step draws up to `max_sample_batches` batches of prompts until it has
@@ -52,8 +64,13 @@ class AlgorithmConfig:
         if self.kl_loss_type not in KL_LOSS_TYPES:
             raise ValueError(f"{prefix}.kl_loss_type: {self.kl_loss_type!r} is not one of {KL_LOSS_TYPES}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"{prefix}.loss_reduction: {self.loss_reduction!r} is not one of {LOSS_REDUCTIONS} "
-                             f"(a per-sample mean would change the loss with how trajectories are cut into steps)")
+            raise ValueError(f"{prefix}.loss_reduction: {self.loss_reduction!r} is not one of {LOSS_REDUCTIONS}")
+        if self.step_advantage not in STEP_ADVANTAGES:
+            raise ValueError(f"{prefix}.step_advantage: {self.step_advantage!r} is not one of {STEP_ADVANTAGES}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"{prefix}.gamma must be in [0, 1], got {self.gamma}")
+        if self.step_advantage_weight < 0:
+            raise ValueError(f"{prefix}.step_advantage_weight must be >= 0, got {self.step_advantage_weight}")
         for key in ("eps_clip_low", "eps_clip_high", "kl_loss_coef"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{prefix}.{key} must be >= 0, got {getattr(self, key)}")
@@ -149,11 +166,20 @@ class TrainerConfig:
     # CPU and short rows); flex_attention / flash_attention_* skip the masked blocks, which is what long packed
     # rows on GPUs need (benchmarks/fsdp_throughput.py measures the difference).
     attn_implementation: str = "sdpa"
+    # How a micro-batch's samples become model input (trainer/tree.py). rows: each sample concatenated in full.
+    # tree: one prefix trie per micro-batch, every distinct prefix (a group's prompt, the history a step re-reads,
+    # a shared tool-schema system prompt) forwarded once, same per-sample loss and gradients. Needs an attention
+    # that takes an arbitrary mask: sdpa / eager (dense T x T mask: CPU, short rows) or flex_attention (GPU;
+    # untested on GPUs so far); flash_attention_* cannot express a tree.
+    packing: str = "rows"
     # Async rollouts (trainer/rollout_ahead.py): the engines generate the next steps' rollouts while this step
     # trains, with weights at most this many updates old; truncated IS corrects the staleness. 0: synchronous.
     max_staleness: int = 0
-    # The sampling temperature: logits are divided by it so trainer logprobs match the rollout's.
+    # The sampling temperature, top-k and top-p (conf/config.yaml copies them from generator.sampling): the
+    # trainer scores the truncated distribution the engines drew from, so on-policy TIS weights are exactly 1.
     temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
     seed: int = 42
     ckpt_dir: str = "ckpts"
     ckpt_interval: int = 10  # optimizer steps between checkpoints; 0 disables
@@ -162,6 +188,10 @@ class TrainerConfig:
     # resume=none refuses a ckpt_dir that already holds checkpoints (resume=auto would later mix the two
     # runs); true deletes them first.
     overwrite_ckpt_dir: bool = False
+    # A launch into a run dir that already trained (its run_config.yaml) must have the same config, or it would
+    # silently continue (or restart) a different job there; true accepts the differences (logged, and recorded in
+    # run_config.launches.jsonl; the first launch's run_config.yaml and .hydra/ stay as they were).
+    resume_allow_changes: bool = False
 
     def validate(self, prefix: str = "trainer") -> None:
         """Validate this config and its parts, naming the full key path of the first bad value."""
@@ -176,8 +206,16 @@ class TrainerConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"{prefix}.attn_implementation: {self.attn_implementation!r} is not one of "
                              f"{ATTN_IMPLEMENTATIONS}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"{prefix}.packing: {self.packing!r} is not one of {PACKINGS}")
+        if self.packing == "tree" and self.attn_implementation.startswith("flash_attention"):
+            raise ValueError(f"{prefix}.packing=tree needs an attention that takes a tree mask, but "
+                             f"{prefix}.attn_implementation={self.attn_implementation} (varlen) cannot express one: "
+                             f"use flex_attention (GPU), sdpa or eager, or {prefix}.packing=rows")
         if self.temperature <= 0:
             raise ValueError(f"{prefix}.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
         if self.ckpt_interval < 0:
             raise ValueError(f"{prefix}.ckpt_interval must be >= 0 (0 disables), got {self.ckpt_interval}")
         if self.max_ckpts_to_keep == 0 or self.max_ckpts_to_keep < -1:

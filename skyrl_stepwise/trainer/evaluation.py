@@ -27,6 +27,9 @@ class EvalResult:
     ci_high: float
     seconds: float = 0.0
     by_source: dict[str, float] = field(default_factory=dict)  # mean score per data_source
+    # prompts scored 0 because they produced no score (failed trajectory, first prompt over max_input_length):
+    # every stage covers the same prompts, and this says how many of them could not be answered at all
+    unscored: int = 0
 
     @property
     def num_prompts(self) -> int:
@@ -35,6 +38,8 @@ class EvalResult:
     def describe(self) -> str:
         """One line for the console: `EM 0.250 [0.141, 0.375] on 32 prompts`."""
         line = f"{self.mean:.3f} [{self.ci_low:.3f}, {self.ci_high:.3f}] on {self.num_prompts} prompts"
+        if self.unscored:
+            line += f" ({self.unscored} unscored, counted as 0: failed or over generator.max_input_length)"
         if len(self.by_source) > 1:
             line += " (" + ", ".join(f"{k} {v:.3f}" for k, v in self.by_source.items()) + ")"
         return line
@@ -92,7 +97,7 @@ def load_evals(run_dir: str | Path) -> list[EvalResult]:
 
 def eval_table(results: list[EvalResult], metric: str = "EM") -> str:
     """A markdown table of the stages, each with its interval."""
-    rows = [f"| stage | {metric} | 95% interval | prompts |", "|---|---:|---|---:|"]
+    rows = [f"| stage | {metric} | 95% interval | prompts (unscored = 0) |", "|---|---:|---|---:|"]
     sources = sorted({k for r in results for k in r.by_source})
     if len(sources) > 1:  # one column per source when the subset mixes them
         rows[0] += "".join(f" {s} |" for s in sources)
@@ -100,5 +105,6 @@ def eval_table(results: list[EvalResult], metric: str = "EM") -> str:
     for r in results:
         cells = "".join(f" {r.by_source[s]:.3f} |" if s in r.by_source else " - |" for s in sources) \
             if len(sources) > 1 else ""
-        rows.append(f"| {r.stage} | {r.mean:.3f} | [{r.ci_low:.3f}, {r.ci_high:.3f}] | {r.num_prompts} |{cells}")
+        prompts = f"{r.num_prompts} ({r.unscored} unscored)" if r.unscored else f"{r.num_prompts}"
+        rows.append(f"| {r.stage} | {r.mean:.3f} | [{r.ci_low:.3f}, {r.ci_high:.3f}] | {prompts} |{cells}")
     return "\n".join(rows)

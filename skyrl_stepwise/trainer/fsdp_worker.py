@@ -143,7 +143,8 @@ def _cloned(state):
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
-                     temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+                     temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward one packed row and return its share of the mini-batch token-mean loss (see losses.py).
 
     Without old_logprobs the update is on-policy: the detached current logprobs are the old ones
@@ -151,7 +152,7 @@ def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: Algorith
     """
     if mb.advantages is None:
         raise ValueError("train_step needs TrainBatch.advantages (got None): compute them with compute_advantages")
-    logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True)
+    logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True, top_k=top_k, top_p=top_p)
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
     return policy_loss(logprobs, old, mb.advantages, mb.loss_mask, cfg, num_tokens,
                        rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
@@ -176,8 +177,13 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
 
     from skyrl_stepwise.models import resolve_model_path
 
+    attn = cfg.attn_implementation
+    if cfg.packing == "tree" and attn == "flex_attention":  # flex compiled with dynamic=True, the tree's BlockMask
+        from skyrl_stepwise.trainer.tree import register_tree_flex_attention
+
+        attn = register_tree_flex_attention()
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
-                                                 attn_implementation=cfg.attn_implementation)
+                                                 attn_implementation=attn)
     model.config.use_cache = False
     if cfg.fsdp.gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -221,11 +227,24 @@ class PolicyWorker:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
         every rank to run the same number of passes), and every rank's, for stats. No communication:
         every rank derives every shard from the same batch."""
-        per_rank = [rank_micro_batches(batch, r, self.world_size, self.cfg.micro_batch_tokens)
+        per_rank = [rank_micro_batches(batch, r, self.world_size, self.cfg.micro_batch_tokens, self.cfg.packing)
                     for r in range(self.world_size)]
         n = max(1, max(len(m) for m in per_rank))
         per_rank = [m + [[] for _ in range(n - len(m))] for m in per_rank]
         return per_rank[self.rank], per_rank
+
+    def set_packing(self, packing: str) -> str:
+        """Switch trainer.packing (rows | tree) for the next calls; returns the previous value. The ablation trains
+        the same rollouts both ways from one worker. tree with flex_attention needs the worker started with it."""
+        from dataclasses import replace
+
+        cfg = replace(self.cfg, packing=packing)
+        cfg.validate()
+        if self.cfg.attn_implementation == "flex_attention" and packing != self.cfg.packing:
+            raise ValueError("trainer.packing cannot change on a running worker with trainer.attn_implementation="
+                             "flex_attention: the model loads the tree's own flex attention at start-up")
+        previous, self.cfg = self.cfg.packing, cfg
+        return previous
 
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Logprobs of every response token of every sample under the current weights, on every rank."""
@@ -244,8 +263,9 @@ class PolicyWorker:
         mine, _ = self._micro_batches(batch)
         local: dict[int, list[float]] = {}
         for idx in mine:
-            mb = pack_micro_batch(batch, idx).to(self.device)
-            logprobs, _ = forward_logprobs(model, mb, self.cfg.temperature)
+            mb = pack_micro_batch(batch, idx, self.cfg.packing).to(self.device)
+            logprobs, _ = forward_logprobs(model, mb, self.cfg.temperature, top_k=self.cfg.top_k,
+                                           top_p=self.cfg.top_p)
             local.update(zip(idx, mb.split(logprobs)))
         gathered: list[dict[int, list[float]]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
@@ -274,12 +294,12 @@ class PolicyWorker:
         denominator = batch.loss_denominator()  # = num_tokens unless trajectory weights are set
         totals: dict[str, float] = defaultdict(float)
         for idx in mine:
-            mb = pack_micro_batch(batch, idx).to(self.device)
+            mb = pack_micro_batch(batch, idx, self.cfg.packing).to(self.device)
             if objective == "sft":
                 loss, metrics = sft_micro_batch_loss(self.model, mb, num_tokens)
             else:
                 loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, denominator,
-                                                 self.cfg.temperature)
+                                                 self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
             (loss * self.world_size).backward()
             for k, v in metrics.items():
                 totals[k] += v
@@ -299,7 +319,8 @@ class PolicyWorker:
         summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(summed)
         out = dict(zip(keys, summed.tolist()))
-        out.update(packing_stats(batch, [mb for m in per_rank for mb in m]))
+        out.update(packing_stats(batch, [mb for m in per_rank for mb in m], self.cfg.packing,
+                                 self.cfg.micro_batch_tokens))
         out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skipped),
                     "train/loss_tokens": num_tokens, "train/step_time_s": time.perf_counter() - start})
         release_host_memory(self.device)
@@ -347,19 +368,71 @@ class PolicyWorker:
             self.scheduler.load_state_dict(_cloned(self._snapshot["scheduler"]))
         checkpoint._set_rng_state(self._snapshot["rng"])
 
-    def export_weights(self, path: str, dtype: str) -> dict[str, int]:
-        """Gather the full weights and let rank 0 write them to `path` as safetensors in the engines' dtype;
-        collective. The engines read the file on this node, so no weights go through the driver or Ray."""
-        from skyrl_stepwise.inference.weights import write_weights_file
+    def export_weights(self, path: str, dtype: str, nodes: list[str] | None = None) -> dict:
+        """Write the full weights as safetensors in the engines' dtype at `path` on every node in `nodes` (the
+        nodes whose engines read them; default rank 0's); collective. No weights go through the driver or Ray.
 
+        The first policy rank on each of those nodes writes the file there; rank 0, which gathers the full state,
+        sends it to the other writers over the trainer's own process group (one rank per GPU, so nothing NCCL
+        refuses, unlike a group with the engines colocated on the same GPUs). Where `path`'s filesystem
+        (/dev/shm) lacks room, a writer uses the temp dir and says so. Returns the parameter count, the bytes
+        written and `paths`: node -> the file there."""
+        from skyrl_stepwise.inference.weights import current_node_id, weights_target, write_weights_file
+
+        engine_dtype = getattr(torch, dtype)
         state = self.full_state_dict()
-        out = {"params": sum(t.numel() for t in state.values()), "bytes": 0}
-        if self.rank == 0:
-            out["bytes"] = write_weights_file(state.items(), getattr(torch, dtype), path)
+        rank_nodes: list[str] = [None] * self.world_size  # type: ignore[list-item]
+        dist.all_gather_object(rank_nodes, current_node_id())
+        wanted = list(nodes or [rank_nodes[0]])
+        missing = [n for n in wanted if n not in rank_nodes]
+        if missing:
+            raise ValueError(f"export_weights: no policy rank on node(s) {missing} to write the weights file there")
+        writers = sorted({rank_nodes.index(n) for n in wanted})
+        if any(w != 0 for w in writers):
+            state = self._send_state_to(sorted({0, *writers}), state)
+        written = None
+        if self.rank in writers:
+            nbytes = sum(t.numel() for t in state.values()) * torch.empty(0, dtype=engine_dtype).element_size()
+            target, warning = weights_target(path, nbytes)
+            written = (rank_nodes[self.rank], str(target), write_weights_file(state.items(), engine_dtype, target),
+                       warning)
+            self._weights_file = target
+        params = sum(t.numel() for t in state.values())
         del state
         release_host_memory(self.device)
-        dist.barrier()
-        return out
+        results: list = [None] * self.world_size
+        dist.all_gather_object(results, written)
+        done = [r for r in results if r is not None]
+        return {"params": params, "bytes": sum(r[2] for r in done), "paths": {r[0]: r[1] for r in done},
+                "warning": next((r[3] for r in done if r[3]), None)}
+
+    def _send_state_to(self, members: list[int], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's full state broadcast to `members` (a group of their own; every rank takes part in creating
+        it), tensor by tensor: the members return the full state on CPU, the others what they had."""
+        group = dist.new_group(members)
+        try:
+            if self.rank not in members:
+                return state
+            specs = [[(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in state.items()]]
+            dist.broadcast_object_list(specs, src=0, group=group)
+            comm_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            received = {}
+            for name, shape, dtype in specs[0]:
+                tensor = state[name].to(comm_device) if self.rank == 0 else \
+                    torch.empty(shape, dtype=getattr(torch, dtype), device=comm_device)
+                dist.broadcast(tensor, src=0, group=group)
+                received[name] = tensor.cpu()
+            return state if self.rank == 0 else received
+        finally:
+            dist.destroy_process_group(group)
+
+    def remove_weights_file(self, paths: list[str]) -> None:
+        """Delete the weights file this rank last wrote if it is one of `paths` (an update the engines have read):
+        every node's copy, not only the driver's; a file exported to keep (SFT's model) is never named here."""
+        path = getattr(self, "_weights_file", None)
+        if path is not None and str(path) in paths:
+            Path(path).unlink(missing_ok=True)
+            self._weights_file = None
 
     def offload_to_host(self) -> int:
         """GPU: move this rank's weights, gradients, AdamW state and reference shard to host memory so the engines

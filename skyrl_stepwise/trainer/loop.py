@@ -21,9 +21,10 @@ from tqdm.auto import tqdm
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
-from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights, signal_groups, trajectory_scores
+from skyrl_stepwise.trainer.advantages import loss_weights, signal_groups, trajectory_scores
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
+from skyrl_stepwise.trainer.credit import compute_credit
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
 from skyrl_stepwise.trainer.weight_sync import WeightSync, probe_logprobs
@@ -87,7 +88,8 @@ def reward_metrics(output: GeneratorOutput, prefix: str) -> dict[str, float]:
 
 # Train metrics that are counts over the whole batch: summed over mini-batches (everything else is averaged).
 SUMMED_TRAIN_KEYS = ("train/real_tokens", "train/packed_tokens", "train/num_micro_batches", "train/loss_tokens",
-                     "train/padded_batch_tokens", "train/step_time_s", "train/skipped_step")
+                     "train/padded_batch_tokens", "train/step_time_s", "train/skipped_step", "train/forward_tokens",
+                     "train/unique_tokens", "train/tree_split_groups")
 
 
 def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, float]:
@@ -103,6 +105,8 @@ def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, f
     if out.get("train/real_tokens"):
         out["train/pad_ratio"] = out["train/packed_tokens"] / out["train/real_tokens"]
         out["train/padded_batch_pad_ratio"] = out["train/padded_batch_tokens"] / out["train/real_tokens"]
+    if out.get("train/forward_tokens"):  # packing=tree: what the prefix trie saved over forwarding every sample
+        out["train/compression_ratio"] = out["train/real_tokens"] / out["train/forward_tokens"]
     out["train/optimizer_steps"] = len(per_mini_batch) - out.get("train/skipped_step", 0.0)
     return dict(out)
 
@@ -144,8 +148,10 @@ class RLTrainer:
 
     def __init__(self, cfg, generator: StepwiseGenerator, eval_generator: StepwiseGenerator,
                  engine: InferenceEngine, policy, reference, tracker, train_rows: list[PromptRow],
-                 val_rows: list[PromptRow], probe_ids: list[int], weight_sync: WeightSync | None = None) -> None:
-        """`weight_sync`: the run's (it holds a broadcast group across steps); None builds one from cfg."""
+                 val_rows: list[PromptRow], probe_ids: list[int], weight_sync: WeightSync | None = None,
+                 rollout_log=None) -> None:
+        """`weight_sync`: the run's (it holds a broadcast group across steps); None builds one from cfg.
+        `rollout_log` (trainer/rollout_samples.py): decoded samples of every step and eval, for reading."""
         self.cfg = cfg
         self.generator, self.eval_generator, self.engine = generator, eval_generator, engine
         self.policy, self.reference, self.tracker = policy, reference, tracker
@@ -153,6 +159,7 @@ class RLTrainer:
         self.loader = PromptLoader(train_rows, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.val_rows = eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed)
         self.probe_ids = probe_ids
+        self.rollout_log = rollout_log
         self.step = 0
         self.last_eval: EvalResult | None = None
         self.run_id = uuid.uuid4().hex[:12]  # tags this launch's checkpoints: pruning touches only its lineage
@@ -172,6 +179,8 @@ class RLTrainer:
             self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
             self.tracker.rewind(self.step)
+            if self.rollout_log is not None:
+                self.rollout_log.rewind(self.step)
             await self.weight_sync.sync()
         if self.cfg.trainer.max_staleness > 0:
             self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness)
@@ -186,20 +195,22 @@ class RLTrainer:
                 self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
                 ckpt = self.cfg.trainer.ckpt_interval
                 if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
-                    self.save_checkpoint()
+                    await self.save_checkpoint()
         finally:
             if self.ahead is not None:
                 await self.ahead.close()
                 self.ahead = None
         return metrics
 
-    def save_checkpoint(self) -> None:
-        """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs')."""
-        self.policy.call("save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
-                                                        "lineage": self.lineage})
-        self.lineage = prune_lineage(self.cfg.trainer.ckpt_dir,
-                                     self.lineage + [lineage_entry(self.step, self.run_id)],
-                                     self.cfg.trainer.max_ckpts_to_keep)
+    async def save_checkpoint(self) -> None:
+        """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs').
+        Off the event loop (a save takes seconds to minutes): rollouts running ahead, and their tool calls,
+        keep going meanwhile."""
+        await self._call(self.policy, "save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
+                                                                     "lineage": self.lineage})
+        self.lineage = await asyncio.to_thread(prune_lineage, self.cfg.trainer.ckpt_dir,
+                                               self.lineage + [lineage_entry(self.step, self.run_id)],
+                                               self.cfg.trainer.max_ckpts_to_keep)
 
     async def sample(self, step: int | None = None) -> tuple[GeneratorOutput, TrainBatch | None, dict[str, float],
                                                              list[str]]:
@@ -216,6 +227,7 @@ class RLTrainer:
         draws = algo.max_sample_batches if algo.dynamic_sampling else 1
         outputs, kept, prompts = [], [], []
         signal_of: dict[str, bool] = {}
+        credit_metrics: dict[str, float] = {}
         step = self.step if step is None else step
         for draw in range(draws):
             rows = self.loader.batch(step * draws + draw)
@@ -227,8 +239,9 @@ class RLTrainer:
                 continue
             signal = signal_groups(trajectory_scores(output))
             signal_of.update(signal)
-            batch = TrainBatch.from_output(output, compute_advantages(output, algo),
-                                           loss_weights=loss_weights(output, algo))
+            credit = compute_credit(output, algo)
+            credit_metrics = credit_metrics or credit.metrics  # the first draw's: a draw is one batch's worth
+            batch = TrainBatch.from_output(output, credit.advantages, loss_weights=loss_weights(output, algo))
             if algo.dynamic_sampling:
                 room = cfg.data.train_batch_size - sum(len(set(b.instance_ids)) for b in kept)
                 chosen = set([group for group, has_signal in signal.items() if has_signal][:room])
@@ -240,7 +253,7 @@ class RLTrainer:
         trained = set(batch.instance_ids) if batch else set()
         with_signal = sum(signal_of[group] for group in trained)
         metrics = {"advantages/groups_with_signal": float(with_signal),
-                   "advantages/groups_with_signal_frac": with_signal / max(len(trained), 1)}
+                   "advantages/groups_with_signal_frac": with_signal / max(len(trained), 1), **credit_metrics}
         if algo.dynamic_sampling:
             generated_signal = sum(signal_of.values())
             metrics.update({"dynamic_sampling/draws": float(len(outputs)),
@@ -266,6 +279,8 @@ class RLTrainer:
                 if rollout.step != self.step:
                     raise RuntimeError(f"rollouts of step {rollout.step} arrived for step {self.step}")
                 output, batch, signal, self.last_prompts = rollout.result
+        if self.rollout_log is not None:
+            self.rollout_log.record(output, self.step + 1, "train")
         metrics = dict(output.rollout_metrics)
         if self.ahead is not None:  # the wait is what overlap did not hide; generate_s is the batch's own time
             timer["timing/rollout_wait_s"] = timer.pop("timing/generate_s")
@@ -307,15 +322,21 @@ class RLTrainer:
             train = combine_train_metrics(per_mini_batch)
         metrics.update(train)
 
-        # with rollouts ahead, a sync first waits for the batch in progress (timing/weight_sync_s includes it)
+        # with rollouts ahead, a sync first waits for the batch in progress (timing/weight_sync_s includes it);
+        # the probe after it, with the run's own sampling parameters, is timed apart (timing/weight_sync_probe_s)
         engines_held = self.ahead.weights_update() if self.ahead is not None else nullcontext()
         with timer.phase("weight_sync"), bar.phase("weight sync"):
             async with engines_held:
                 sync_start = time.perf_counter()
                 await self.weight_sync.sync()
-                metrics["sync/seconds"] = time.perf_counter() - sync_start  # without the probe below
+                metrics["sync/seconds"] = time.perf_counter() - sync_start
+                probe_start = time.perf_counter()
                 probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
-                                             temperature=cfg.trainer.temperature)
+                                             temperature=cfg.trainer.temperature, top_k=cfg.trainer.top_k,
+                                             top_p=cfg.trainer.top_p)
+                probe_s = time.perf_counter() - probe_start
+        timer["timing/weight_sync_s"] -= probe_s
+        timer["timing/weight_sync_probe_s"] = probe_s
         bar.close()
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
                         "sync/probe_logprob_mean_diff": probe.mean_abs_diff,
@@ -341,22 +362,31 @@ class RLTrainer:
         """Greedy rollouts on the validation prompts: reward (EM for Search-R1) with its 95% interval."""
         if not self.val_rows:
             return {}
-        self.last_eval = await evaluate_prompts(self.eval_generator, self.val_rows, f"step {self.step}")
+        self.last_eval = await evaluate_prompts(self.eval_generator, self.val_rows, f"step {self.step}",
+                                                self.rollout_log, self.step)
         result = self.last_eval
         return {"eval/reward/mean": result.mean, "eval/reward/ci_low": result.ci_low,
                 "eval/reward/ci_high": result.ci_high, "eval/num_prompts": float(result.num_prompts),
+                "eval/num_unscored": float(result.unscored),
                 "timing/eval_s": result.seconds}
 
 
-async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str) -> EvalResult:
+async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str,
+                           rollout_log=None, step: int = 0) -> EvalResult:
     """One greedy rollout per prompt, scored by its trajectory reward; the same rows give the same prompts at
-    every stage, so stages compare. A trajectory whose infrastructure failed is left out, not scored 0."""
+    every stage, so stages compare. A prompt with no score (its trajectory failed, or its first prompt exceeds
+    generator.max_input_length) scores 0 and is counted in `unscored`: leaving it out would compare stages on
+    different subsets. `rollout_log`: where a few decoded eval trajectories go (as of training step `step`)."""
     start = time.perf_counter()
     output = await eval_generator.generate(*expand(rows, 1, f"eval/{stage}"))
+    if rollout_log is not None:
+        rollout_log.record(output, step, f"eval {stage}")
     scores = trajectory_scores(output) if output.trajectory_ids is not None else {}
-    done = sorted(scores, key=lambda t: int(t.instance_id.rsplit("/", 1)[1]))  # expand() ends ids with the row index
-    sources = [rows[int(t.instance_id.rsplit("/", 1)[1])].data_source or "unknown" for t in done]
-    return eval_result(stage, [scores[t] for t in done], time.perf_counter() - start, sources)
+    by_row = {int(t.instance_id.rsplit("/", 1)[1]): score for t, score in scores.items()}  # expand(): ids end with the row
+    sources = [row.data_source or "unknown" for row in rows]
+    result = eval_result(stage, [by_row.get(i, 0.0) for i in range(len(rows))], time.perf_counter() - start, sources)
+    result.unscored = len(rows) - len(by_row)
+    return result
 
 
 def eval_config(generator_cfg):

@@ -10,6 +10,7 @@ assistant said is trained (loss mask 1), never the prompt or the observations.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,7 +27,9 @@ class SFTConfig:
     """The warm start: which conversations, how long, how fast; `skyrl-stepwise sft` and the main job use it."""
 
     enabled: bool = False  # the main job runs SFT before RL (cached: redone only when its inputs change)
-    data: str = "embedded"  # "embedded" (Search-R1 demonstrations) or a parquet with a `messages` column
+    # "embedded" (Search-R1 demonstrations) or a parquet with a `messages` column (OpenAI-shaped chat messages; an
+    # assistant message may carry `tool_calls`); null: none (the task-neutral recipe turns SFT on when it is set)
+    data: str | None = "embedded"
     max_rows: int = 64
     epochs: int = 2
     batch_size: int = 16  # conversations per optimizer step
@@ -38,6 +41,9 @@ class SFTConfig:
 
     def validate(self, prefix: str = "sft") -> None:
         """Name the key of the first impossible value."""
+        if self.enabled and not self.data:
+            raise ValueError(f"{prefix}.enabled=true needs {prefix}.data (a parquet of `messages`, or 'embedded' "
+                             "for the Search-R1 demonstrations)")
         if self.ckpt_interval < 0:
             raise ValueError(f"{prefix}.ckpt_interval must be >= 0 (0 disables), got {self.ckpt_interval}")
         for key in ("max_rows", "epochs", "batch_size"):
@@ -63,13 +69,17 @@ def split_turns(conversation: list[Message]) -> tuple[list[Message], list[Messag
 
 
 class _ReplayEnv:
-    """Hands back a conversation's observations after each assistant turn; done after the last one."""
+    """Hands back a conversation's observations after each assistant turn; done after the last one. A conversation
+    that calls tools is shown the run's tool schemas, as the `tool` env shows them in RL."""
 
-    def __init__(self, conversations: list[list[Message]]) -> None:
+    def __init__(self, conversations: list[list[Message]], tools: list[dict] | None = None) -> None:
         self.conversations, self.observations, self.turn = conversations, [], 0
+        self.tools, self.tool_schemas = tools or [], []
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
-        _, _, self.observations = split_turns(self.conversations[extras["conversation"]])
+        conversation = self.conversations[extras["conversation"]]
+        _, _, self.observations = split_turns(conversation)
+        self.tool_schemas = self.tools if uses_tools(conversation) else []
         self.turn = 0
         return list(prompt_messages)
 
@@ -79,23 +89,58 @@ class _ReplayEnv:
         return StepResult([] if done else list(self.observations[self.turn - 1]), 0.0, done)
 
 
-def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg: GeneratorConfig) -> GeneratorOutput:
+def uses_tools(conversation: list[Message]) -> bool:
+    """A demonstration of tool use: an assistant message with `tool_calls`, or a `tool` message."""
+    return any(m.get("tool_calls") or m["role"] == "tool" for m in conversation)
+
+
+def assistant_text(chat, message: Message) -> str:
+    """What the model samples for an assistant message: its content, then each OpenAI-shaped tool call
+    (`{"type": "function", "function": {"name", "arguments"}}`, arguments a JSON string or object) in the hermes
+    `<tool_call>` format the renderer parses calls from (the format SmolLM2, Qwen and Hermes models use)."""
+    from skyrl_stepwise.chat.tool_parsers import HERMES_FORMAT
+
+    calls = message.get("tool_calls") or []
+    if not calls:
+        return message["content"]
+    hermes = getattr(getattr(chat, "tool_parser", None), "name", None) == "hermes" or \
+        getattr(chat, "call_format", None) == HERMES_FORMAT
+    if not hermes:
+        raise ValueError(f"SFT demonstrations with tool_calls are written in the hermes <tool_call> format; the "
+                         f"{chat.name} renderer parses calls in another format")
+    parts = [message.get("content") or ""]
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"a tool call must be {{'type': 'function', 'function': {{'name', 'arguments'}}}} "
+                             f"(OpenAI shape), got {str(call)[:120]!r}")
+        arguments = function.get("arguments") or {}
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        parts.append("<tool_call>\n" + json.dumps({"name": function["name"], "arguments": arguments},
+                                                  ensure_ascii=False) + "\n</tool_call>")
+    return "\n".join(p for p in parts if p)
+
+
+def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg: GeneratorConfig,
+                         tools: list[dict] | None = None) -> GeneratorOutput:
     """One merged sample (or one per chain) per conversation, assistant tokens trained, built like rollouts.
 
-    Each assistant turn is tokenized canonically and closed by the renderer's turn terminator, as a model that
-    ends its turn would sample it; `gen_cfg` (the run's generator config: renderer, stop strings, history mode)
-    decides everything else, exactly as in RL.
+    Each assistant turn (its tool calls included, see assistant_text) is tokenized canonically and closed by the
+    renderer's turn terminator, as a model that ends its turn would sample it; `gen_cfg` (the run's generator
+    config: renderer, stop strings, history mode) decides everything else, exactly as in RL. `tools`: the run's
+    tool schemas, rendered into the prompt of every conversation that uses tools, so SFT prompts equal RL prompts.
     """
     chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention,
                            gen_cfg.tool_parser)
-    turns = [[chat.encode(m["content"]) + [chat.close_id] for m in split_turns(c)[1]] for c in conversations]
+    turns = [[chat.encode(assistant_text(chat, m)) + [chat.close_id] for m in split_turns(c)[1]]
+             for c in conversations]
     longest = max(len(t) for ts in turns for t in ts)
     cfg = replace(gen_cfg, n_samples_per_prompt=1, step_wise_trajectories=True, merge_stepwise_output=True,
                   max_turns=max(len(ts) for ts in turns), max_input_length=1 << 30, show_progress=False,
                   apply_overlong_filtering=False,
                   sampling=replace(gen_cfg.sampling, max_generate_length=longest, logprobs=False, seed=None))
     registry = EnvRegistry()
-    registry.register("replay", lambda: _ReplayEnv(conversations))
+    registry.register("replay", lambda: _ReplayEnv(conversations, tools))
     engine = ScriptedEngine(lambda prompt, session, index: turns[int(session.rsplit("_", 1)[0])][index], tokenizer)
     generator = StepwiseGenerator(tokenizer, engine, registry, cfg)
     n = len(conversations)

@@ -49,6 +49,7 @@ class Tracker:
         self.jsonl = open(self.dir / "metrics.jsonl", "a")
         self.history: list[dict] = []  # every logged step, for plots drawn at the end
         self.wandb = None
+        self._last_wandb_step = 0  # wandb refuses steps that go back: tables logged later use at least this
         if mode != "disabled":
             import wandb
 
@@ -78,6 +79,7 @@ class Tracker:
         self.jsonl.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+            self._last_wandb_step = max(self._last_wandb_step, step)
         shown = " ".join(f"{label}={metrics[k]:.4g}" for label, k in CONSOLE_KEYS.items() if k in metrics)
         logger.info(f"step {step}: {shown}")
 
@@ -89,6 +91,25 @@ class Tracker:
         import wandb
 
         self.wandb.log({key: wandb.Image(str(path))}, step=step)
+
+    def log_rollouts(self, samples: list, step: int, stage: str) -> None:
+        """Decoded trajectories (trainer/rollout_samples.py) as a wandb table `rollouts/<stage>`, one row each, so
+        what the model wrote sits next to the reward curve; a no-op without wandb."""
+        if self.wandb is None or not samples:
+            return
+        import wandb
+
+        columns = ["step", "stage", "trajectory", "pick", "reward", "stop_reason", "turns", "prompt", "completion",
+                   "tool_calls"]
+        table = wandb.Table(columns=columns)
+        for s in samples:
+            rest = [seg for seg in s.segments[1:]]
+            completion = "\n".join(f"[{seg.role}] {seg.text}" for seg in rest)
+            calls = json.dumps([c for seg in rest for c in seg.tool_calls])
+            table.add_data(s.step, s.stage, s.trajectory, s.pick, s.reward, s.stop_reason, s.turns, s.prompt,
+                           completion, calls)
+        key = "rollouts/train" if stage == "train" else "rollouts/eval"
+        self.wandb.log({key: table}, step=max(step, self._last_wandb_step))
 
     def finish(self) -> None:
         self.jsonl.close()

@@ -4,11 +4,14 @@ driver), then proof that the engine now scores like the trainer."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
 from skyrl_stepwise.inference.weights import current_node_id, weights_file
 from skyrl_stepwise.trainer.batching import TrainBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,10 +62,16 @@ def engines_of(engine) -> list:
     return list(engine.engines) if hasattr(engine, "engines") else [engine]
 
 
+def policy_nodes(group) -> list[str]:
+    """The nodes holding policy ranks (where a weights file can be written); rank 0's first."""
+    nodes = getattr(group, "node_ids", None) or [getattr(group, "node_id", None) or current_node_id()]
+    return list(dict.fromkeys(nodes))
+
+
 def can_sync_through_a_file(group, engine) -> bool:
-    """Every engine can read a weights file and runs on the node where the trainer's rank 0 writes it."""
-    trainer_node = getattr(group, "node_id", None) or current_node_id()
-    return all(hasattr(e, "update_weights_from_file") and getattr(e, "node_id", None) == trainer_node
+    """Every engine can read a weights file and runs on a node that holds a policy rank, which writes it there."""
+    nodes = set(policy_nodes(group))
+    return all(hasattr(e, "update_weights_from_file") and getattr(e, "node_id", None) in nodes
                for e in engines_of(engine))
 
 
@@ -71,15 +80,30 @@ def can_sync_by_broadcast(engine) -> bool:
     return all(hasattr(e, "update_weights_from_broadcast") for e in engines_of(engine))
 
 
-def resolve_method(method: str, group, engine) -> str:
-    """`auto` made concrete; an explicit method the engines cannot use fails here, naming the key."""
+def resolve_method(method: str, group, engine, engines_share_policy_gpus: bool = False) -> str:
+    """`auto` made concrete; an explicit method the engines cannot use fails here, naming the key.
+
+    `engines_share_policy_gpus`: colocated on GPUs (placement.mode=colocated), engine i sits on a policy rank's
+    GPU. A broadcast group would then hold two NCCL ranks on one device, which NCCL refuses, so auto never picks
+    broadcast there. Colocated engines always have a policy rank on their node, so auto picks the file (written
+    on every engine node by that node's first rank); the driver only if an engine cannot read files.
+    """
     if method == "auto":
         if can_sync_through_a_file(group, engine):
             return "file"
+        if engines_share_policy_gpus:
+            logger.warning("weight_sync: engines share GPUs with policy ranks (placement.mode=colocated) but cannot "
+                           "read weight files on their nodes, and NCCL refuses two ranks of one broadcast group on "
+                           "one GPU: weights go through the driver (weight_sync.method=driver)")
+            return "driver"
         return "broadcast" if can_sync_by_broadcast(engine) else "driver"
     if method == "file" and not can_sync_through_a_file(group, engine):
-        raise ValueError("weight_sync.method=file needs every engine on the trainer's rank-0 node and able to read "
-                         "weight files; use weight_sync.method=broadcast (or auto)")
+        raise ValueError("weight_sync.method=file needs every engine on a node that holds a policy rank and able "
+                         "to read weight files; use weight_sync.method=broadcast (or auto)")
+    if method == "broadcast" and engines_share_policy_gpus:
+        raise ValueError("weight_sync.method=broadcast with placement.mode=colocated on GPUs would put an engine "
+                         "worker and a policy rank of one NCCL group on the same GPU, which NCCL refuses; use "
+                         "weight_sync.method=auto (a weights file on every engine node) or placement.mode=split")
     if method == "broadcast" and not can_sync_by_broadcast(engine):
         raise ValueError(f"weight_sync.method=broadcast: {type(engines_of(engine)[0]).__name__} cannot join a weight "
                          "broadcast group; use weight_sync.method=file or driver (or auto)")
@@ -92,18 +116,29 @@ class WeightSync:
     Holds the broadcast group's setup between steps: it is built on the first sync and reused after.
     """
 
-    def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine) -> None:
+    def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine,
+                 engines_share_policy_gpus: bool = False) -> None:
         cfg.validate()
         self.cfg, self.group, self.engine = cfg, group, engine
-        self.method = resolve_method(cfg.method, group, engine)
+        self.method = resolve_method(cfg.method, group, engine, engines_share_policy_gpus)
         self._manifest: list | None = None
+        self._warned_fallback = False
 
     async def sync(self) -> int:
         """Load the trainer's current weights into every engine; returns the number of parameters sent."""
         if self.method == "file":
+            engines = engines_of(self.engine)
+            nodes = list(dict.fromkeys(e.node_id for e in engines))
             with weights_file() as path:
-                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine))
-                await self.engine.update_weights_from_file(str(path))
+                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine), nodes)
+                try:
+                    if exported.get("warning") and not self._warned_fallback:
+                        logger.warning(exported["warning"])
+                        self._warned_fallback = True
+                    paths = exported["paths"]
+                    await asyncio.gather(*(e.update_weights_from_file(paths[e.node_id]) for e in engines))
+                finally:  # every writer's file, on every node (weights_file() only cleans the driver's `path`)
+                    self.group.call("remove_weights_file", list(exported["paths"].values()))
             return exported["params"]
         if self.method == "broadcast":
             return await self._broadcast()
@@ -138,16 +173,18 @@ PROBE_SESSION = "weight-sync-probe"
 
 
 async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], max_tokens: int = 16,
-                         temperature: float = 1.0) -> ProbeResult:
+                         temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> ProbeResult:
     """Sample from the engine and rescore the same ids with the trainer: the two must agree.
 
-    `temperature` must be the trainer's (= the rollout's): the engine returns logprobs of the distribution
-    it sampled from and the trainer scores logits / its cfg.temperature, so any other temperature
-    (greedy included, which vLLM scores at T=1) reports a mismatch that is not there.
+    `temperature`, `top_k` and `top_p` must be the run's (the trainer's = the rollout's): the engine returns
+    logprobs of the truncated distribution it sampled from and the trainer scores the same truncation, so
+    probing with other values would hide a mismatch the rollouts have (or report one they do not; greedy,
+    which vLLM scores at T=1, is refused).
     """
     if temperature <= 0:
         raise ValueError(f"probe_logprobs: temperature must be > 0 (the trainer's temperature), got {temperature}")
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=True)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              logprobs=True)
     try:
         result = await engine.generate(probe_ids, sampling, session_id=PROBE_SESSION)
     finally:

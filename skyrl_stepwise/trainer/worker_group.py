@@ -52,7 +52,10 @@ class PolicyGroup:
         env = {"OMP_NUM_THREADS": str(threads)}  # before torch starts its pools in the actor
         placed = actor_options or [{"num_gpus": gpus}] * world
         self.ranks = [_PolicyRank.options(runtime_env={"env_vars": env}, **placed[i]).remote() for i in range(world)]
-        *master, self.node_id = ray.get(self.ranks[0].address.remote())  # rank 0 writes weight files here
+        addresses = ray.get([r.address.remote() for r in self.ranks])
+        master = addresses[0][:2]
+        self.node_id = addresses[0][2]  # rank 0's node
+        self.node_ids = [a[2] for a in addresses]  # a policy rank on a node can write weight files there
         ray.get([r.start.remote(cfg, i, master, threads, trainable, with_reference)
                  for i, r in enumerate(self.ranks)])
 

@@ -1,0 +1,99 @@
+"""What a run dir says about the job that trains in it: the config it started with (run_config.yaml), checked
+against every later launch into the same directory.
+
+A second launch into a run dir (a resume after a crash or an interrupt) must be the same job: otherwise it would
+continue the checkpoints with different settings, or append a different job's steps to metrics.jsonl, without a
+word. The launch is refused naming every differing key, unless `trainer.resume_allow_changes=true`; then the
+differences are logged and appended to run_config.launches.jsonl. The first launch's record (run_config.yaml, and
+Hydra's .hydra/: see `hydra_output_subdir`) is never overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+RECORD = "run_config.yaml"
+LAUNCHES = "run_config.launches.jsonl"
+# keys that say how to launch, not what the job is: never a mismatch
+LAUNCH_KEYS = ("trainer.resume", "trainer.resume_allow_changes", "trainer.overwrite_ckpt_dir",
+               "logging.console_level", "logging.file_level", "logging.wandb_mode")
+
+
+class ConfigMismatchError(ValueError):
+    """A launch into a run dir whose saved config differs; the message lists the keys."""
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): tree}
+
+
+def config_tree(cfg) -> dict[str, Any]:
+    """The RunConfig as plain data (JSON-compatible, as YAML writes it)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def differences(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """key -> (saved, new) for every leaf that differs, launch keys left out."""
+    a, b = flatten(saved), flatten(new)
+    keys = sorted((set(a) | set(b)) - set(LAUNCH_KEYS))
+    missing = object()
+    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k, missing) != b.get(k, missing)}
+
+
+def check_launch(tree: dict[str, Any], run_dir: str | Path, allow_changes: bool, log=print) -> None:
+    """Refuse (ConfigMismatchError) a launch whose config (`config_tree` as composed, before the run fills in
+    paths and ports) differs from the one the run dir was started with; with trainer.resume_allow_changes=true
+    log and record the differences instead. No record: a new run."""
+    import yaml
+
+    path = Path(run_dir) / RECORD
+    if not path.is_file():
+        return
+    saved = yaml.safe_load(path.read_text()) or {}
+    diff = differences(saved, tree)
+    if not diff:
+        return
+    lines = [f"  {k}: {old!r} -> {new!r}" for k, (old, new) in diff.items()]
+    if not allow_changes:
+        raise ConfigMismatchError(
+            f"{run_dir} holds a run started with a different config ({path}); this launch differs in "
+            f"{len(diff)} key(s):\n" + "\n".join(lines[:40]) + ("\n  ..." if len(lines) > 40 else "") +
+            "\nLaunch with the run's own config to resume it (its command line: .hydra/overrides.yaml), pick a new "
+            "logging.output_dir for a new run, or set trainer.resume_allow_changes=true to continue with these "
+            "changes")
+    log(f"resuming with {len(diff)} changed key(s) (trainer.resume_allow_changes=true):\n" + "\n".join(lines))
+    with open(Path(run_dir) / LAUNCHES, "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            "changes": {k: [old, new] for k, (old, new) in diff.items()}}, default=str) + "\n")
+
+
+def save_record(tree: dict[str, Any], run_dir: str | Path) -> None:
+    """Write run_config.yaml once, when the run first trains: later launches are checked against it."""
+    import yaml
+
+    path = Path(run_dir) / RECORD
+    if path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("# the config this run dir's job started with; later launches are checked against it\n"
+                   + yaml.safe_dump(tree, sort_keys=False))
+    tmp.replace(path)
+
+
+def hydra_output_subdir(run_dir: str | Path) -> str | None:
+    """Where Hydra should write this launch's .hydra record when the run dir already has one (else None): a
+    subfolder per launch, so the first launch's config.yaml and overrides.yaml are never overwritten."""
+    if not (Path(run_dir) / ".hydra" / "config.yaml").is_file():
+        return None
+    return f".hydra/launch-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -1,0 +1,217 @@
+"""A few decoded trajectories per step and eval, so "reward 0" can be explained by reading what the model wrote.
+
+Each sample is rebuilt from the token ids the trainer got (GeneratorOutput), never from a separate sampling run:
+the first prompt, then each turn as the model sampled it (`model`) and what came back from the env or its tools
+(`env`), with the tool calls the model's renderer parses from the sampled ids, the trajectory reward and its
+stop reason. Per step, the best and the worst trajectory of each group are picked first, so a group that learned
+something shows both sides. Written to <run dir>/rollouts.jsonl (one line per trajectory), read back by
+`skyrl-stepwise show` and the run report, and logged as a wandb table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
+
+logger = logging.getLogger("skyrl_stepwise")
+FILE = "rollouts.jsonl"
+
+
+@dataclass
+class Segment:
+    """One piece of a trajectory's text: `prompt` (the first render), `model` (sampled), `env` (observations,
+    tool results, the next turn's header), or `prompt_rerendered` (history re-rendered by a template fallback)."""
+
+    role: str
+    text: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class RolloutSample:
+    """One decoded trajectory as a line of rollouts.jsonl."""
+
+    step: int
+    stage: str  # "train" or the eval's stage ("step 3", "before SFT", ...)
+    trajectory: str
+    pick: str  # why it was chosen: best / worst of its group, or only (a group of one)
+    reward: float
+    stop_reason: str | None
+    turns: int
+    segments: list[Segment]
+
+    @property
+    def prompt(self) -> str:
+        return self.segments[0].text if self.segments else ""
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, value) of each run of equal loss-mask values."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((start, i, mask[start]))
+            start = i
+    return out
+
+
+# parsers only look for calls when the turn had tools; a run that does not say which gets this stand-in
+ANY_TOOL = [{"type": "function", "function": {"name": "tool", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _tool_calls(renderer, ids: list[int], prompt_ids: list[int], tools: list[dict] | None) -> list[dict[str, Any]]:
+    """The calls the renderer parses from sampled ids (what a tool env executed); none when it cannot parse."""
+    if renderer is None or not ids:
+        return []
+    try:
+        turn = renderer.parse(ids, prompt_ids, tools or ANY_TOOL)
+    except Exception:  # a log line must never fail a step; the text itself is still shown
+        return []
+    return [{"name": c.name, "arguments": c.arguments, **({"error": c.error} if c.error else {})}
+            for c in turn.tool_calls]
+
+
+def decode_trajectory(renderer, samples: list[tuple[list[int], list[int], list[int]]],
+                      tools: list[dict] | None = None) -> list[Segment]:
+    """Segments of one trajectory from its samples' (prompt ids, response ids, loss mask), in order.
+
+    A later sample's prompt that extends the previous sample's full sequence contributes only the new tokens
+    (observations); one that does not (a re-render) is shown whole. Within a response, trained runs are the
+    model's turns and untrained runs are observations merged in between; a response masked out entirely
+    (overlong filtering) is still the model's."""
+    segments: list[Segment] = []
+    context: list[int] | None = None
+    for prompt, response, mask in samples:
+        if context is None:
+            segments.append(Segment("prompt", renderer.decode(prompt)))
+        elif prompt[:len(context)] == context:
+            if len(prompt) > len(context):
+                segments.append(Segment("env", renderer.decode(prompt[len(context):])))
+        else:
+            segments.append(Segment("prompt_rerendered", renderer.decode(prompt)))
+        runs = _runs(mask) if any(mask) else [(0, len(response), 1)]
+        for start, end, trained in runs:
+            ids = response[start:end]
+            if trained:
+                segments.append(Segment("model", renderer.decode(ids),
+                                         _tool_calls(renderer, ids, prompt + response[:start], tools)))
+            else:
+                segments.append(Segment("env", renderer.decode(ids)))
+        context = prompt + response
+    return segments
+
+
+def pick_trajectories(scores: dict[TrajectoryID, float], n: int) -> list[tuple[TrajectoryID, str]]:
+    """Up to n trajectories: the best and the worst of each group in turn (groups in batch order), so the
+    samples show what a reward difference looks like; a group whose samples all tied gives one."""
+    groups: dict[str, list[TrajectoryID]] = defaultdict(list)
+    for tid in scores:
+        groups[tid.instance_id].append(tid)
+    picked: list[tuple[TrajectoryID, str]] = []
+    for members in groups.values():
+        best = min(members, key=lambda t: (-scores[t], t.repetition_id))
+        worst = min(members, key=lambda t: (scores[t], t.repetition_id))
+        if scores[best] == scores[worst]:
+            picked.append((best, "only" if len(members) == 1 else "tied"))
+        else:
+            picked += [(best, "best"), (worst, "worst")]
+    return picked[:n]
+
+
+def rollout_samples(output: GeneratorOutput, renderer, step: int, stage: str, n: int,
+                    tools: list[dict] | None = None) -> list[RolloutSample]:
+    """Up to n decoded trajectories of `output` (see pick_trajectories); `tools`: the run's tool schemas."""
+    if n <= 0 or len(output) == 0 or output.trajectory_ids is None:
+        return []
+    by_traj: dict[TrajectoryID, list[int]] = defaultdict(list)
+    for i, tid in enumerate(output.trajectory_ids):
+        by_traj[tid].append(i)
+    rewards = output.trajectory_rewards()
+    scores = {tid: sum(rewards[i] for i in idx) for tid, idx in by_traj.items()}
+    out = []
+    for tid, pick in pick_trajectories(scores, n):
+        idx = by_traj[tid]
+        segments = decode_trajectory(renderer, [(output.prompt_token_ids[i], output.response_ids[i],
+                                                 output.loss_masks[i]) for i in idx], tools)
+        stop = output.stop_reasons[idx[-1]] if output.stop_reasons else None
+        out.append(RolloutSample(step, stage, tid.key(), pick, scores[tid], stop,
+                                 sum(s.role == "model" for s in segments), segments))
+    return out
+
+
+class RolloutLog:
+    """Appends the picked samples of every step and eval to <run dir>/rollouts.jsonl (and a wandb table)."""
+
+    def __init__(self, output_dir: str | Path, renderer, num_samples: int, tracker=None,
+                 tools: list[dict] | None = None) -> None:
+        """`tools`: the run's tool schemas, for parsing calls out of the sampled turns (None: any call)."""
+        self.path = Path(output_dir) / FILE
+        self.renderer, self.num_samples, self.tracker, self.tools = renderer, num_samples, tracker, tools
+
+    def record(self, output: GeneratorOutput, step: int, stage: str) -> list[RolloutSample]:
+        """Decode, append and table this output's samples; a failure here is logged, never raised (the step's
+        training must not depend on its log)."""
+        if self.num_samples <= 0:
+            return []
+        try:
+            samples = rollout_samples(output, self.renderer, step, stage, self.num_samples, self.tools)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                for s in samples:
+                    f.write(json.dumps(asdict(s)) + "\n")
+            if self.tracker is not None and samples:
+                self.tracker.log_rollouts(samples, step, stage)
+            return samples
+        except Exception:
+            logger.exception(f"rollout samples of {stage} (step {step}) could not be written")
+            return []
+
+    def rewind(self, step: int) -> None:
+        """Drop training samples after `step` (a resumed run redoes those steps)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if _keep(line, step)]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+
+def _keep(line: str, step: int) -> bool:
+    try:
+        return json.loads(line)["step"] <= step
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return False
+
+
+def load_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every sample a run wrote (a line cut short by a kill is skipped)."""
+    path = Path(run_dir) / FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def format_sample(sample: dict[str, Any], max_chars: int = 2000) -> str:
+    """A sample as readable text: header, then each segment labelled, long texts shortened in the middle."""
+    def clip(text: str) -> str:
+        return text if len(text) <= max_chars else text[: max_chars // 2] + " [...] " + text[-max_chars // 2:]
+
+    lines = [f"--- step {sample['step']} {sample['stage']} | {sample['trajectory']} ({sample['pick']}) | "
+             f"reward {sample['reward']:g} | stop {sample['stop_reason']} | {sample['turns']} turn(s)"]
+    for seg in sample["segments"]:
+        lines.append(f"[{seg['role']}]")
+        lines.append(clip(seg["text"]).rstrip())
+        for call in seg.get("tool_calls") or []:
+            lines.append(f"  -> tool call {call['name']}({json.dumps(call['arguments'])})"
+                         + (f" ERROR {call['error']}" if call.get("error") else ""))
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""Envs as plugins: the run's own env classes from config (and installed entry points) join the built-ins, and every
+row's env_class is checked at start-up, failing with what is registered and how to add one."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from skyrl_stepwise.config import EnvironmentConfig
+from skyrl_stepwise.envs import builtin
+from skyrl_stepwise.envs.base import StepResult
+from skyrl_stepwise.envs.builtin import EnvPluginError, build_env_registry, check_env_classes, known_env_classes
+
+
+class GuessEnv:
+    """Guess a number: 'higher'/'lower' until right."""
+
+    async def reset(self, prompt_messages, extras):
+        self.target = int(extras.get("target", 7))
+        return list(prompt_messages)
+
+    async def step(self, action_text):
+        guess = int("".join(c for c in action_text if c.isdigit()) or -1)
+        done = guess == self.target
+        hint = [] if done else [{"role": "user", "content": "higher" if guess < self.target else "lower"}]
+        return StepResult(hint, float(done), done)
+
+
+async def test_an_env_class_from_config_is_registered_next_to_the_builtins():
+    env_cfg = EnvironmentConfig(env_classes={"guess": "test_env_plugins:GuessEnv",
+                                             "guess2": "test_env_plugins.GuessEnv"})
+    registry = build_env_registry(env_cfg)
+    assert {"search", "tool", "keyword", "guess", "guess2"} <= set(registry.names())
+    env = registry.make("guess")
+    assert isinstance(env, GuessEnv) and env is not registry.make("guess")  # one instance per trajectory
+    await env.reset([], {"target": 3})
+    assert (await env.step("5")).observations == [{"role": "user", "content": "lower"}]
+
+
+def test_an_unknown_env_class_fails_naming_the_registry_and_how_to_add_one():
+    with pytest.raises(EnvPluginError) as info:
+        check_env_classes(["keyword", "gues"], EnvironmentConfig(env_classes={"guess": "test_env_plugins:GuessEnv"}),
+                          "data (train.parquet)")
+    message = str(info.value)
+    assert "data (train.parquet): unknown env_class 'gues'" in message
+    assert "['guess', 'key_door', 'keyword', 'search', 'tool']" in message and "environment.env_classes" in message
+
+
+@pytest.mark.parametrize("path, expected", [("no_such_pkg.envs:GuessEnv", "cannot import module 'no_such_pkg.envs'"),
+                                            ("test_env_plugins:NoSuchEnv", "has no attribute 'NoSuchEnv'"),
+                                            ("GuessEnv", "is not 'pkg.module:Class'")])
+def test_a_broken_plugin_fails_at_start_up_naming_its_key(path, expected):
+    with pytest.raises(EnvPluginError, match=expected) as info:
+        known_env_classes(EnvironmentConfig(env_classes={"guess": path}))
+    assert "environment.env_classes.guess" in str(info.value)
+
+
+def test_a_plugin_cannot_replace_a_builtin():
+    with pytest.raises(EnvPluginError, match="'tool' is a built-in env class"):
+        known_env_classes(EnvironmentConfig(env_classes={"tool": "test_env_plugins:GuessEnv"}))
+
+
+def test_installed_packages_add_envs_through_entry_points(monkeypatch):
+    installed = [EntryPoint("guess", "test_env_plugins:GuessEnv", builtin.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(builtin, "entry_points", lambda group: installed if group == builtin.ENTRY_POINT_GROUP else [])
+    assert "guess" in known_env_classes(EnvironmentConfig())
+    assert isinstance(build_env_registry(EnvironmentConfig()).make("guess"), GuessEnv)

@@ -1,0 +1,61 @@
+"""A second launch into a run dir must be the same job: a changed config is refused naming the keys (or accepted
+with trainer.resume_allow_changes=true, recorded), and the first launch's records are never overwritten."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from skyrl_stepwise import train
+from skyrl_stepwise.run_record import (LAUNCHES, RECORD, ConfigMismatchError, check_launch, config_tree,
+                                       differences, save_record)
+
+
+def _tree(*overrides):
+    return config_tree(train.load_config(["experiment=search_r1_tiny", "logging.output_dir=/tmp/r", *overrides]))
+
+
+def test_differences_name_each_changed_key_and_ignore_launch_keys():
+    saved = _tree()
+    new = _tree("generator.n_samples_per_prompt=2", "trainer.optim.lr=3e-5", "trainer.resume=none",
+                "logging.console_level=DEBUG")
+    assert differences(saved, new) == {"generator.n_samples_per_prompt": (4, 2), "trainer.optim.lr": (1e-5, 3e-5)}
+
+
+def test_a_launch_with_a_changed_config_is_refused_unless_allowed(tmp_path):
+    save_record(_tree(), tmp_path)
+    first = (tmp_path / RECORD).read_text()
+    check_launch(_tree("trainer.resume=auto"), tmp_path, allow_changes=False)  # the same job: fine
+    with pytest.raises(ConfigMismatchError, match=r"total_steps: 3 -> 5") as info:
+        check_launch(_tree("total_steps=5"), tmp_path, allow_changes=False)
+    assert "trainer.resume_allow_changes=true" in str(info.value)
+    logged = []
+    check_launch(_tree("total_steps=5"), tmp_path, allow_changes=True, log=logged.append)
+    assert "total_steps: 3 -> 5" in logged[0]
+    assert json.loads((tmp_path / LAUNCHES).read_text())["changes"] == {"total_steps": [3, 5]}
+    save_record(_tree("total_steps=5"), tmp_path)
+    assert (tmp_path / RECORD).read_text() == first  # the run's own record stays
+
+
+def test_resume_through_the_cli_refuses_a_changed_config_and_keeps_hydras_record(tmp_path, monkeypatch, capsys):
+    """The real entry point: the first launch's .hydra/ stays, the refused launch's goes to .hydra/launch-*/."""
+    def stop(cfg):
+        raise RuntimeError("stopped before any model, retriever or engine")
+
+    monkeypatch.setattr(train, "prepared", stop)
+    out = tmp_path / "run"
+    args = ["experiment=search_r1_tiny", f"logging.output_dir={out}"]
+    with pytest.raises(SystemExit):  # the first launch stops at prepared(): its .hydra/ is written by then
+        train.main(args)
+    assert "stopped before" in capsys.readouterr().err
+    first = (out / ".hydra" / "overrides.yaml").read_text()
+    save_record(_tree(f"logging.output_dir={out}"), out)
+    with pytest.raises(SystemExit):
+        train.main([*args, "generator.max_turns=2"])
+    refused = capsys.readouterr().err
+    assert "ConfigMismatchError" in refused and "generator.max_turns: 3 -> 2" in refused
+    assert (out / ".hydra" / "overrides.yaml").read_text() == first
+    launches = sorted((out / ".hydra").glob("launch-*/overrides.yaml"))
+    assert launches and "generator.max_turns=2" in yaml.safe_load(launches[-1].read_text())
