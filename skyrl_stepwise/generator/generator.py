@@ -77,6 +77,7 @@ def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
         "generate/bridge_fallbacks": sum(s.bridge_fallbacks for s in stats),
         "generate/retokenize_drift_steps": sum(s.retokenize_drift_steps for s in stats),
         "generate/chain_breaks": sum(s.chain_breaks for s in stats),
+        "generate/observation_role_fallbacks": sum(s.observation_role_fallbacks for s in stats),
         "generate/prompts_too_long": sum(s.prompt_too_long for s in stats),
         "generate/env_seconds": sum(s.env_seconds for s in stats),
         "generate/engine_seconds": sum(s.engine_seconds for s in stats),

@@ -18,7 +18,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
-from skyrl_stepwise.chat.base import Message, ToolCallRequest
+from skyrl_stepwise.chat.base import Message, ParsedTurn, ToolCallRequest
 from skyrl_stepwise.tools.base import ToolLike
 
 # What the model is told about each parser error kind (ToolCallRequest.error).
@@ -29,6 +29,7 @@ PARSE_HINTS = {
     "malformed_structure": "the call does not have the expected structure",
     "unknown_tool": "the call names a tool that does not exist",
     "missing_arguments": "the call has no arguments part",
+    "unparsed_call_marker": "a tool call was opened but could not be read",
 }
 MAX_SCHEMA_ERRORS = 3  # enough to fix a call, short enough not to flood the context
 
@@ -53,17 +54,9 @@ def error_kind_of(error: str) -> str:
 
 
 def call_ids(calls: list[ToolCallRequest]) -> list[str]:
-    """The id each result answers. Well-formed calls get the id `ParsedTurn.message()` gives them (`c.id` or
-    `call_{k}`, k counting well-formed calls only), so tool messages match the assistant's `tool_calls`;
-    malformed ones, absent from that message, get `invalid_call_{i}` by position."""
-    ids, k = [], 0
-    for i, call in enumerate(calls):
-        if call.error is None:
-            ids.append(call.id or f"call_{k}")
-            k += 1
-        else:
-            ids.append(call.id or f"invalid_call_{i}")
-    return ids
+    """The id each result answers: the ids `ParsedTurn.message()` gives the calls, so tool messages match the
+    assistant's `tool_calls` (malformed calls included, where a template needs them there)."""
+    return ParsedTurn("", tool_calls=list(calls)).call_ids()
 
 
 def schema_errors(validator: Draft202012Validator, arguments: dict[str, Any]) -> str | None:

@@ -98,12 +98,12 @@ def assistant_text(chat, message: Message) -> str:
     """What the model samples for an assistant message: its content, then each OpenAI-shaped tool call
     (`{"type": "function", "function": {"name", "arguments"}}`, arguments a JSON string or object) in the hermes
     `<tool_call>` format the renderer parses calls from (the format SmolLM2, Qwen and Hermes models use)."""
-    from skyrl_stepwise.chat.tool_parsers import HERMES_FORMAT, HermesToolParser
+    from skyrl_stepwise.chat.tool_parsers import HERMES_FORMAT
 
     calls = message.get("tool_calls") or []
     if not calls:
         return message["content"]
-    hermes = isinstance(getattr(chat, "tool_parser", None), HermesToolParser) or \
+    hermes = getattr(getattr(chat, "tool_parser", None), "name", None) == "hermes" or \
         getattr(chat, "call_format", None) == HERMES_FORMAT
     if not hermes:
         raise ValueError(f"SFT demonstrations with tool_calls are written in the hermes <tool_call> format; the "
@@ -130,7 +130,8 @@ def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg:
     config: renderer, stop strings, history mode) decides everything else, exactly as in RL. `tools`: the run's
     tool schemas, rendered into the prompt of every conversation that uses tools, so SFT prompts equal RL prompts.
     """
-    chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention)
+    chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention,
+                           gen_cfg.tool_parser)
     turns = [[chat.encode(assistant_text(chat, m)) + [chat.close_id] for m in split_turns(c)[1]]
              for c in conversations]
     longest = max(len(t) for ts in turns for t in ts)

@@ -1,0 +1,268 @@
+"""Tool calls in each family's own format (chat/tool_formats/): the format is detected from what the family's real
+template renders, and the calls the template renders (one call, two parallel calls) parse back to the same names
+and arguments; malformed calls are kept with an error kind; an unknown format is refused at startup."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from family_tokenizers import FAMILIES, family_tokenizer
+
+from skyrl_stepwise.chat import create_renderer
+from skyrl_stepwise.chat.template import TemplateRenderer
+from skyrl_stepwise.chat.tool_formats import FORMATS, ToolParser
+from skyrl_stepwise.chat.tool_formats.detect import UnknownToolFormat
+from skyrl_stepwise.generator import GeneratorConfig
+
+# family -> the format its template renders (or, without a rendering of calls, instructs; else our hermes block)
+EXPECTED = {
+    "qwen2.5": "hermes", "qwen3": "hermes", "hermes-3": "hermes", "smollm2": "hermes", "granite-4.0": "hermes",
+    "gemma-2": "hermes", "phi-3.5": "hermes", "llama-3.1": "llama_json", "llama-3.2": "llama_json",
+    "mistral-small-3.2": "mistral", "mistral-nemo": "mistral", "gpt-oss": "harmony", "glm-4.6": "glm",
+    "granite-3.3": "granite", "gemma-4": "gemma4", "deepseek-r1-distill-qwen": "deepseek_v3",
+    "deepseek-v3.1": "deepseek_v31", "qwen3-coder": "qwen_xml", "qwen3.5": "qwen_xml", "nemotron-3-nano": "qwen_xml",
+    "minimax-m2": "minimax", "seed-oss": "seed_xml", "command-r7b": "command_r",
+}
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web.", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+    "required": ["query"]}}},
+         {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.", "parameters": {
+             "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+# a string that reads as JSON ("2024") must stay a string where the schema says so
+CALLS = [("search", {"query": "2024", "limit": 3}), ("calculator", {"expression": "2+3"})]
+SINGLE_CALL = {"llama-3.1", "llama-3.2", "gpt-oss"}  # their templates raise on or drop parallel calls
+# what the model samples where the template renders no calls (it is told the format in the prompt)
+_HERMES_CALLS = ('<tool_call>\n{"name": "search", "arguments": {"query": "2024", "limit": 3}}\n</tool_call>',
+                 '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>')
+_GRANITE_CALLS = ('{"name": "search", "arguments": {"query": "2024", "limit": 3}}',
+                  '{"name": "calculator", "arguments": {"expression": "2+3"}}')
+UNRENDERED = {"hermes": (_HERMES_CALLS[0], "\n".join(_HERMES_CALLS)),
+              "granite": (f"<|tool_call|>[{_GRANITE_CALLS[0]}]", f"<|tool_call|>[{', '.join(_GRANITE_CALLS)}]")}
+# one malformed call per format, as a model early in RL samples it -> the error kind it is answered with
+MALFORMED = {
+    "hermes": ('<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call>', "invalid_json"),
+    "llama_json": ('{"name": "search", "parameters": {"query": "x"', "invalid_json"),
+    "mistral": ('[TOOL_CALLS]search[ARGS]{"query": ', "invalid_json"),
+    "harmony": ("<|channel|>commentary to=functions.search <|constrain|>json", "unparsed_call_marker"),
+    "glm": ("<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>x", "unclosed_block"),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{\"query\"\n```"
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "invalid_json"),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search{\"query\": \"x\"}<｜tool▁call▁end｜>"
+                     "<｜tool▁calls▁end｜>", "malformed_structure"),
+    "qwen_xml": ("<tool_call>\n<function=search>\n<parameter=limit>\nthree\n</parameter>\n</function>\n</tool_call>",
+                 "invalid_json"),
+    "seed_xml": ("<seed:tool_call>\n<function=search>\n<parameter=query>x</parameter>\n</seed:tool_call>",
+                 "malformed_structure"),
+    "minimax": ('<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">x</parameter>\n',
+                "unclosed_block"),
+    "gemma4": ('<|tool_call>call:search{query:<|"|>x}<tool_call|>', "malformed_structure"),
+    "command_r": ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "search", "parameters": {"query": "x"}]'
+                  "<|END_ACTION|>", "invalid_json"),
+    "granite": ('<|tool_call|>[{"arguments": {"query": "x"}}]', "missing_name"),
+}
+
+
+def _renderer(family: str) -> TemplateRenderer:
+    return TemplateRenderer(family_tokenizer(family), dict(FAMILIES[family].render_kwargs), "all")
+
+
+def _sampled_call_turn(family: str, chat: TemplateRenderer, calls) -> list[int]:
+    """The ids a model of this family samples for an assistant turn with `calls`: the template's own rendering of
+    that turn after the generation prompt, up to the first token after the last call that ends the turn."""
+    spec, tok = FAMILIES[family], family_tokenizer(family)
+    user = [{"role": "user", "content": "Find the 2024 winner and add 2+3."}]
+    arguments = (lambda a: json.dumps(a)) if chat.string_arguments else (lambda a: a)
+    turn = {"role": "assistant", "content": None if chat.string_arguments else "", "tool_calls": [
+        {"type": "function", "id": f"call0000{i}", "function": {"name": n, "arguments": arguments(a)}}
+        for i, (n, a) in enumerate(calls)]}
+    kwargs = {**spec.render_kwargs, "tools": TOOLS}
+    prompt = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kwargs)
+    full = tok.apply_chat_template(user + [turn], tokenize=False, add_generation_prompt=False, **kwargs)
+    # after the shared prefix: a generation prompt that opens a think block (Gemma 4, Qwen3.5) renders none for
+    # a past call turn, and the model's call text is the same either way
+    shared = len(os.path.commonprefix([prompt, full]))
+    while shared and full[shared - 1] not in ">\n":  # not inside a marker both share the start of (`<|`)
+        shared -= 1
+    text = full[shared:]
+    last_call = text.rfind(calls[-1][0])
+    ends = {t: i for t in set(tok.convert_ids_to_tokens(sorted(chat.stop_ids))) | set(spec.turn_terminators)
+            if (i := text.find(t, last_call)) >= 0}
+    if not ends:  # the template closes the turn only when a later message follows (GLM, DeepSeek R1)
+        return tok(text, add_special_tokens=False)["input_ids"] + [chat.close_id]
+    stop = min(ends, key=ends.get)
+    return tok(text[:ends[stop]], add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(stop)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_detection_picks_the_family_format(family):
+    chat = _renderer(family)
+    assert chat.tool_parser.name == EXPECTED[family]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("n_calls", [1, 2])
+def test_calls_parse_as_the_template_renders_them(family, n_calls):
+    if n_calls == 2 and family in SINGLE_CALL:
+        pytest.skip("the template renders one call per turn")
+    chat, tok = _renderer(family), family_tokenizer(family)
+    calls = CALLS[:n_calls]
+    if chat.renders_tool_calls:
+        ids = _sampled_call_turn(family, chat, calls)
+    else:  # the template shows the format only in its instructions (Granite 3.3) or not at all (our hermes block)
+        text = UNRENDERED[chat.tool_parser.name][n_calls - 1]
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [chat.close_id]
+    turn = chat.parse(ids, [], TOOLS)
+    parsed = [(c.name, json.loads(c.arguments) if isinstance(c.arguments, str) else c.arguments, c.error)
+              for c in turn.tool_calls]
+    assert parsed == [(n, a, None) for n, a in calls], chat.decode(ids)
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_calls_are_kept_with_their_kind(name, tokenizer):
+    text, kind = MALFORMED[name]
+    parser = ToolParser(FORMATS[name], tokenizer)
+    content, calls = parser.parse(tokenizer(text, add_special_tokens=False)["input_ids"],
+                                  lambda ids: tokenizer.decode(ids, skip_special_tokens=False), TOOLS)
+    assert [c.error for c in calls] == [kind], calls
+    assert calls[0].expected_format == FORMATS[name].expected_format and calls[0].raw
+
+
+def test_every_format_has_a_malformed_case():
+    assert set(MALFORMED) == set(FORMATS)
+
+
+def test_library_parser_reads_single_token_markers():
+    """DeepSeek V3/R1 calls through the `renderers` token-level parser where the markers are single tokens."""
+    tok = family_tokenizer("deepseek-v3.1")
+    parser = ToolParser(FORMATS["deepseek_v3"], tok)
+    assert parser._library is not None
+    text = ("Let me look. <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n"
+            '{"query": "x"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    content, calls = parser.parse(tok(text, add_special_tokens=False)["input_ids"],
+                                  lambda ids: tok.decode(ids, skip_special_tokens=False))
+    assert content == "Let me look. " and [(c.name, c.arguments, c.error) for c in calls] == [
+        ("search", {"query": "x"}, None)]
+
+
+def test_a_call_marker_that_yields_no_call_is_a_malformed_call(tokenizer):
+    """A turn that opens a call the parser cannot read is answered, never taken for the final answer."""
+    parser = ToolParser(FORMATS["llama_json"], tokenizer)
+    content, calls = parser.parse(tokenizer("<|python_tag|>search for it", add_special_tokens=False)["input_ids"],
+                                  lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    assert content == "" and [c.error for c in calls] == ["unparsed_call_marker"]
+
+
+UNKNOWN_FORMAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<<CALL {{ c.function.name }}({{ c.function.arguments | tojson }})>>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_unknown_call_format_is_refused_at_startup(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = UNKNOWN_FORMAT_TEMPLATE
+    with pytest.raises(UnknownToolFormat) as refused:
+        create_renderer(tok, "template")
+    message = str(refused.value)
+    assert repr(tok.name_or_path) in message and "generator.tool_parser" in message
+    assert "<<CALL skyrl_probe_call(" in message
+    # the first 80 characters of the probe call's rendering, no more
+    quoted = message.split("reads: ")[1].split("; set ")[0]
+    assert 0 < len(eval(quoted)) <= 80  # noqa: S307 - the repr of a str we wrote
+    # the user names the format: accepted
+    assert create_renderer(tok, "template", tool_parser="hermes").tool_parser.name == "hermes"
+
+
+def test_tool_parser_key_is_validated():
+    with pytest.raises(ValueError, match="generator.tool_parser='nope'"):
+        GeneratorConfig(tool_parser="nope").validate()
+    GeneratorConfig(tool_parser="glm").validate()
+
+
+def test_library_renderer_answers_a_call_its_parser_reads_as_the_final_answer():
+    """`renderers`' Llama 3 parser takes a call whose JSON does not decode for the final answer; the family's own
+    format reader makes it a malformed call, so it is answered and the episode goes on."""
+    tok = family_tokenizer("llama-3.2")
+    chat = create_renderer(tok, "auto")
+    assert chat.name == "renderers:llama-3"
+    sampled = tok('{"name": "search", "parameters": {"query": "x"', add_special_tokens=False)["input_ids"]
+    turn = chat.parse(sampled + [tok.convert_tokens_to_ids("<|eot_id|>")], [], TOOLS)
+    assert [(c.error, c.expected_format) for c in turn.tool_calls] == [
+        ("invalid_json", FORMATS["llama_json"].expected_format)]
+    # a plain answer stays the final answer
+    plain = tok("The answer is 5.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|eot_id|>")]
+    assert chat.parse(plain, [], TOOLS).tool_calls == []
+
+
+def test_auto_picks_the_library_renderer_a_local_folder_renders_like():
+    """A model the library does not know by name (a local folder) gets the renderer that renders what its template
+    renders, as its hub name would; a template no renderer reproduces keeps the template."""
+    import copy
+
+    local = {}
+    for family, expected in (("qwen3", "renderers:qwen3"), ("nemotron-3-nano", "renderers:nemotron-3"),
+                             ("qwen2.5", "template:/models/qwen2.5")):
+        local[family] = tok = copy.deepcopy(family_tokenizer(family))
+        tok.name_or_path = tok.init_kwargs["name_or_path"] = f"/models/{family}"
+        assert create_renderer(tok, "auto").name == expected
+    # an explicit tool parser keeps the template backend it applies to
+    assert create_renderer(local["qwen3"], "auto", tool_parser="hermes").name == "template:/models/qwen3"
+
+
+@pytest.mark.parametrize(("family", "stops", "not_stops"), [
+    ("gemma-4", {"<|tool_response>"}, {"<tool_call|>"}),  # each call has its closer: stop after the last one
+    ("seed-oss", {"<seed:eos>"}, {"</seed:tool_call>"}),
+    ("command-r7b", {"<|END_ACTION|>"}, set()),  # one block holds every call: its closer ends the call turn
+    ("gpt-oss", {"<|call|>"}, set()),
+])
+def test_a_call_turn_stops_after_its_last_call(family, stops, not_stops):
+    chat = _renderer(family)
+    names = set(family_tokenizer(family).convert_ids_to_tokens(sorted(chat.stop_ids)))
+    assert stops <= names and not (not_stops & names), names
+
+
+@pytest.mark.parametrize("retention", ["template", "all"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_a_call_in_the_family_format_is_answered(family, retention):
+    """The template-rendered call is parsed, run, and its result reaches the next prompt, which extends the sampled
+    ids unless the template rewrites the history (then re-rendered, with the reason)."""
+    from skyrl_stepwise.chat import conversation_turn
+    from skyrl_stepwise.tools import ToolExecutor, to_messages
+    from skyrl_stepwise.tools.builtin import CalculatorTool
+
+    tok, calculator = family_tokenizer(family), CalculatorTool()
+    chat = TemplateRenderer(tok, dict(FAMILIES[family].render_kwargs), retention)
+    question, tools = [{"role": "user", "content": "What is 2+3?"}], [calculator.schema]
+    prompt = chat.prompt_ids(question, tools)
+    if chat.renders_tool_calls:
+        sampled = _sampled_call_turn(family, chat, [("calculator", {"expression": "2+3"})])
+    else:
+        text = {"hermes": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
+                "granite": '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]'}
+        sampled = tok(text[chat.tool_parser.name], add_special_tokens=False)["input_ids"] + [chat.close_id]
+    turn = chat.parse(sampled, prompt, tools)
+    results = await ToolExecutor({"calculator": calculator}).execute(turn.tool_calls)
+    assert [r.content for r in results] == ["5"]
+    # in roles the template renders, as the generator sends them (Phi-3.5 and Gemma 2 get the result as a user turn)
+    conversation = conversation_turn(turn, to_messages(results), chat.roles)
+    observations = conversation.observations
+    nxt = chat.next_prompt(prompt, sampled, question + [conversation.assistant] + observations, observations, tools)
+    chain = prompt + sampled
+    assert nxt.extended == (nxt.ids[:len(chain)] == chain)
+    assert "5" in chat.decode(nxt.ids[len(chain):] if nxt.extended else nxt.ids)
+    if retention == "all":
+        assert nxt.extended, nxt.reason
+
+
+def test_a_template_that_ignores_tools_is_told_its_own_call_format():
+    """DeepSeek V3.1's template renders calls but not tool schemas: the schemas go in a system block that asks for
+    calls in the format the template renders (and the parser reads), not hermes."""
+    chat = _renderer("deepseek-v3.1")
+    assert not chat.renders_tools and chat.renders_tool_calls
+    text = chat.render([{"role": "user", "content": "Q"}], True, TOOLS)
+    assert FORMATS["deepseek_v31"].expected_format in text and '"name": "search"' in text
+    assert "<tool_call>" not in text
