@@ -88,7 +88,7 @@ def test_train_fails_in_seconds_on_an_unknown_env_class_and_says_why_in_the_run_
                     "logging.wandb_mode=disabled"])
     assert time.perf_counter() - start < 30
     err = capsys.readouterr().err
-    assert "unknown env_class 'gues'; registered: ['guess', 'keyword', 'search', 'tool']" in err
+    assert "unknown env_class 'gues'; registered: ['guess', 'key_door', 'keyword', 'search', 'tool']" in err
     assert "Traceback" not in err
     report = (tmp_path / "run" / "report.md").read_text()
     assert "before step 1" in report and "unknown env_class 'gues'" in report
