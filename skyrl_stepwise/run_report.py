@@ -27,7 +27,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ("dynamic_sampling/generated_signal_frac", "generated groups with variance (dynamic sampling)")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
-        ("train/packed_tokens", "packed for the update"), ("train/forward_tokens", "forwarded (tree: distinct prefixes)"),
+        ("train/packed_tokens", "packed for the update"),
+        ("train/forward_tokens", "forwarded (tree: distinct prefixes)"),
         ("generate/response_tokens_trained", "trained (loss mask)")]),
     ("Sequence length", "tokens", "count", [
         ("generate/batch_padded_seq_len", "batch_padded_seq_len"), ("generate/tokens_per_sample_max", "longest sample"),
