@@ -207,7 +207,7 @@ def config_summary(cfg) -> list[str]:
         f"TIS clip {a.tis_ratio_clip_high}",
         f"- engine: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}); policy: FSDP2 on "
         f"{t.fsdp.world_size} rank(s) ({fsdp_backend(t.fsdp)}), {t.attn_implementation}, "
-        f"{t.micro_batch_tokens} tokens per micro-batch",
+        f"{t.micro_batch_tokens} tokens per micro-batch, packing `{t.packing}`",
         f"- seeds: trainer {t.seed}, data {cfg.data.seed}, engine {cfg.engine.seed}; wandb {cfg.logging.wandb_mode}",
     ]
     return lines
