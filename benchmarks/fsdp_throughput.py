@@ -97,12 +97,24 @@ def merged(batch, turns: int):
     return out
 
 
-def model_flops(batch, micro_batches, n_params_dense: int, layers: int, hidden: int, vocab: int) -> float:
-    """Forward+backward FLOPs of what the model ran: packed rows through the trunk, responses through the head."""
+def model_flops(batch, micro_batches, n_params_dense: int, layers: int, hidden: int, vocab: int,
+                packing: str = "rows") -> float:
+    """Forward+backward FLOPs of what the model ran: packed rows through the trunk, responses through the head.
+
+    packing=tree: the trunk runs each trie node once and a node attends to its ancestors (depth + 1 keys, what
+    flex_attention's block mask computes up to block granularity), vs (q + 1) keys at position q of a causal row.
+    """
+    head = 6 * hidden * vocab * sum(len(r) for r in batch.response_ids)
+    if packing == "tree":
+        from skyrl_stepwise.trainer.tree import build_trie
+
+        tries = [build_trie([batch.prompt_ids[i] + batch.response_ids[i] for i in mb]) for mb in micro_batches]
+        tokens = sum(max(1, len(t)) for t in tries)
+        attention = sum(12 * layers * hidden * (d + 1) for t in tries for d in t.depths)
+        return 6 * n_params_dense * tokens + attention + head
     lens = batch.seq_lens()
     tokens = sum(max(1, sum(lens[i] for i in mb)) for mb in micro_batches)
     attention = sum(6 * layers * hidden * lens[i] ** 2 for mb in micro_batches for i in mb)
-    head = 6 * hidden * vocab * sum(len(r) for r in batch.response_ids)
     return 6 * n_params_dense * tokens + attention + head
 
 
@@ -121,6 +133,9 @@ def main() -> None:
                         help="timed optimizer steps per mode (after 1 warm-up)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--attn", default="sdpa", help="trainer.attn_implementation: sdpa | flex_attention | ...")
+    parser.add_argument("--tree", action="store_true",
+                        help="also train the step-wise samples with trainer.packing=tree (a worker of its own: with "
+                             "flex_attention the tree loads its own attention; GPU path untested so far)")
     args = parser.parse_args()
 
     from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
@@ -148,9 +163,20 @@ def main() -> None:
           f"{args.turns} turns (prompt {args.prompt_len}, response {args.response_len}, observation {args.obs_len})\n")
     print("| samples | n | forward tokens | loss tokens | step s | forward tok/s | TFLOP/s | MFU | peak GiB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for label, batch in (("step-wise", stepwise), ("merged", merged(stepwise, args.turns))):
-        micro = rank_micro_batches(batch, 0, 1, args.micro_batch_tokens)
-        flops = model_flops(batch, micro, n_dense, mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.vocab_size)
+    arms = [("step-wise", stepwise, "rows"), ("merged", merged(stepwise, args.turns), "rows")]
+    if args.tree:
+        arms.append(("step-wise tree", stepwise, "tree"))
+    for label, batch, packing in arms:
+        if packing != worker.cfg.packing and args.attn == "flex_attention":  # tree loads its own flex attention
+            del worker
+            with tempfile.TemporaryDirectory() as folder:
+                write_random_model(args.model, folder)
+                cfg.model_path, cfg.packing = folder, packing
+                worker = PolicyWorker(cfg)  # joins the process group the first worker started
+        worker.set_packing(packing)
+        micro = rank_micro_batches(batch, 0, 1, args.micro_batch_tokens, packing)
+        flops = model_flops(batch, micro, n_dense, mcfg.num_hidden_layers, mcfg.hidden_size, mcfg.vocab_size,
+                            packing)
         worker.train_step(batch)  # warm-up: allocator, kernels
         if cuda:
             torch.cuda.synchronize()
@@ -164,8 +190,8 @@ def main() -> None:
         tflops = flops / seconds / 1e12
         mfu = f"{flops / seconds / peak:.1%}" if peak else "n/a"
         mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-        print(f"| {label} | {len(batch)} | {metrics['train/packed_tokens']:.0f} | {batch.num_loss_tokens()} | "
-              f"{seconds:.2f} | {metrics['train/packed_tokens'] / seconds:,.0f} | {tflops:.1f} | {mfu} | {mem:.1f} |")
+        print(f"| {label} | {len(batch)} | {metrics['train/forward_tokens']:.0f} | {batch.num_loss_tokens()} | "
+              f"{seconds:.2f} | {metrics['train/forward_tokens'] / seconds:,.0f} | {tflops:.1f} | {mfu} | {mem:.1f} |")
     worker.shutdown()
 
 

@@ -27,7 +27,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
         ("dynamic_sampling/generated_signal_frac", "generated groups with variance (dynamic sampling)")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
-        ("train/packed_tokens", "packed for the update"), ("train/forward_tokens", "forwarded (tree: distinct prefixes)"),
+        ("train/packed_tokens", "packed for the update"),
+        ("train/forward_tokens", "forwarded (tree: distinct prefixes)"),
         ("generate/response_tokens_trained", "trained (loss mask)")]),
     ("Sequence length", "tokens", "count", [
         ("generate/batch_padded_seq_len", "batch_padded_seq_len"), ("generate/tokens_per_sample_max", "longest sample"),
@@ -206,7 +207,7 @@ def config_summary(cfg) -> list[str]:
         f"TIS clip {a.tis_ratio_clip_high}",
         f"- engine: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}); policy: FSDP2 on "
         f"{t.fsdp.world_size} rank(s) ({fsdp_backend(t.fsdp)}), {t.attn_implementation}, "
-        f"{t.micro_batch_tokens} tokens per micro-batch",
+        f"{t.micro_batch_tokens} tokens per micro-batch, packing `{t.packing}`",
         f"- seeds: trainer {t.seed}, data {cfg.data.seed}, engine {cfg.engine.seed}; wandb {cfg.logging.wandb_mode}",
     ]
     return lines

@@ -160,7 +160,8 @@ class TrainerConfig:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     # Prompts (instance_id groups) per optimizer step, so the number of steps does not depend on turns.
     policy_mini_batch_size: int = 4
-    # Token budget of one packed micro-batch row (per rank); a longer sample gets a row of its own.
+    # Token budget of one packed micro-batch row (per rank); a longer sample gets a row of its own. With
+    # packing=tree it counts trie nodes (each distinct prefix once) and also bounds the row's T x T mask.
     micro_batch_tokens: int = 4096
     # Attention kernel for packed rows. sdpa builds a dense [T, T] block-diagonal mask per packed row (fine on
     # CPU and short rows); flex_attention / flash_attention_* skip the masked blocks, which is what long packed
