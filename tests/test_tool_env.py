@@ -82,3 +82,21 @@ async def test_mistral_tool_calls_run_through_the_tool_env_with_the_ids_its_temp
     assert '"arguments"' not in observation
     assert m["environment/tool/calculator/ok"] == 1 and m["environment/tool/unknown_tool"] == 1
     assert m["environment/tool/calculator/invalid_arguments"] == 1 and m["environment/tool/calculator/invalid_json"] == 1
+
+
+async def test_a_tool_result_with_the_golden_answer_earns_the_intermediate_reward_once():
+    from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+    from skyrl_stepwise.envs.tool import ToolEnv
+    from skyrl_stepwise.tools.builtin import CalculatorTool
+
+    call = ParsedTurn("", tool_calls=[ToolCallRequest("calculator", {"expression": "6*7"}, id="c1")])
+    extras = {"reward_spec": {"ground_truth": {"target": ["42"]}}, "max_turns": 4}
+    for bonus in (0.0, 0.3):
+        env = ToolEnv({"calculator": CalculatorTool()}, ToolEnvConfig(intermediate_reward=bonus))
+        await env.reset([{"role": "user", "content": "six times seven?"}], extras)
+        first, again = await env.step_turn(call), await env.step_turn(call)
+        assert "42" in first.observations[0]["content"] and not first.done
+        assert first.reward == bonus and again.reward == 0.0  # once per episode
+        assert first.metrics["answer_retrieved"] == again.metrics["answer_retrieved"] == 1.0
+        final = await env.step_turn(ParsedTurn("<answer>42</answer>"))
+        assert final.done and final.reward == 1.0
