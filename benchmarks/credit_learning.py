@@ -127,21 +127,22 @@ def report(records: list[dict], out: Path) -> str:
         for step in steps:
             values = [r["reward"] for r in records if r["mode"] == mode and r["step"] == step]
             cell[(mode, step)] = interval(values) if values else None
-    lines = [f"Mean trajectory reward of each step's rollouts, mean [95% t-interval] over seeds {seeds}.", "",
+    lines = [f"Mean trajectory reward of each step's rollouts, mean [95% t-interval] over the seeds each mode "
+             f"completed (of {seeds}; see `seeds` below).", "",
              "| step | " + " | ".join(modes) + " |", "|---:|" + "---|" * len(modes)]
     for step in steps:
         lines.append(f"| {step} | " + " | ".join(
             f"{c[0]:.3f} [{c[1]:.3f}, {c[2]:.3f}]" if c else "-" for c in (cell[(m, step)] for m in modes)) + " |")
     k = max(1, len(steps) // 3)
-    lines += ["", f"| mode | last {k} steps, mean over seeds [95% CI of the seed means] | seconds / step |",
-              "|---|---|---:|"]
+    lines += ["", f"| mode | seeds | last {k} steps, mean over seeds [95% CI of the seed means] | seconds / step |",
+              "|---|---:|---|---:|"]
     for mode in modes:
         per_seed = [statistics.fmean(r["reward"] for r in records if r["mode"] == mode and r["seed"] == s
                                      and r["step"] >= steps[-1] - k + 1) for s in seeds
                     if any(r["mode"] == mode and r["seed"] == s for r in records)]
         mean, lo, hi = interval(per_seed)
         secs = statistics.fmean(r["seconds"] for r in records if r["mode"] == mode)
-        lines.append(f"| {mode} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {secs:.1f} |")
+        lines.append(f"| {mode} | {len(per_seed)} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {secs:.1f} |")
     try:
         import matplotlib
 
