@@ -143,6 +143,17 @@ def report(records: list[dict], out: Path) -> str:
         mean, lo, hi = interval(per_seed)
         secs = statistics.fmean(r["seconds"] for r in records if r["mode"] == mode)
         lines.append(f"| {mode} | {len(per_seed)} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {secs:.1f} |")
+    base = modes[0]
+    for mode in modes[1:]:  # same seeds, same prompts, same step-0 samples: compare seed by seed
+        both = [s for s in seeds if all(any(r["mode"] == m and r["seed"] == s for r in records) for m in (mode, base))]
+        diffs = [statistics.fmean(r["reward"] for r in records if r["mode"] == mode and r["seed"] == s
+                                  and r["step"] >= steps[-1] - k + 1)
+                 - statistics.fmean(r["reward"] for r in records if r["mode"] == base and r["seed"] == s
+                                    and r["step"] >= steps[-1] - k + 1) for s in both]
+        if diffs:
+            mean, lo, hi = interval(diffs)
+            lines.append(f"\n{mode} - {base}, last {k} steps, paired over {len(diffs)} seeds: "
+                         f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]")
     try:
         import matplotlib
 
@@ -155,7 +166,8 @@ def report(records: list[dict], out: Path) -> str:
             mean, lo, hi = zip(*(cell[(mode, s)] for s in xs))
             ax.plot(xs, mean, marker="o", label=mode)
             ax.fill_between(xs, lo, hi, alpha=0.2)
-        ax.set(xlabel="RL step", ylabel="mean reward (door opened)", title="key-door game, SmolLM2-135M, CPU")
+        ax.set(xlabel="RL step", ylabel="mean reward (door opened), 95% t-interval over seeds",
+               title="key-door game, SmolLM2-135M, CPU", ylim=(-0.05, 1.05))
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "credit_learning.png", dpi=120)
