@@ -9,8 +9,8 @@ It runs in one process without Ray or vLLM, so it fits a small CPU box: the tran
 samples with the policy's own weights (one model object: no weight sync), the generator merges each trajectory
 into one sample, and an on-policy PPO update (one mini-batch per step) uses the library's loss and packing.
 
-    python benchmarks/credit_learning.py [--steps 8] [--seeds 0 1 2] [--modes outcome discounted gigpo]
-        [--prompts 2] [--n 8] [--lr 2e-5] [--gamma 0.9] [--out benchmarks/results/credit_learning]
+    python benchmarks/credit_learning.py [--steps 6] [--seeds 0 1 2] [--modes outcome discounted gigpo]
+        [--prompts 2] [--n 4] [--temperature 0.7] [--lr 2e-5] [--gamma 0.9] [--out benchmarks/results/credit_learning]
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ async def train_run(mode: str, seed: int, args) -> list[dict]:
     registry.register("key_door", KeyDoorEnv)
     generator = StepwiseGenerator(tokenizer, engine, registry, GeneratorConfig(
         max_turns=TURNS, n_samples_per_prompt=args.n, merge_stepwise_output=True, show_progress=False,
-        sampling=GeneratorSamplingConfig(max_generate_length=args.max_tokens, temperature=1.0, seed=seed)))
+        sampling=GeneratorSamplingConfig(max_generate_length=args.max_tokens, temperature=args.temperature,
+                                         seed=seed)))
     algo = AlgorithmConfig(step_advantage=mode, gamma=args.gamma, step_advantage_weight=args.omega,
                            use_kl_loss=False, tis_ratio_clip_high=None)
     algo.validate()
@@ -100,7 +101,7 @@ async def train_run(mode: str, seed: int, args) -> list[dict]:
         optimizer.zero_grad(set_to_none=True)
         denominator = batch.loss_denominator()
         for idx in pack_indices(batch.seq_lens(), args.micro_batch_tokens):
-            loss, _ = micro_batch_loss(model, pack_micro_batch(batch, idx), algo, denominator)
+            loss, _ = micro_batch_loss(model, pack_micro_batch(batch, idx), algo, denominator, args.temperature)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -126,21 +127,33 @@ def report(records: list[dict], out: Path) -> str:
         for step in steps:
             values = [r["reward"] for r in records if r["mode"] == mode and r["step"] == step]
             cell[(mode, step)] = interval(values) if values else None
-    lines = [f"Mean trajectory reward of each step's rollouts, mean [95% t-interval] over seeds {seeds}.", "",
+    lines = [f"Mean trajectory reward of each step's rollouts, mean [95% t-interval] over the seeds each mode "
+             f"completed (of {seeds}; see `seeds` below).", "",
              "| step | " + " | ".join(modes) + " |", "|---:|" + "---|" * len(modes)]
     for step in steps:
         lines.append(f"| {step} | " + " | ".join(
             f"{c[0]:.3f} [{c[1]:.3f}, {c[2]:.3f}]" if c else "-" for c in (cell[(m, step)] for m in modes)) + " |")
     k = max(1, len(steps) // 3)
-    lines += ["", f"| mode | last {k} steps, mean over seeds [95% CI of the seed means] | seconds / step |",
-              "|---|---|---:|"]
+    lines += ["", f"| mode | seeds | last {k} steps, mean over seeds [95% CI of the seed means] | seconds / step |",
+              "|---|---:|---|---:|"]
     for mode in modes:
         per_seed = [statistics.fmean(r["reward"] for r in records if r["mode"] == mode and r["seed"] == s
                                      and r["step"] >= steps[-1] - k + 1) for s in seeds
                     if any(r["mode"] == mode and r["seed"] == s for r in records)]
         mean, lo, hi = interval(per_seed)
         secs = statistics.fmean(r["seconds"] for r in records if r["mode"] == mode)
-        lines.append(f"| {mode} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {secs:.1f} |")
+        lines.append(f"| {mode} | {len(per_seed)} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {secs:.1f} |")
+    base = modes[0]
+    for mode in modes[1:]:  # same seeds, same prompts, same step-0 samples: compare seed by seed
+        both = [s for s in seeds if all(any(r["mode"] == m and r["seed"] == s for r in records) for m in (mode, base))]
+        diffs = [statistics.fmean(r["reward"] for r in records if r["mode"] == mode and r["seed"] == s
+                                  and r["step"] >= steps[-1] - k + 1)
+                 - statistics.fmean(r["reward"] for r in records if r["mode"] == base and r["seed"] == s
+                                    and r["step"] >= steps[-1] - k + 1) for s in both]
+        if diffs:
+            mean, lo, hi = interval(diffs)
+            lines.append(f"\n{mode} - {base}, last {k} steps, paired over {len(diffs)} seeds: "
+                         f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]")
     try:
         import matplotlib
 
@@ -153,7 +166,8 @@ def report(records: list[dict], out: Path) -> str:
             mean, lo, hi = zip(*(cell[(mode, s)] for s in xs))
             ax.plot(xs, mean, marker="o", label=mode)
             ax.fill_between(xs, lo, hi, alpha=0.2)
-        ax.set(xlabel="RL step", ylabel="mean reward (door opened)", title="key-door game, SmolLM2-135M, CPU")
+        ax.set(xlabel="RL step", ylabel="mean reward (door opened), 95% t-interval over seeds",
+               title="key-door game, SmolLM2-135M, CPU", ylim=(-0.05, 1.05))
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "credit_learning.png", dpi=120)
@@ -164,12 +178,13 @@ def report(records: list[dict], out: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--modes", nargs="+", default=["outcome", "discounted", "gigpo"])
     parser.add_argument("--prompts", type=int, default=2, help="prompt groups per step")
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per turn")
+    parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--gamma", type=float, default=0.9)
     parser.add_argument("--omega", type=float, default=1.0, help="gigpo's step_advantage_weight")

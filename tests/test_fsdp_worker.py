@@ -27,7 +27,9 @@ from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
 @pytest.mark.parametrize("key, value, message", [
     ("algorithm.advantage_estimator", "gae",
      "trainer.algorithm.advantage_estimator: 'gae' cannot be broadcast step-wise; use grpo or rloo"),
-    ("algorithm.loss_reduction", "sample_mean", "trainer.algorithm.loss_reduction"),
+    ("algorithm.loss_reduction", "seq_mean_token_sum", "trainer.algorithm.loss_reduction"),
+    ("algorithm.step_advantage", "gae", "trainer.algorithm.step_advantage: 'gae' is not one of"),
+    ("algorithm.gamma", 1.1, "trainer.algorithm.gamma"),
     ("algorithm.kl_loss_type", "kl3", "trainer.algorithm.kl_loss_type"),
     ("algorithm.dual_clip_c", 0.5, "trainer.algorithm.dual_clip_c"),
     ("optim.scheduler", "cosine", "trainer.optim.num_training_steps"),

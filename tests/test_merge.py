@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from skyrl_stepwise.generator.merge import merge_stepwise_output
@@ -297,3 +297,29 @@ def test_bad_input_is_rejected_with_a_clear_message(change, message):
         setattr(out, name, value)
     with pytest.raises(ValueError, match=message):
         merge_stepwise_output(out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch(), st.sampled_from(["discounted", "gigpo"]))
+def test_per_step_credit_is_the_same_merged_or_not(data, mode):
+    """Turn indices ride along with their tokens, so every step keeps its reward, its observation history (the
+    anchor) and hence its advantage: the masked tokens of each trajectory get the same advantages either way."""
+    from skyrl_stepwise.trainer.config import AlgorithmConfig
+    from skyrl_stepwise.trainer.credit import compute_credit
+
+    trajs, out = data
+    # a turn that sampled no token has no turn index, so the observation after it cannot keep its history apart
+    assume(all(s.response for t in trajs for s in t[:-1]))
+    out.turn_indices = [[j] * len(s.response) for t in trajs for j, s in enumerate(t)]
+    merged = merge_stepwise_output(out)
+    cfg = AlgorithmConfig(step_advantage=mode, gamma=0.7)
+
+    def masked(o):
+        credit = compute_credit(o, cfg)
+        seen: dict = {}
+        for tid, resp, mask, turns, adv in zip(o.trajectory_ids, o.response_ids, o.loss_masks, o.turn_indices,
+                                               credit.advantages):
+            seen.setdefault(tid, []).extend((tok, t, round(a, 9)) for tok, m, t, a in zip(resp, mask, turns, adv) if m)
+        return seen, {k: v for k, v in credit.metrics.items() if "anchor" in k}
+
+    assert masked(merged) == masked(out)

@@ -112,3 +112,21 @@ def test_a_malformed_call_is_answered_in_the_form_each_template_accepts():
     none = conversation_turn(mixed, results, RoleSupport(system=False, tool_after_call=False, tool_without_call=False))
     assert none.observations == [{"role": "user", "content": "Error call_0\n\nError invalid_call_1"}]
     assert none.role_fallbacks == 2 and [c["id"] for c in none.assistant["tool_calls"]] == ["call_0"]
+
+
+async def test_a_tool_result_with_the_golden_answer_earns_the_intermediate_reward_once():
+    from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+    from skyrl_stepwise.envs.tool import ToolEnv
+    from skyrl_stepwise.tools.builtin import CalculatorTool
+
+    call = ParsedTurn("", tool_calls=[ToolCallRequest("calculator", {"expression": "6*7"}, id="c1")])
+    extras = {"reward_spec": {"ground_truth": {"target": ["42"]}}, "max_turns": 4}
+    for bonus in (0.0, 0.3):
+        env = ToolEnv({"calculator": CalculatorTool()}, ToolEnvConfig(intermediate_reward=bonus))
+        await env.reset([{"role": "user", "content": "six times seven?"}], extras)
+        first, again = await env.step_turn(call), await env.step_turn(call)
+        assert "42" in first.observations[0]["content"] and not first.done
+        assert first.reward == bonus and again.reward == 0.0  # once per episode
+        assert first.metrics["answer_retrieved"] == again.metrics["answer_retrieved"] == 1.0
+        final = await env.step_turn(ParsedTurn("<answer>42</answer>"))
+        assert final.done and final.reward == 1.0

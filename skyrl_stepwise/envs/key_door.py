@@ -21,15 +21,17 @@ TURNS = 3
 
 def key_door_prompt(door_key: str) -> list[Message]:
     """The first user message: the door's key is stated here, to be recalled at turn 1."""
-    return [{"role": "user", "content": f"You stand before a locked door. A sign says: only the {door_key} key "
-                                        f"opens this door. A guard stands next to it. Greet the guard in one word."}]
+    return [{"role": "user", "content": f"A locked door. A sign says: only the {door_key} key opens it. "
+                                        f"Greet the guard."}]
 
 
 def picked_key(action_text: str, options: tuple[str, str]) -> str | None:
-    """The key the action names, if it names exactly one of the two options (whole words, any case)."""
-    words = set(re.findall(r"[a-z]+", action_text.lower()))
-    named = [o for o in options if o in words]
-    return named[0] if len(named) == 1 else None
+    """The first of the two keys the action names (whole words, any case), or None: a 135M model rarely answers
+    with a bare colour, so the first one it names is the one it takes."""
+    for word in re.findall(r"[a-z]+", action_text.lower()):
+        if word in options:
+            return word
+    return None
 
 
 class KeyDoorEnv:
@@ -57,12 +59,11 @@ class KeyDoorEnv:
         self.turn += 1
         if self.turn == 1:
             keys = (self.first_key, self.other_key if self.first_key == self.door_key else self.door_key)
-            text = (f"The guard lets you into the key room. On the table lie a {keys[0]} key and a {keys[1]} key. "
-                    f"Which key do you take? Answer with its colour only.")
+            text = f"Two keys: {keys[0]} and {keys[1]}. Which key opens the door, {keys[0]} or {keys[1]}?"
             return StepResult([{"role": "user", "content": text}], 0.0, False)
         if self.turn == 2:
             self.held = picked_key(action_text, (self.door_key, self.other_key))
-            text = "You walk back to the door and put the key in the lock. Say 'open'."
+            text = "You take it to the door. Say open."
             return StepResult([{"role": "user", "content": text}], 0.0, False,
                               {"picked_door_key": float(self.held == self.door_key),
                                "picked_no_key": float(self.held is None)})

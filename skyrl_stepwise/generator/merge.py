@@ -82,8 +82,10 @@ def _add_step(group: _Group, output: GeneratorOutput, i: int, delta: list[int]) 
         group.logprobs += [0.0] * len(delta) + output.rollout_logprobs[i]
     group.rewards += [0.0] * len(delta)
     if output.turn_indices is not None:  # the observation belongs to the step whose action it answers
+        # (when every earlier step of the group was empty, the delta goes to this step: a turn with no token has no
+        # index to carry, and an observation must not make up a step of its own)
         step_turns = output.turn_indices[i]
-        before = group.turns[-1] if group.turns else (step_turns[0] if step_turns else 0)  # (empty steps so far)
+        before = group.turns[-1] if group.turns else (step_turns[0] if step_turns else 0)
         group.turns += [before] * len(delta) + step_turns
     if isinstance(reward, list):
         group.rewards += reward

@@ -3,7 +3,9 @@
 All inputs are flat per-token tensors over one micro-batch's response tokens. The loss is the sum of the
 masked per-token losses divided by `num_tokens`, the number of loss-masked tokens in the whole mini-batch
 (all micro-batches, all ranks): summed over micro-batches it is exactly the mini-batch token mean, so how
-trajectories are cut into samples, packed or sharded never changes the loss or its gradient.
+trajectories are cut into samples, packed or sharded never changes the loss or its gradient. Other reductions are
+per-token weights (advantages.loss_weights) with `num_tokens` their weighted count: trajectory_mean keeps that
+invariance, sequence_mean (a per-sample mean, for SkyRL/verl parity) does not.
 """
 
 from __future__ import annotations
