@@ -9,9 +9,10 @@ beat SFT": the share of prompt groups with reward variance, the KL to the refere
 number of steps. Writes `learning.md` and `learning.png` to the output folder.
 
     python benchmarks/search_r1_learning.py [--steps 8] [--eval-prompts 128] [--modes outcome gigpo]
-        [hydra overrides...]
+        [--measure-kl] [hydra overrides, e.g. trainer.optim.lr=5e-5...]
 
-Several hours on a 2-core CPU at the defaults (each eval is 128 greedy multi-turn rollouts); minutes on a GPU.
+About 20 minutes per arm on a 2-core CPU at the defaults (three evals of 128 greedy multi-turn rollouts, ~75 s
+each, and 8 RL steps of 60-90 s; the SFT warm start, ~3 min, is cached after the first arm).
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ import statistics
 import time
 from pathlib import Path
 
-DIAGNOSTICS = ("advantages/groups_with_signal_frac", "reward/mean", "policy/kl_loss", "policy/ppo_kl",
+# what usually explains "RL does not beat SFT": how many groups carry signal, how far the policy moved, what limits
+# the reward (the gold answer retrieved vs answered), and how the per-step credit departs from the outcome
+DIAGNOSTICS = ("dynamic_sampling/generated_signal_frac", "advantages/groups_with_signal_frac", "reward/mean",
+               "environment/answer_retrieved", "environment/invalid_actions", "policy/kl_loss", "policy/ppo_kl",
                "policy/entropy", "policy/clip_frac", "train/grad_norm", "credit/sign_flip_frac")
+# use_kl_loss with a zero coefficient: the reference's logprobs are computed and KL(policy || SFT model) is
+# logged as policy/kl_loss, but nothing is added to the loss
+MEASURE_KL = ["trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0"]
+ARM_FILE = "arm.json"  # what an arm was run with and how long it took
 
 
 def paired_bootstrap(after: list[float], before: list[float], level: float = 0.95, resamples: int = 4000,
@@ -41,11 +49,27 @@ def paired_bootstrap(after: list[float], before: list[float], level: float = 0.9
     return sum(diffs) / n, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
 
 
-def stage_scores(run_dir: Path) -> dict[str, list[float]]:
-    """Per-prompt scores of each saved eval stage ("after SFT", "after RL (step N)", ...)."""
+def transitions(after: list[float], before: list[float]) -> tuple[int, int]:
+    """Prompts RL fixed (scored 0 after SFT, > 0 after RL) and prompts it broke (the reverse): a small net gain
+    can hide a large churn, which says the policy moved but not in one direction."""
+    fixed = sum(b <= 0 < a for a, b in zip(after, before))
+    broken = sum(a <= 0 < b for a, b in zip(after, before))
+    return fixed, broken
+
+
+def by_source(after: list[float], before: list[float], sources: list[str]) -> dict[str, tuple[int, float]]:
+    """Per data source: prompts and mean paired difference (a source the RL prompts never cover may not move)."""
+    groups: dict[str, list[float]] = {}
+    for a, b, source in zip(after, before, sources):
+        groups.setdefault(source, []).append(a - b)
+    return {k: (len(v), statistics.fmean(v)) for k, v in sorted(groups.items())}
+
+
+def stage_evals(run_dir: Path) -> dict:
+    """Each saved eval stage ("after SFT", "after RL (step N)", ...) by name, with per-prompt scores."""
     from skyrl_stepwise.trainer.evaluation import load_evals
 
-    return {e.stage: e.scores for e in load_evals(run_dir)}
+    return {e.stage: e for e in load_evals(run_dir)}
 
 
 def diagnostics(run_dir: Path) -> dict[str, float]:
@@ -55,6 +79,7 @@ def diagnostics(run_dir: Path) -> dict[str, float]:
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
+    """A bar per arm: its paired RL - SFT gain with the 95% interval (zero drawn, so "no gain" is plain to see)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,60 +98,87 @@ def plot(results: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def arm_result(run_dir: Path) -> dict:
+    """One trained arm, read back from its run folder: paired RL - SFT, transitions, per-source gain, diagnostics."""
+    stages = stage_evals(run_dir)
+    after_rl = next((s for s in stages if s.startswith("after RL")), None)
+    if "after SFT" not in stages or after_rl is None:
+        raise RuntimeError(f"{run_dir}/evals.json has stages {list(stages)}: need 'after SFT' and 'after RL'")
+    sft, rl = stages["after SFT"].scores, stages[after_rl].scores
+    arm = json.loads((run_dir / ARM_FILE).read_text())
+    return {**arm, "sft_scores": sft, "rl_scores": rl, "sft": statistics.fmean(sft), "rl": statistics.fmean(rl),
+            "prompts": len(rl), "rl_minus_sft": paired_bootstrap(rl, sft), "transitions": transitions(rl, sft),
+            "by_source": by_source(rl, sft, stages[after_rl].sources), "diagnostics": diagnostics(run_dir)}
+
+
+def report(results: dict[str, dict], steps: int) -> str:
+    """The markdown the README quotes: the paired table, each arm against the first, and the diagnostics."""
+    prompts = sorted({r["prompts"] for r in results.values()})
+    lines = [f"Paired on the same {'/'.join(map(str, prompts))} held-out prompts, {steps} RL steps per arm, greedy EM.",
+             "", "| arm | lr | EM after SFT | EM after RL | RL - SFT [95% paired bootstrap] | fixed / broken | "
+             "RL - SFT by source | minutes |", "|---|---:|---:|---:|---|---|---|---:|"]
+    for name, r in results.items():
+        d, lo, hi = r["rl_minus_sft"]
+        sources = ", ".join(f"{k} ({n}) {m:+.3f}" for k, (n, m) in r["by_source"].items()) or "-"
+        lines.append(f"| {name} | {r['lr']:g} | {r['sft']:.3f} | {r['rl']:.3f} | {d:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                     f"{r['transitions'][0]} / {r['transitions'][1]} | {sources} | {r['minutes']:.1f} |")
+    base, *others = results
+    for name in others:
+        d, lo, hi = paired_bootstrap(results[name]["rl_scores"], results[base]["rl_scores"])
+        lines.append(f"\n{name} - {base} after RL (paired): {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    lines += ["", "Diagnostics (mean over RL steps):", "",
+              "| arm | " + " | ".join(DIAGNOSTICS) + " |", "|---|" + "---:|" * len(DIAGNOSTICS)]
+    for name, r in results.items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{r['diagnostics'][k]:.4g}" if k in r["diagnostics"] else "-" for k in DIAGNOSTICS) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--modes", nargs="+", default=["outcome", "gigpo"])
     parser.add_argument("--out", default=None, help="output folder (default: outputs/search_r1_learning/<time>)")
+    parser.add_argument("--measure-kl", action="store_true",
+                        help="log KL(policy || SFT model) without penalising it (a reference pass per step)")
+    parser.add_argument("--report", nargs="+", metavar="ARM_DIR", default=None,
+                        help="train nothing: tabulate arm folders of earlier runs (OUT/<mode>), the first as base")
     args, overrides = parser.parse_known_args()
-    if args.eval_prompts < 128:
-        print(f"warning: {args.eval_prompts} eval prompts cannot resolve a few-point gain; the issue asks >= 128")
-    from skyrl_stepwise.train import load_config, run
-
-    out = Path(args.out or time.strftime("outputs/search_r1_learning/%Y-%m-%d_%H-%M-%S"))
-    results: dict[str, dict] = {}
-    final_scores: dict[str, list[float]] = {}
-    for mode in args.modes:
-        run_dir = out / mode
-        cfg = load_config(["experiment=search_r1_tiny", f"total_steps={args.steps}", f"eval_interval={args.steps}",
-                           f"data.max_eval_prompts={args.eval_prompts}", f"trainer.algorithm.step_advantage={mode}",
-                           "trainer.ckpt_interval=0", "logging.wandb_mode=disabled", f"logging.output_dir={run_dir}",
-                           *overrides])
-        start = time.perf_counter()
-        run(cfg)
-        stages = stage_scores(run_dir)
-        after_rl = next((s for s in stages if s.startswith("after RL")), None)
-        if "after SFT" not in stages or after_rl is None:
-            raise RuntimeError(f"{run_dir}/evals.json has stages {list(stages)}: need 'after SFT' and 'after RL'")
-        sft, rl = stages["after SFT"], stages[after_rl]
-        final_scores[mode] = rl
-        results[mode] = {"sft": statistics.fmean(sft), "rl": statistics.fmean(rl), "prompts": len(rl),
-                         "rl_minus_sft": paired_bootstrap(rl, sft), "minutes": (time.perf_counter() - start) / 60,
-                         "diagnostics": diagnostics(run_dir), "lr": cfg.trainer.optim.lr}
-
-    lines = [f"Paired on the same {args.eval_prompts} held-out prompts, {args.steps} RL steps per arm, greedy EM.", "",
-             "| step_advantage | EM after SFT | EM after RL | RL - SFT [95% paired bootstrap] | minutes |",
-             "|---|---:|---:|---|---:|"]
-    for mode, r in results.items():
-        d, lo, hi = r["rl_minus_sft"]
-        lines.append(f"| {mode} | {r['sft']:.3f} | {r['rl']:.3f} | {d:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
-                     f"{r['minutes']:.1f} |")
-    base = args.modes[0]
-    for mode in args.modes[1:]:
-        d, lo, hi = paired_bootstrap(final_scores[mode], final_scores[base])
-        lines.append(f"\n{mode} - {base} after RL (paired): {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-    lines += ["", "Diagnostics (mean over RL steps):", "",
-              "| step_advantage | lr | " + " | ".join(DIAGNOSTICS) + " |", "|---|---:|" + "---:|" * len(DIAGNOSTICS)]
-    for mode, r in results.items():
-        lines.append(f"| {mode} | {r['lr']:g} | " + " | ".join(
-            f"{r['diagnostics'][k]:.4g}" if k in r["diagnostics"] else "-" for k in DIAGNOSTICS) + " |")
-    text = "\n".join(lines)
+    if args.report:
+        arms = {f"{Path(d).parent.name}/{Path(d).name}": Path(d) for d in args.report}
+        out = Path(args.out or Path(args.report[0]).parent)
+    else:
+        if args.eval_prompts < 128:
+            print(f"warning: {args.eval_prompts} eval prompts cannot resolve a few-point gain; the issue asks >= 128")
+        out = Path(args.out or time.strftime("outputs/search_r1_learning/%Y-%m-%d_%H-%M-%S"))
+        arms = {mode: out / mode for mode in args.modes}
+        for mode, run_dir in arms.items():
+            train_arm(mode, run_dir, args.steps, args.eval_prompts,
+                      [*(MEASURE_KL if args.measure_kl else []), *overrides])
+    results = {name: arm_result(run_dir) for name, run_dir in arms.items()}
+    text = report(results, max(r["steps"] for r in results.values()))
     out.mkdir(parents=True, exist_ok=True)
     (out / "learning.md").write_text(text + "\n")
     plot(results, out / "learning.png")
     print(text)
     print(f"plot: {out / 'learning.png'}; table: {out / 'learning.md'}")
+
+
+def train_arm(mode: str, run_dir: Path, steps: int, eval_prompts: int, overrides: list[str]) -> None:
+    """The main job (eval, cached SFT, eval, RL, eval) for one step_advantage mode; writes arm.json beside it, so
+    a finished arm is reported even when a later one fails (`--report`)."""
+    from skyrl_stepwise.train import load_config, run
+
+    cfg = load_config(["experiment=search_r1_tiny", f"total_steps={steps}", f"eval_interval={steps}",
+                       f"data.max_eval_prompts={eval_prompts}", f"trainer.algorithm.step_advantage={mode}",
+                       "trainer.ckpt_interval=0", "logging.wandb_mode=disabled", f"logging.output_dir={run_dir}",
+                       *overrides])
+    start = time.perf_counter()
+    run(cfg)
+    arm = {"mode": mode, "lr": cfg.trainer.optim.lr, "steps": steps, "overrides": overrides,
+           "minutes": (time.perf_counter() - start) / 60}
+    (run_dir / ARM_FILE).write_text(json.dumps(arm, indent=1))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ def test_constant_scores_have_a_zero_width_interval():
 
 
 def test_stages_round_trip_through_the_run_dir(tmp_path):
-    stages = [eval_result("before SFT", [0.0, 0.0, 1.0]), eval_result("after SFT", [1.0, 1.0, 0.0], seconds=3.0)]
+    stages = [eval_result("before SFT", [0.0, 0.0, 1.0]),
+              eval_result("after SFT", [1.0, 1.0, 0.0], seconds=3.0, sources=["a", "b", "a"])]
     save_evals(tmp_path, stages)
     assert load_evals(tmp_path) == stages
+    assert load_evals(tmp_path)[1].sources == ["a", "b", "a"]  # per prompt, so paired differences split by source
     assert load_evals(tmp_path / "missing") == []
     table = eval_table(stages)
     assert "| after SFT | 0.667 |" in table and table.count("\n") == 3

@@ -30,6 +30,8 @@ class EvalResult:
     # prompts scored 0 because they produced no score (failed trajectory, first prompt over max_input_length):
     # every stage covers the same prompts, and this says how many of them could not be answered at all
     unscored: int = 0
+    # each prompt's data_source, parallel to scores: a paired comparison of two stages can then be split by source
+    sources: list[str] = field(default_factory=list)
 
     @property
     def num_prompts(self) -> int:
@@ -64,7 +66,7 @@ def eval_result(stage: str, scores: list[float], seconds: float = 0.0, sources: 
     for score, source in zip(scores, sources or []):
         by_source.setdefault(source, []).append(score)
     return EvalResult(stage, list(scores), sum(scores) / max(len(scores), 1), low, high, seconds,
-                      {k: sum(v) / len(v) for k, v in sorted(by_source.items())})
+                      {k: sum(v) / len(v) for k, v in sorted(by_source.items())}, sources=list(sources or []))
 
 
 def eval_subset(rows: list, size: int, seed: int = 0) -> list:
