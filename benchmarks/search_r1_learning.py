@@ -85,15 +85,15 @@ def plot(results: dict[str, dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
     names = list(results)
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.8 * len(names)), 4))
     means = [results[n]["rl_minus_sft"][0] for n in names]
     errors = [[m - results[n]["rl_minus_sft"][1] for n, m in zip(names, means)],
               [results[n]["rl_minus_sft"][2] - m for n, m in zip(names, means)]]
     ax.bar(names, means, yerr=errors, capsize=6, alpha=0.7)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_ylabel("EM after RL - EM after SFT (paired, 95% bootstrap)")
-    ax.set_title("Search-R1 tiny, SmolLM2-135M: RL gain over the SFT warm start")
+    ax.set_ylabel("EM after RL - EM after SFT\n(paired, 95% bootstrap)")
+    ax.set_title("Search-R1 tiny, SmolLM2-135M: RL gain over the SFT warm start", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -122,10 +122,12 @@ def report(results: dict[str, dict], steps: int) -> str:
         sources = ", ".join(f"{k} ({n}) {m:+.3f}" for k, (n, m) in r["by_source"].items()) or "-"
         lines.append(f"| {name} | {r['lr']:g} | {r['sft']:.3f} | {r['rl']:.3f} | {d:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
                      f"{r['transitions'][0]} / {r['transitions'][1]} | {sources} | {r['minutes']:.1f} |")
-    base, *others = results
-    for name in others:
-        d, lo, hi = paired_bootstrap(results[name]["rl_scores"], results[base]["rl_scores"])
-        lines.append(f"\n{name} - {base} after RL (paired): {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    bases: dict[str, str] = {}  # each run folder's first arm: arms of one folder share the seed and the SFT model
+    for name in results:
+        base = bases.setdefault(name.rsplit("/", 1)[0] if "/" in name else "", name)
+        if base != name:
+            d, lo, hi = paired_bootstrap(results[name]["rl_scores"], results[base]["rl_scores"])
+            lines.append(f"\n{name} - {base} after RL (paired): {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
     lines += ["", "Diagnostics (mean over RL steps):", "",
               "| arm | " + " | ".join(DIAGNOSTICS) + " |", "|---|" + "---:|" * len(DIAGNOSTICS)]
     for name, r in results.items():
@@ -143,7 +145,8 @@ def main() -> None:
     parser.add_argument("--measure-kl", action="store_true",
                         help="log KL(policy || SFT model) without penalising it (a reference pass per step)")
     parser.add_argument("--report", nargs="+", metavar="ARM_DIR", default=None,
-                        help="train nothing: tabulate arm folders of earlier runs (OUT/<mode>), the first as base")
+                        help="train nothing: tabulate arm folders of earlier runs (OUT/<mode>); each arm is compared with "
+                             "the first one listed from its own OUT folder")
     args, overrides = parser.parse_known_args()
     if args.report:
         arms = {f"{Path(d).parent.name}/{Path(d).name}": Path(d) for d in args.report}

@@ -19,7 +19,7 @@ def _since(start: float) -> str:
 
 
 def _datasets(cfg):
-    from skyrl_stepwise.data.dataset import load_prompt_dataset
+    from skyrl_stepwise.data.dataset import check_reward_spec, load_prompt_dataset
 
     train, val = cfg.data.train_path, cfg.data.val_path
     if "embedded" in (train, val):
@@ -31,6 +31,9 @@ def _datasets(cfg):
     rows = load_prompt_dataset(train), (load_prompt_dataset(val) if val else [])
     if cfg.data.env_class:
         rows = tuple([dataclasses.replace(r, env_class=cfg.data.env_class) for r in part] for part in rows)
+        for path, part in zip((train, val), rows):
+            for i, row in enumerate(part):
+                check_reward_spec(row, f"{path}: row {i} (instance_id={row.instance_id!r}, data.env_class)")
     return rows
 
 

@@ -130,6 +130,14 @@ def test_load_prompt_dataset_names_bad_columns_and_rows(tmp_path):
                   tmp_path / "bad_target.parquet")
     with pytest.raises(ValueError, match=r"row 1 \(instance_id='b'\): 'reward_spec' needs ground_truth.target"):
         load_prompt_dataset(tmp_path / "bad_target.parquet")
+    # your own env grades with whatever its rows carry: no golden answers needed, and a null reward_spec is {}
+    own = {**good, "env_class": "guess", "reward_spec": {"secret": 7}}
+    write_parquet([own, {**own, "instance_id": "b", "reward_spec": None}], tmp_path / "own.parquet")
+    assert [r.reward_spec for r in load_prompt_dataset(tmp_path / "own.parquet")] == [{"secret": 7}, {}]
+    write_parquet([{**good, "env_class": "tool", "reward_spec": {"ground_truth": {"target": []}}}],
+                  tmp_path / "empty_target.parquet")
+    with pytest.raises(ValueError, match=r"needs ground_truth.target \(the golden answers\) for env_class 'tool'"):
+        load_prompt_dataset(tmp_path / "empty_target.parquet")
     write_parquet([good, good], tmp_path / "dup.parquet")
     with pytest.raises(ValueError, match="'instance_id' 'a' repeats"):
         load_prompt_dataset(tmp_path / "dup.parquet")

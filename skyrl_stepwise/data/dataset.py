@@ -3,7 +3,8 @@
 One row = one prompt. Columns:
   prompt       list of {"role", "content"} chat messages
   env_class    name registered in the EnvRegistry (e.g. "search")
-  reward_spec  {"ground_truth": {"target": [answers, ...]}, ...}
+  reward_spec  what the row's env grades with (a dict, may be empty); the built-in search and tool envs need
+               {"ground_truth": {"target": [answers, ...]}, ...}, checked at load; your own env reads what it wants
   data_source  where the row came from, for per-source metrics
   extra_info   free-form dict (split, index, question, ...)
   instance_id  unique string id, so trajectories can be traced back to their prompt
@@ -24,6 +25,8 @@ import pyarrow.parquet as pq
 Message = dict[str, str]
 REQUIRED_COLUMNS = ("prompt", "env_class", "reward_spec", "data_source", "extra_info", "instance_id")
 SEARCH_R1_COLUMNS = ("data_source", "prompt", "reward_model", "extra_info")
+# built-in env classes that grade an answer against reward_spec.ground_truth.target (envs/search.py, envs/tool.py)
+ENVS_GRADED_BY_TARGET = ("search", "tool")
 
 # SkyRL's wording of Search-R1's instruction (SR1's "as your want" typo fixed), system message included.
 SYSTEM_PROMPT = "You are a helpful and harmless assistant."
@@ -93,13 +96,26 @@ def _validate_row(row: dict[str, Any], i: int, path: str | Path) -> PromptRow:
         raise ValueError(f"{where}: 'env_class' must be a non-empty string, got {row['env_class']!r}")
     if not isinstance(row["instance_id"], str) or not row["instance_id"]:
         raise ValueError(f"{where}: 'instance_id' must be a non-empty string, got {row['instance_id']!r}")
-    spec = row["reward_spec"]
-    target = ((spec or {}).get("ground_truth") or {}).get("target") if isinstance(spec, dict) else None
-    if target is None:
-        raise ValueError(f"{where}: 'reward_spec' needs ground_truth.target, got {str(spec)[:120]!r}")
+    spec = {} if row["reward_spec"] is None else row["reward_spec"]
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: 'reward_spec' must be a dict (or null), got {str(spec)[:120]!r}")
     extra = row["extra_info"] if isinstance(row["extra_info"], dict) else {}
-    return PromptRow([{"role": m["role"], "content": m["content"]} for m in prompt], row["env_class"], spec,
-                     str(row["data_source"]), extra, row["instance_id"])
+    out = PromptRow([{"role": m["role"], "content": m["content"]} for m in prompt], row["env_class"], spec,
+                    str(row["data_source"]), extra, row["instance_id"])
+    check_reward_spec(out, where)
+    return out
+
+
+def check_reward_spec(row: PromptRow, where: str) -> None:
+    """A row for a built-in env that grades against golden answers must carry them, or every rollout of it would
+    fail at the env's reset; rows of other env classes (your own) may carry anything, or nothing."""
+    if row.env_class not in ENVS_GRADED_BY_TARGET:
+        return
+    target = (row.reward_spec.get("ground_truth") or {}).get("target") \
+        if isinstance(row.reward_spec.get("ground_truth"), dict) else None
+    if target is None or (isinstance(target, (str, list, tuple)) and len(target) == 0):
+        raise ValueError(f"{where}: 'reward_spec' needs ground_truth.target (the golden answers) for env_class "
+                         f"{row.env_class!r}, got {str(row.reward_spec)[:120]!r}")
 
 
 def load_prompt_dataset(path: str | Path) -> list[PromptRow]:
