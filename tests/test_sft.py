@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from family_tokenizers import FAMILIES, family_tokenizer
 from test_generator import canonical
 
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig
@@ -189,3 +192,40 @@ def test_tool_call_demonstrations_train_the_calls_the_parser_reads_under_the_rl_
                                                                            None)]
     observation = tokenizer.decode([t for t, m in zip(out.response_ids[0], mask) if not m])
     assert "42" in observation
+
+
+# Granite 3.3's template renders no `tool_calls` (it only instructs the model to write `<|tool_call|>`), so there is
+# no rendering of the call to train: refused, naming the renderer
+CALLS_NOT_WRITABLE = {"granite-3.3"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tool_call_demonstrations_are_written_in_each_familys_own_call_format(family):
+    """On every family's real template, a demonstrated call is trained as the family renders it, and the renderer's
+    parser reads the trained ids back into exactly that call; a family whose calls cannot be written is refused by
+    name, never trained on a format its parser does not read."""
+    from skyrl_stepwise.chat import create_renderer
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+
+    tokenizer, tools = family_tokenizer(family), configured_tool_schemas(None)
+    cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]),
+                          chat_template_kwargs=dict(FAMILIES[family].render_kwargs))
+    demo = [TOOL_DEMO[0], {**TOOL_DEMO[1], "tool_calls": [{**TOOL_DEMO[1]["tool_calls"][0], "id": "call00000"}]},
+            {**TOOL_DEMO[2], "tool_call_id": "call00000"}, TOOL_DEMO[3]]
+    try:
+        out = conversation_samples(tokenizer, [demo], cfg, tools)
+    except ValueError as e:
+        assert family in CALLS_NOT_WRITABLE, f"{family}: {e}"
+        assert "cannot be written in the call format of" in str(e)
+        return
+    assert family not in CALLS_NOT_WRITABLE
+    chat = create_renderer(tokenizer, cfg.renderer, cfg.chat_template_kwargs)
+    mask, response = out.loss_masks[0], out.response_ids[0]
+    call_turn = response[:mask.index(0)] if 0 in mask else response  # a template that re-renders breaks the chain
+    parsed = chat.parse(call_turn, out.prompt_token_ids[0], tools)
+    arguments = [json.loads(c.arguments) if isinstance(c.arguments, str) else c.arguments for c in parsed.tool_calls]
+    assert [(c.name, c.error) for c in parsed.tool_calls] == [("calculator", None)]
+    assert arguments == [{"expression": "6 * 7"}]
+    assert call_turn[-1] in chat.stop_ids  # the turn ends as a model ends it
+    assert "42" not in tokenizer.decode(call_turn)  # never the tool's output as a target
+    assert sum(sum(m) for m in out.loss_masks) == len(call_turn) + len(chat.encode("<answer>42</answer>")) + 1

@@ -10,6 +10,7 @@ history is re-rendered (a new step chain starts) and the reason is reported, nev
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -175,6 +176,35 @@ def conversation_turn(turn: ParsedTurn, observations: list[Message], support: Ro
     return ConversationTurn(assistant, out, fallbacks)
 
 
+def through_first_stop(ids: list[int], stop_ids: set[int], close_id: int) -> list[int]:
+    """A rendered turn as sampled: its ids through the first stop token, or closed by `close_id` if none."""
+    end = next((i for i, t in enumerate(ids) if t in stop_ids), None)
+    return ids[:end + 1] if end is not None else ids + [close_id]
+
+
+@dataclass(frozen=True)
+class RenderedTurn:
+    """An assistant turn as the family renders it, cut as a model samples it (through its first stop token)."""
+
+    ids: list[int]
+    # text the generation prompt pre-fills (a thinking stub: `<think>\n`, Gemma 4's empty thought channel) that the
+    # template's rendering of the turn in a history lacks: the turn is then taken from after the shared part
+    prefill: str = ""
+
+
+def rendered_turn(prompt: list[int], history: list[int], full: list[int], decode: Callable[[list[int]], str],
+                  stop_ids: set[int], close_id: int) -> RenderedTurn | None:
+    """The turn's ids from three renderings: the prompt (earlier messages + generation prompt), the earlier
+    messages alone, and all of them with the turn and what follows it (which decides the token that closes it:
+    GLM's `<|observation|>` before a tool result). None where the template rewrote the earlier messages."""
+    if full[:len(prompt)] == prompt:
+        return RenderedTurn(through_first_stop(full[len(prompt):], stop_ids, close_id))
+    shared = len(os.path.commonprefix([prompt, full]))
+    if full[:len(history)] != history or shared < len(history):
+        return None
+    return RenderedTurn(through_first_stop(full[shared:], stop_ids, close_id), decode(prompt[shared:]))
+
+
 def fold_system_into_user(messages: list[Message]) -> list[Message]:
     """For templates without a system role (Gemma 2): the system prompt (and a tools block in it) opens the first
     user turn, the way these models' own documentation prompts them."""
@@ -212,6 +242,13 @@ class ChatRenderer(Protocol):
               tools: list[dict] | None = None) -> ParsedTurn:
         """The sampled turn as content, reasoning and tool calls, read from the ids the model sampled (not from a
         re-encoded text), so a call executed is a call the model made; malformed calls come back with an error."""
+        ...
+
+    def turn_ids(self, messages: list[Message], index: int, tools: list[dict] | None = None) -> RenderedTurn | None:
+        """What a model writing `messages[index]` (an assistant turn) samples after the prompt of the messages
+        before it, as the family renders that turn (the messages after it decide how it closes): for SFT
+        demonstrations, whose calls must be in the format the parser reads. None where the template rewrites the
+        earlier messages."""
         ...
 
     def decode(self, ids: list[int]) -> str:

@@ -9,7 +9,8 @@ import re
 from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
-                                      check_observations_kept, probe_role_support)
+                                      RenderedTurn, check_observations_kept, probe_role_support,
+                                      rendered_turn)
 from skyrl_stepwise.chat.tool_formats import FORMATS, ToolParser
 
 # The call format of the library's renderers, by name prefix (first match), for answering a malformed call and
@@ -113,6 +114,17 @@ class LibraryRenderer:
             return list(self.renderer.render_ids(messages, tools=tools, add_generation_prompt=True))
         except Exception as e:
             raise RenderError(f"{self.name} cannot render roles {[m.get('role') for m in messages]}: {e}") from e
+
+    def turn_ids(self, messages: list[Message], index: int, tools: list[dict] | None = None) -> RenderedTurn | None:
+        """`messages[index]` (an assistant turn) as the library renders it after the generation prompt of the
+        messages before it, through the first stop token (ChatRenderer.turn_ids)."""
+        try:
+            history = list(self.renderer.render_ids(messages[:index], tools=tools, add_generation_prompt=False))
+            full = list(self.renderer.render_ids(messages[:index + 2], tools=tools, add_generation_prompt=False))
+        except Exception as e:
+            raise RenderError(f"{self.name} cannot render roles {[m.get('role') for m in messages]}: {e}") from e
+        return rendered_turn(self.prompt_ids(messages[:index], tools), history, full, self.decode, self.stop_ids,
+                             self.close_id)
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """Content, reasoning and every tool-call attempt, as the library's parser for this family reads them."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept,
                                       fold_system_into_user, probe_call_message, probe_role_support,
-                                      rendered_forms)
+                                      RenderedTurn, rendered_forms, rendered_turn, through_first_stop)
 from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat
 from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES
@@ -105,6 +105,18 @@ class TemplateRenderer:
 
     def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         return self.encode(self.render(messages, True, tools))
+
+    def turn_ids(self, messages: list[Message], index: int, tools: list[dict] | None = None) -> RenderedTurn | None:
+        """`messages[index]` (an assistant turn) as the template renders it after the generation prompt of the
+        messages before it, through the first stop token (ChatRenderer.turn_ids); canonical tokens of the turn's
+        text where the prompt is a prefix of the rendering, as the model would sample that text."""
+        prompt = self.render(messages[:index], True, tools)
+        full = self.render(messages[:index + 2], False, tools)
+        if full.startswith(prompt):
+            return RenderedTurn(through_first_stop(self.encode(full[len(prompt):]), self.stop_ids, self.close_id))
+        history = self.render(messages[:index], False, tools)
+        return rendered_turn(self.encode(prompt), self.encode(history), self.encode(full), self.decode,
+                             self.stop_ids, self.close_id)
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """The sampled text without its closing token (the template handles any reasoning in it); with tools,

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from dataclasses import dataclass, replace
 from typing import Any
 
 from skyrl_stepwise.chat import create_renderer
+from skyrl_stepwise.chat.base import RenderError
 from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.scripted import ScriptedEngine
 from skyrl_stepwise.trainer.batching import TrainBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,46 +98,109 @@ def uses_tools(conversation: list[Message]) -> bool:
     return any(m.get("tool_calls") or m["role"] == "tool" for m in conversation)
 
 
-def assistant_text(chat, message: Message) -> str:
-    """What the model samples for an assistant message: its content, then each OpenAI-shaped tool call
-    (`{"type": "function", "function": {"name", "arguments"}}`, arguments a JSON string or object) in the hermes
-    `<tool_call>` format the renderer parses calls from (the format SmolLM2, Qwen and Hermes models use)."""
-    from skyrl_stepwise.chat.tool_parsers import HERMES_FORMAT
-
-    calls = message.get("tool_calls") or []
-    if not calls:
-        return message["content"]
-    hermes = getattr(getattr(chat, "tool_parser", None), "name", None) == "hermes" or \
-        getattr(chat, "call_format", None) == HERMES_FORMAT
-    if not hermes:
-        raise ValueError(f"SFT demonstrations with tool_calls are written in the hermes <tool_call> format; the "
-                         f"{chat.name} renderer parses calls in another format")
-    parts = [message.get("content") or ""]
-    for call in calls:
+def demo_calls(message: Message) -> list[tuple[str, dict, str]]:
+    """The OpenAI-shaped tool calls of a demonstration message (`{"type": "function", "id", "function": {"name",
+    "arguments"}}`, arguments a JSON string or object) as (name, arguments, id); a call without an id gets a
+    9-character one, the only shape every template accepts (Mistral's)."""
+    calls = []
+    for k, call in enumerate(message.get("tool_calls") or []):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ValueError(f"a tool call must be {{'type': 'function', 'function': {{'name', 'arguments'}}}} "
                              f"(OpenAI shape), got {str(call)[:120]!r}")
         arguments = function.get("arguments") or {}
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        parts.append("<tool_call>\n" + json.dumps({"name": function["name"], "arguments": arguments},
-                                                  ensure_ascii=False) + "\n</tool_call>")
+        calls.append((function["name"], arguments, call.get("id") or f"call{k:05d}"))
+    return calls
+
+
+def assistant_text(message: Message) -> str:
+    """An assistant message in the hermes `<tool_call>` format: its content, then each call (the format SmolLM2,
+    Qwen and Hermes models use, and the one our tools block teaches a template that renders no tools)."""
+    parts = [message.get("content") or ""]
+    for name, arguments, _ in demo_calls(message):
+        parts.append("<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+                     + "\n</tool_call>")
     return "\n".join(p for p in parts if p)
+
+
+def assistant_turn_ids(chat, conversation: list[Message], index: int, tools: list[dict] | None) -> list[int]:
+    """What the model samples for the assistant message `conversation[index]`.
+
+    A plain message: its content, tokenized canonically, closed by the turn terminator. A message with tool calls:
+    the family's own rendering of that turn (`chat.turn_ids`), so the calls are trained in the format its parser
+    reads (Llama JSON, Mistral [TOOL_CALLS], GLM XML, harmony, ...), accepted only when the parser reads back the
+    demonstrated calls; a family whose template renders no calls falls back to the hermes text when hermes is what
+    its parser reads, and is refused otherwise, naming the renderer."""
+    from skyrl_stepwise.chat.tool_parsers import HERMES_FORMAT
+
+    message = conversation[index]
+    if not message.get("tool_calls"):
+        return chat.encode(message["content"]) + [chat.close_id]
+    calls = demo_calls(message)
+    string_arguments = getattr(chat, "string_arguments", False)  # templates that print arguments as text
+    rendered = {**message, "tool_calls": [
+        {"type": "function", "id": call_id, "function": {
+            "name": name, "arguments": json.dumps(arguments, ensure_ascii=False) if string_arguments else arguments}}
+        for name, arguments, call_id in calls]}
+    # some templates render calls only when content is null (DeepSeek R1 distills), others need a string
+    contents = [rendered.get("content"), None] if rendered.get("content") == "" else [rendered.get("content")]
+    why = "its rendering of the turn does not parse back into them"
+    for content in contents:
+        messages = [*conversation[:index], {**rendered, "content": content}, *conversation[index + 1:]]
+        try:
+            turn = turn_as_sampled(chat, messages, index, tools)
+        except RenderError as e:  # e.g. a template that wants ids or roles the demonstration lacks
+            why = why if content is None else str(e)  # the retry's failure says less than the first one's
+            continue
+        if turn is None:
+            why = why if content is None else "the template rewrites the earlier messages when it renders the turn"
+            continue
+        parsed = chat.parse(turn.ids, chat.prompt_ids(conversation[:index], tools), tools)
+        if [(c.name, c.error) for c in parsed.tool_calls] == [(name, None) for name, _, _ in calls]:
+            if turn.prefill and chat.name not in _PREFILL_WARNED:
+                _PREFILL_WARNED.add(chat.name)
+                logger.warning(f"{chat.name}: the generation prompt adds {turn.prefill!r}, which the template's "
+                               f"rendering of a tool-call turn lacks; SFT trains that turn's calls after it")
+            return turn.ids
+    hermes = getattr(getattr(chat, "tool_parser", None), "name", None) == "hermes" or \
+        getattr(chat, "call_format", None) == HERMES_FORMAT
+    if not hermes:
+        raise ValueError(f"an SFT demonstration's tool calls {[c[0] for c in calls]} cannot be written in the call "
+                         f"format of {chat.name}: {why}")
+    return chat.encode(assistant_text(message)) + [chat.close_id]
+
+
+def turn_as_sampled(chat, messages: list[Message], index: int, tools: list[dict] | None):
+    """The family's rendering of turn `index`, closed as the message after it decides (GLM's `<|observation|>`
+    before a tool result) only when that changes nothing but the closing token: a template that runs the next
+    message into the turn without a stop token between (DeepSeek R1 distills) would otherwise have the model
+    trained on the tool's output."""
+    alone = chat.turn_ids(messages[:index + 1], index, tools)
+    if alone is None or index + 1 >= len(messages):
+        return alone
+    followed = chat.turn_ids(messages, index, tools)
+    if followed is not None and len(followed.ids) == len(alone.ids) and followed.ids[:-1] == alone.ids[:-1]:
+        return followed
+    return alone
+
+
+_PREFILL_WARNED: set[str] = set()  # renderers already warned about (once per process, not once per demonstration)
 
 
 def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg: GeneratorConfig,
                          tools: list[dict] | None = None) -> GeneratorOutput:
     """One merged sample (or one per chain) per conversation, assistant tokens trained, built like rollouts.
 
-    Each assistant turn (its tool calls included, see assistant_text) is tokenized canonically and closed by the
-    renderer's turn terminator, as a model that ends its turn would sample it; `gen_cfg` (the run's generator
+    Each assistant turn is what a model writing it samples (assistant_turn_ids: canonical tokens closed by the
+    turn terminator; a tool-call turn as the family's template renders it); `gen_cfg` (the run's generator
     config: renderer, stop strings, history mode) decides everything else, exactly as in RL. `tools`: the run's
     tool schemas, rendered into the prompt of every conversation that uses tools, so SFT prompts equal RL prompts.
     """
     chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention,
                            gen_cfg.tool_parser)
-    turns = [[chat.encode(assistant_text(chat, m)) + [chat.close_id] for m in split_turns(c)[1]]
-             for c in conversations]
+    turns = [[assistant_turn_ids(chat, c, j, tools if uses_tools(c) else None)
+              for j, m in enumerate(c) if m["role"] == "assistant"] for c in conversations]
     longest = max(len(t) for ts in turns for t in ts)
     cfg = replace(gen_cfg, n_samples_per_prompt=1, step_wise_trajectories=True, merge_stepwise_output=True,
                   max_turns=max(len(ts) for ts in turns), max_input_length=1 << 30, show_progress=False,
