@@ -128,12 +128,39 @@ def report(results: dict[str, dict], steps: int) -> str:
         if base != name:
             d, lo, hi = paired_bootstrap(results[name]["rl_scores"], results[base]["rl_scores"])
             lines.append(f"\n{name} - {base} after RL (paired): {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    lines += pooled_over_runs(results, bases)
     lines += ["", "Diagnostics (mean over RL steps):", "",
               "| arm | " + " | ".join(DIAGNOSTICS) + " |", "|---|" + "---:|" * len(DIAGNOSTICS)]
     for name, r in results.items():
         lines.append(f"| {name} | " + " | ".join(
             f"{r['diagnostics'][k]:.4g}" if k in r["diagnostics"] else "-" for k in DIAGNOSTICS) + " |")
     return "\n".join(lines)
+
+
+def pooled_over_runs(results: dict[str, dict], bases: dict[str, str]) -> list[str]:
+    """Each mode run in several folders (seeds): its RL - SFT, and its difference from its folder's first arm,
+    averaged per prompt over the runs and resampled by prompt, so a gain must hold up over training seeds and
+    prompts at once (the per-run intervals above only resample prompts)."""
+    by_mode: dict[str, list[str]] = {}
+    for name, r in results.items():
+        by_mode.setdefault(r["mode"], []).append(name)
+    lines = []
+    for mode, names in by_mode.items():
+        if len(names) < 2 or len({results[n]["prompts"] for n in names}) != 1:
+            continue
+        per_prompt = [statistics.fmean(results[n]["rl_scores"][i] - results[n]["sft_scores"][i] for n in names)
+                      for i in range(results[names[0]]["prompts"])]
+        d, lo, hi = paired_bootstrap(per_prompt, [0.0] * len(per_prompt))
+        lines.append(f"\n{mode}, pooled over {len(names)} runs: RL - SFT {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+        base_of = {n: bases[n.rsplit("/", 1)[0] if "/" in n else ""] for n in names}
+        if any(base_of[n] == n for n in names):
+            continue
+        base_mode = results[base_of[names[0]]]["mode"]
+        diff = [statistics.fmean(results[n]["rl_scores"][i] - results[base_of[n]]["rl_scores"][i] for n in names)
+                for i in range(results[names[0]]["prompts"])]
+        d, lo, hi = paired_bootstrap(diff, [0.0] * len(diff))
+        lines.append(f"{mode} - {base_mode} after RL, pooled over {len(names)} runs: {d:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    return lines
 
 
 def main() -> None:
