@@ -73,8 +73,10 @@ def stage_evals(run_dir: Path) -> dict:
 
 
 def diagnostics(run_dir: Path) -> dict[str, float]:
-    """Each diagnostic metric averaged over the run's RL steps (absent ones are left out)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Each diagnostic metric averaged over the run's RL steps (absent ones, or a folder without metrics.jsonl such
+    as benchmarks/results/, are left out)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     return {k: statistics.fmean(r[k] for r in records if k in r) for k in DIAGNOSTICS if any(k in r for r in records)}
 
 
