@@ -9,7 +9,7 @@ beat SFT": the share of prompt groups with reward variance, the KL to the refere
 number of steps. Writes `learning.md` and `learning.png` to the output folder.
 
     python benchmarks/search_r1_learning.py [--steps 8] [--eval-prompts 128] [--modes outcome gigpo]
-        [--measure-kl] [hydra overrides, e.g. trainer.optim.lr=5e-5...]
+        [--measure-kl] [hydra overrides, e.g. trainer.optim.lr=5e-5, before --modes]
 
 About 20 minutes per arm on a 2-core CPU at the defaults (three evals of 128 greedy multi-turn rollouts, ~75 s
 each, and 8 RL steps of 60-90 s; the SFT warm start, ~3 min, is cached after the first arm).
@@ -177,6 +177,12 @@ def main() -> None:
                         help="train nothing: tabulate arm folders of earlier runs (OUT/<mode>); each arm is compared with "
                              "the first one listed from its own OUT folder")
     args, overrides = parser.parse_known_args()
+    from skyrl_stepwise.trainer.config import STEP_ADVANTAGES
+
+    unknown = [m for m in args.modes if m not in STEP_ADVANTAGES]
+    if unknown and not args.report:  # `--modes a b key=value` swallows the override as a mode
+        parser.error(f"--modes {unknown} are not step_advantage modes {list(STEP_ADVANTAGES)}; put Hydra overrides "
+                     f"before --modes (e.g. `trainer.algorithm.gamma=0.9 --modes discounted`)")
     if args.report:
         arms = {f"{Path(d).parent.name}/{Path(d).name}": Path(d) for d in args.report}
         out = Path(args.out or Path(args.report[0]).parent)
