@@ -92,7 +92,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     means = [results[n]["rl_minus_sft"][0] for n in names]
     errors = [[m - results[n]["rl_minus_sft"][1] for n, m in zip(names, means)],
               [results[n]["rl_minus_sft"][2] - m for n, m in zip(names, means)]]
-    ax.bar(names, means, yerr=errors, capsize=6, alpha=0.7)
+    ax.bar([n.replace("/", "\n").replace("_", "\n") for n in names], means, yerr=errors, capsize=6, alpha=0.7)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_ylabel("EM after RL - EM after SFT\n(paired, 95% bootstrap)")
     ax.set_title("Search-R1 tiny, SmolLM2-135M: RL gain over the SFT warm start", fontsize=10)
