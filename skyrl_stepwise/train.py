@@ -27,7 +27,7 @@ logger = logging.getLogger("skyrl_stepwise.train")  # not __name__: `python -m` 
 
 async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     import ray
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from skyrl_stepwise.envs.builtin import build_env_registry
     from skyrl_stepwise.generator import StepwiseGenerator
@@ -42,7 +42,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.tools.base import configured_tool_schemas
     from skyrl_stepwise.trainer.rollout_samples import RolloutLog
     from skyrl_stepwise.trainer.tracking import Tracker
-    from skyrl_stepwise.trainer.weight_sync import WeightSync
+    from skyrl_stepwise.trainer.packing.layout import max_sliding_window
+    from skyrl_stepwise.trainer.weight_sync import WeightSync, weight_sync_probe_ids
     from skyrl_stepwise.trainer.worker_group import PolicyGroup, ReferenceOnPolicyRanks
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
@@ -81,6 +82,9 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
         weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated")
         logger.info(f"weight sync: {weight_sync.method}")
+        packing = policy.call("packing_summary")
+        logger.info(f"packing: {packing['packing']} (trainer.packing={cfg.trainer.packing}) on {packing['layout']}; "
+                    f"{packing['check']}")
         if cfg.sft.enabled:
             await weight_sync.sync()  # the engines still hold the base model
             await evals.run("after SFT")
@@ -89,11 +93,11 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         rollout_log.tracker = tracker
         if record is not None:  # the job trains in this dir from now on: later launches are checked against it
             save_record(record, cfg.logging.output_dir)
-        probe = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                              tokenize=False, add_generation_prompt=True)
+        probe = weight_sync_probe_ids(tokenizer, max_sliding_window(AutoConfig.from_pretrained(cfg.trainer.model_path)),
+                                      cfg.engine.max_model_len)
         trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator), eval_generator,
                             engine, policy, reference, tracker, train_rows, val_rows,
-                            tokenizer(probe, add_special_tokens=False)["input_ids"], weight_sync, rollout_log)
+                            probe, weight_sync, rollout_log)
         g = cfg.generator
         mode = ("step-wise, merged" if g.merge_stepwise_output else "step-wise") if g.step_wise_trajectories \
             else "whole trajectories"

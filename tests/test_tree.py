@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from skyrl_stepwise.trainer.batching import (TrainBatch, forward_logprobs, pack_micro_batch, packing_stats,
                                              rank_micro_batches)
 from skyrl_stepwise.trainer.config import AlgorithmConfig, TrainerConfig
-from skyrl_stepwise.trainer.tree import (PrefixCounter, attention_mask_for, build_trie, pack_units,
-                                         tree_attention_mask, tree_units, unique_tokens)
+from skyrl_stepwise.trainer.packing.masks import allowed_mask, dense_mask
+from skyrl_stepwise.trainer.tree import PrefixCounter, build_trie, pack_units, tree_units, unique_tokens
 
 # a tiny alphabet makes random sequences share prefixes (and diverge again) all the time
 tokens = st.integers(0, 3)
@@ -56,7 +56,7 @@ def test_trie_nodes_are_distinct_prefixes_and_positions_are_depths(seqs):
 @given(st.one_of(sequences, prompt_groups()))
 def test_each_token_attends_to_exactly_its_own_prefix(seqs):
     trie = build_trie(seqs)
-    mask = tree_attention_mask(torch.tensor(trie.subtree_end))
+    mask = allowed_mask(torch.tensor(trie.subtree_end), torch.tensor(trie.depths))
     for q in range(len(trie)):
         assert set(mask[q].nonzero().flatten().tolist()) == _ancestors(trie.parents, q)
     for nodes in trie.sample_nodes:  # no token attends across branches: a sample's token sees its own prefix only
@@ -140,15 +140,15 @@ def test_tree_scheduling_and_token_accounting():
 
 
 def test_masks_per_attention_implementation():
-    end = torch.tensor([3, 2, 3])  # node 0 with children 1 and 2
-    sdpa = attention_mask_for(end, "sdpa")
+    end, depths = torch.tensor([3, 2, 3]), torch.tensor([0, 1, 1])  # node 0 with children 1 and 2
+    sdpa = dense_mask(end, depths, None, "sdpa")
     assert sdpa.dtype == torch.bool and sdpa.shape == (1, 1, 3, 3)
     assert sdpa[0, 0].tolist() == [[True, False, False], [True, True, False], [True, False, True]]
-    eager = attention_mask_for(end, "eager")  # eager adds the mask to the scores: it must be 0 / -inf-like
+    eager = dense_mask(end, depths, None, "eager")  # eager adds the mask to the scores: it must be 0 / -inf-like
     assert eager.dtype == torch.float32 and (eager[0, 0][sdpa[0, 0]] == 0).all()
     assert (eager[0, 0][~sdpa[0, 0]] == torch.finfo(torch.float32).min).all()
     with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
-        attention_mask_for(end, "flash_attention_2")
+        dense_mask(end, depths, None, "flash_attention_2")
 
 
 def test_config_refuses_tree_with_flash_attention_naming_both_keys():
@@ -172,14 +172,14 @@ def _tiny_model(attn: str = "sdpa"):
 def test_eager_and_flex_tree_masks_give_the_sdpa_logprobs(attn):
     """eager takes the additive mask; flex (CPU: forward only, uncompiled, as a reference for the GPU path) the
     BlockMask from the trie over a row padded to 128. Both must score like sdpa's boolean mask."""
-    from skyrl_stepwise.trainer.tree import register_tree_flex_attention
+    from skyrl_stepwise.trainer.packing.flex import register_packed_flex_attention
 
     batch = _toy_batch()
     mb = pack_micro_batch(batch, [0, 1, 2, 3], "tree")
     with torch.no_grad():
         ref, _ = forward_logprobs(_tiny_model("sdpa"), mb)
         model = _tiny_model("sdpa")
-        model.set_attn_implementation(register_tree_flex_attention() if attn == "flex_attention" else attn)
+        model.set_attn_implementation(register_packed_flex_attention() if attn == "flex_attention" else attn)
         got, _ = forward_logprobs(model, mb)
         alone = torch.cat([forward_logprobs(model if attn == "eager" else _tiny_model("sdpa"),
                                             pack_micro_batch(batch, [i]))[0] for i in range(4)])
@@ -192,7 +192,8 @@ def test_worker_tree_and_rows_train_the_same_step(tiny_model_dir):
     snapshot, fewer tokens forwarded, and the accounting in the step's metrics."""
     from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
 
-    cfg = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_tokens=64, ckpt_dir=str(tiny_model_dir / "c"))
+    cfg = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_tokens=64, ckpt_dir=str(tiny_model_dir / "c"),
+                        packing="rows")
     cfg.fsdp.mixed_precision = False
     cfg.algorithm.use_kl_loss = False
     cfg.algorithm.tis_ratio_clip_high = None
@@ -327,13 +328,14 @@ def test_tree_is_exact_in_float64(model_path, tokenizer):
     computes in float32 even in a float64 model, so that change of summation order is rounded to float32."""
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.tree import tree_model_inputs
+    from skyrl_stepwise.trainer.packing import attention_layout, row_model_inputs
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64, attn_implementation="sdpa")
     batch = _acceptance_batch(tokenizer)
     tree = pack_micro_batch(batch, list(range(len(batch))), "tree")
     with torch.no_grad():
-        hidden = model.model(**tree_model_inputs(tree.input_ids, tree.position_ids, tree.subtree_end, "sdpa"),
+        hidden = model.model(**row_model_inputs(tree.input_ids, tree.position_ids, tree.subtree_end,
+                                                attention_layout(model)),
                              use_cache=False).last_hidden_state[0, tree.logit_index]
         alone = torch.cat([model.model(input_ids=torch.tensor([p + r]), use_cache=False).last_hidden_state[
             0, len(p) - 1:-1] for p, r in zip(batch.prompt_ids, batch.response_ids)])
@@ -353,7 +355,7 @@ def test_ablation_tree_mode_replays_the_same_samples_from_the_same_start(tiny_mo
 
     from skyrl_stepwise.ablate import LocalPolicy, replay_costs
 
-    cfg = TrainerConfig(model_path=str(tiny_model_dir), ckpt_dir=str(tiny_model_dir / "c"))
+    cfg = TrainerConfig(model_path=str(tiny_model_dir), ckpt_dir=str(tiny_model_dir / "c"), packing="rows")
     cfg.fsdp.mixed_precision = False
     cfg.algorithm.use_kl_loss = False
     policy = LocalPolicy(cfg)
@@ -379,9 +381,9 @@ def test_step_metrics_sum_the_token_counts_and_recompute_the_compression():
     assert step["train/compression_ratio"] == pytest.approx((26 + 6) / (12 + 6))
 
 
-def test_worker_with_flex_attention_loads_the_tree_flex_kernel(tiny_model_dir):
-    """packing=tree + flex_attention: the worker loads the tree's flex attention (dynamic-shape compile on GPUs;
-    here the CPU forward reference) and scores like plain rows; it refuses to switch to rows (no BlockMask there)."""
+def test_worker_with_flex_attention_loads_the_packed_flex_kernel(tiny_model_dir):
+    """flex_attention: the worker loads the packed flex attention (dynamic-shape compile on GPUs; here the CPU
+    forward reference) and scores like plain rows, with the tree and with rows (both take a BlockMask)."""
     from transformers import AutoModelForCausalLM
 
     from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
@@ -390,11 +392,11 @@ def test_worker_with_flex_attention_loads_the_tree_flex_kernel(tiny_model_dir):
                         ckpt_dir=str(tiny_model_dir / "c"))
     cfg.fsdp.mixed_precision = False
     worker = PolicyWorker(cfg, trainable=False)
-    assert worker.model.config._attn_implementation == "skyrl_tree_flex"
+    assert worker.model.config._attn_implementation == "skyrl_packed_flex"
     batch = _toy_batch()
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         expected, _ = forward_logprobs(plain, pack_micro_batch(batch, [0, 1, 2, 3]))
     torch.testing.assert_close(torch.tensor(sum(worker.compute_logprobs(batch), [])), expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="flex_attention"):
-        worker.set_packing("rows")
+    assert worker.set_packing("rows") == "tree"
+    torch.testing.assert_close(torch.tensor(sum(worker.compute_logprobs(batch), [])), expected, rtol=1e-5, atol=1e-5)

@@ -267,3 +267,19 @@ def test_a_full_shared_memory_falls_back_to_disk_naming_the_sizes(tmp_path, monk
     assert Engine.loaded == [str(fallback)] * 2 and not fallback.exists()  # read from there, then removed
     assert Group.calls == ["export_weights", "remove_weights_file"] * 2
     assert caplog.text.count("no room in /dev/shm") == 1  # said once, not every step
+
+
+def test_weight_sync_probe_is_longer_than_the_sliding_window():
+    """The probe crosses the model's sliding window (so an engine and a trainer that window differently disagree on
+    it), stays within the engine's context, and stays the short question for full-attention models."""
+    from family_tokenizers import family_tokenizer
+
+    from skyrl_stepwise.trainer.weight_sync import weight_sync_probe_ids
+
+    tok = family_tokenizer("gemma-2")
+    short = weight_sync_probe_ids(tok, None, 4096)
+    assert tok.decode(short).count("capital of France") == 1 and len(short) < 64
+    long = weight_sync_probe_ids(tok, 300, 4096)
+    assert 300 + 16 < len(long) <= 4096 - 16 and long[-len(short) + 5:] == short[-len(short) + 5:]
+    assert weight_sync_probe_ids(tok, 300, 200) == short  # a window the context cannot cross: nothing to prove
+    assert len(weight_sync_probe_ids(tok, 300, 330)) <= 330 - 16

@@ -3,10 +3,12 @@
 Mini-batches are cut by prompt (instance_id), so the number of optimizer steps per batch is fixed by the
 number of prompts, not by how many turns the agent took. Inside a mini-batch, samples are packed
 (prompt + response concatenated) into rows of at most `micro_batch_tokens` tokens, with position_ids
-restarting at 0 for every sample. transformers turns restarting position_ids into a block-diagonal causal
-mask (sdpa/eager) or varlen attention (flash-attn) as long as the model is called with no attention_mask
-and use_cache=False; with the cache on it silently attends across samples (measured, transformers 5.19),
-hence `forward_logprobs` always passes use_cache=False.
+restarting at 0 for every sample. Every row carries `subtree_end` (the end of each token's sample), from which
+trainer/packing/ builds the explicit masks that keep samples apart (block-diagonal, with each layer type's sliding
+window): transformers' own packed-sequence detection from position ids is not relied on, since some models build
+their masks without position ids (gpt-oss) and a prepared mask replaces every window. Models whose layers carry a
+state along the row get one sample per row. `forward_logprobs` always passes use_cache=False (with the cache on,
+transformers attends across samples).
 
 With `trainer.packing=tree` (trainer/tree.py) a micro-batch is instead one prefix trie of its samples: every
 distinct prefix forwarded once, an explicit ancestor mask, and per-sample logprob copies, so the worker's loss
@@ -21,6 +23,7 @@ import torch
 
 from skyrl_stepwise.generator.output import GeneratorOutput
 from skyrl_stepwise.inference.truncation import truncation_keep_mask
+from skyrl_stepwise.trainer.packing import AttentionLayout, attention_layout, row_model_inputs
 
 
 @dataclass
@@ -163,8 +166,9 @@ class PackedMicroBatch:
     """One packed row plus flat per-response-token tensors, in sample order.
 
     Logits at `logit_index[j]` predict `targets[j]`; `response_lens` splits the flat tensors back per sample.
-    `subtree_end` is set for a tree row (packing=tree): the row is a trie in preorder, token q attends to token k
-    iff k <= q < subtree_end[k], and `logit_index` may repeat a node (one logprob copy per sample).
+    Token q attends to token k iff k <= q < subtree_end[k] (and within the layer's window): for rows, subtree_end[k]
+    is the end of k's sample; for a tree row (packing=tree) the row is a trie in preorder, subtree_end[k] the end of
+    k's subtree, and `logit_index` may repeat a node (one logprob copy per sample).
     """
 
     input_ids: torch.Tensor  # [1, T]
@@ -179,7 +183,7 @@ class PackedMicroBatch:
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
-    subtree_end: torch.Tensor | None = None  # [T], tree rows only
+    subtree_end: torch.Tensor | None = None  # [T]
 
     @property
     def num_tokens(self) -> int:
@@ -242,6 +246,7 @@ def pack_micro_batch(batch: TrainBatch, indices: list[int], packing: str = "rows
         raise ValueError(f"trainer.packing: {packing!r} is not one of ('rows', 'tree')")
     ids: list[int] = []
     pos: list[int] = []
+    end: list[int] = []
     logit_index: list[int] = []
     targets: list[int] = []
     for i in indices:
@@ -251,13 +256,14 @@ def pack_micro_batch(batch: TrainBatch, indices: list[int], packing: str = "rows
         targets += resp
         ids += prompt + resp
         pos += range(len(prompt) + len(resp))
+        end += [len(ids)] * (len(prompt) + len(resp))
     if not ids:
-        ids, pos = [0], [0]
+        ids, pos, end = [0], [0], [1]
     return PackedMicroBatch(
         input_ids=torch.tensor([ids]), position_ids=torch.tensor([pos]),
         logit_index=torch.tensor(logit_index, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
         sample_indices=list(indices), response_lens=[len(batch.response_ids[i]) for i in indices],
-        **_flat_fields(batch, indices))
+        subtree_end=torch.tensor(end, dtype=torch.long), **_flat_fields(batch, indices))
 
 
 def _sequences(batch: TrainBatch) -> list[list[int]]:
@@ -265,12 +271,17 @@ def _sequences(batch: TrainBatch) -> list[list[int]]:
 
 
 def rank_micro_batches(batch: TrainBatch, rank: int, world_size: int, max_tokens: int,
-                       packing: str = "rows") -> list[list[int]]:
+                       packing: str = "rows", one_sample_per_row: bool = False) -> list[list[int]]:
     """This rank's micro-batches (batch indices): a token-balanced rank shard, packed by token budget.
 
     packing=tree shards and packs whole prompt groups (trie units, trainer/tree.py) priced by their distinct
     prefixes, so a group's shared tokens are forwarded once, on one rank, in one micro-batch.
+    `one_sample_per_row` (architectures whose layers carry a state along the row) gives every sample its own row.
     """
+    if one_sample_per_row:
+        if packing == "tree":
+            raise ValueError("trainer.packing=tree cannot hold one sample per row")
+        return [[i] for i in balanced_partition(batch.seq_lens(), world_size)[rank]]
     if packing == "tree":
         from skyrl_stepwise.trainer.tree import pack_units, tree_units, unique_tokens
 
@@ -393,18 +404,15 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
 
 
 def forward_logprobs(model: torch.nn.Module, mb: PackedMicroBatch, temperature: float = 1.0,
-                     with_entropy: bool = False, top_k: int = -1, top_p: float = 1.0
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     with_entropy: bool = False, top_k: int = -1, top_p: float = 1.0,
+                     layout: AttentionLayout | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run one packed row and return the logprobs (and entropy) of its response tokens, flat [R].
 
-    Only the R positions that predict response tokens go through the LM head (logits_to_keep), so the
-    [T, V] logits of prompt and observation positions are never built.
+    The row's samples are kept apart by the masks trainer/packing/ builds for this model's layout (read from the
+    model when not given). Only the R positions that predict response tokens go through the LM head
+    (logits_to_keep), so the [T, V] logits of prompt and observation positions are never built.
     """
-    if mb.subtree_end is None:
-        inputs = {"input_ids": mb.input_ids, "position_ids": mb.position_ids}
-    else:  # a tree row: the ancestor mask in the form this model's attention takes (trainer/tree.py)
-        from skyrl_stepwise.trainer.tree import tree_model_inputs
-
-        inputs = tree_model_inputs(mb.input_ids, mb.position_ids, mb.subtree_end, model.config._attn_implementation)
+    layout = layout or attention_layout(model)
+    inputs = row_model_inputs(mb.input_ids, mb.position_ids, mb.subtree_end, layout)
     out = model(**inputs, use_cache=False, logits_to_keep=mb.logit_index)
     return gather_logprobs(out.logits[0], mb.targets, temperature, with_entropy, top_k=top_k, top_p=top_p)

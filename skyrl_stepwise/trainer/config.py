@@ -15,7 +15,7 @@ LOSS_REDUCTIONS = ("token_mean", "trajectory_mean", "sequence_mean")
 STEP_ADVANTAGES = ("outcome", "discounted", "gigpo")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-PACKINGS = ("rows", "tree")
+PACKINGS = ("auto", "rows", "tree")
 
 
 @dataclass
@@ -167,12 +167,15 @@ class TrainerConfig:
     # CPU and short rows); flex_attention / flash_attention_* skip the masked blocks, which is what long packed
     # rows on GPUs need (benchmarks/fsdp_throughput.py measures the difference).
     attn_implementation: str = "sdpa"
-    # How a micro-batch's samples become model input (trainer/tree.py). rows: each sample concatenated in full.
+    # How a micro-batch's samples become model input (trainer/packing/). rows: each sample concatenated in full.
     # tree: one prefix trie per micro-batch, every distinct prefix (a group's prompt, the history a step re-reads,
     # a shared tool-schema system prompt) forwarded once, same per-sample loss and gradients. Needs an attention
-    # that takes an arbitrary mask: sdpa / eager (dense T x T mask: CPU, short rows) or flex_attention (GPU;
-    # untested on GPUs so far); flash_attention_* cannot express a tree.
-    packing: str = "rows"
+    # that takes an arbitrary mask: sdpa / eager (dense T x T mask: CPU, short rows) or flex_attention (GPU);
+    # flash_attention_* cannot express a tree. auto: tree wherever it is exact on the model, else rows.
+    # Architectures whose layers carry a state along the row (Mamba, gated delta net, short conv: Qwen3.5/Next,
+    # Granite 4, Nemotron-H, LFM2) get one sample per row and refuse tree. Either way the worker checks the packing
+    # on the run's own model at start-up and refuses one that does not score packed samples as they were sampled.
+    packing: str = "auto"
     # Async rollouts (trainer/rollout_ahead.py): the engines generate the next steps' rollouts while this step
     # trains, with weights at most this many updates old; truncated IS corrects the staleness. 0: synchronous.
     max_staleness: int = 0

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,8 @@ from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forwa
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, TrainerConfig
 from skyrl_stepwise.trainer.losses import policy_loss
+from skyrl_stepwise.trainer.packing import attention_layout, resolve_packing
+from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal
 
 
 def _free_port() -> int:
@@ -72,11 +75,16 @@ def bf16_supported(device: torch.device) -> bool:
     return cpu_bf16_is_native() if device.type == "cpu" else torch.cuda.is_bf16_supported()
 
 
+def mixed_precision_on(fsdp: FSDPConfig, device: torch.device) -> bool:
+    """True when the sharded model computes in bf16 (asked for, and the hardware has it)."""
+    return fsdp.mixed_precision and bf16_supported(device)
+
+
 def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device) -> torch.nn.Module:
     """fully_shard each decoder layer (the classes HF lists in `_no_split_modules`), then the root."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if fsdp.mixed_precision and bf16_supported(device) else MixedPrecisionPolicy()
+        if mixed_precision_on(fsdp, device) else MixedPrecisionPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
@@ -178,10 +186,10 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
     from skyrl_stepwise.models import resolve_model_path
 
     attn = cfg.attn_implementation
-    if cfg.packing == "tree" and attn == "flex_attention":  # flex compiled with dynamic=True, the tree's BlockMask
-        from skyrl_stepwise.trainer.tree import register_tree_flex_attention
+    if attn == "flex_attention":  # compiled with dynamic=True, the packed row's BlockMask (trainer/packing/flex.py)
+        from skyrl_stepwise.trainer.packing.flex import register_packed_flex_attention
 
-        attn = register_tree_flex_attention()
+        attn = register_packed_flex_attention()
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
                                                  attn_implementation=attn)
     model.config.use_cache = False
@@ -209,6 +217,14 @@ class PolicyWorker:
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
         torch.manual_seed(cfg.seed)
         self.model = load_sharded_model(cfg, self.device, trainable)
+        # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
+        self.layout = attention_layout(self.model)
+        self.cfg = cfg = replace(cfg, packing=resolve_packing(cfg.packing, self.layout))
+        self.packing_check = check_packing(self.model, self.layout, cfg.packing, self.device,
+                                           torch.bfloat16 if mixed_precision_on(cfg.fsdp, self.device)
+                                           else torch.float32, seed=cfg.seed)
+        if not self.packing_check.passed:
+            raise ValueError(refusal(self.packing_check, self.layout))
         self.reference = None
         if with_reference:
             with torch.random.fork_rng(devices=[]):  # the policy's RNG stream is the same with or without it
@@ -227,24 +243,25 @@ class PolicyWorker:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
         every rank to run the same number of passes), and every rank's, for stats. No communication:
         every rank derives every shard from the same batch."""
-        per_rank = [rank_micro_batches(batch, r, self.world_size, self.cfg.micro_batch_tokens, self.cfg.packing)
-                    for r in range(self.world_size)]
+        per_rank = [rank_micro_batches(batch, r, self.world_size, self.cfg.micro_batch_tokens, self.cfg.packing,
+                                       self.layout.one_sample_per_row) for r in range(self.world_size)]
         n = max(1, max(len(m) for m in per_rank))
         per_rank = [m + [[] for _ in range(n - len(m))] for m in per_rank]
         return per_rank[self.rank], per_rank
 
     def set_packing(self, packing: str) -> str:
-        """Switch trainer.packing (rows | tree) for the next calls; returns the previous value. The ablation trains
-        the same rollouts both ways from one worker. tree with flex_attention needs the worker started with it."""
-        from dataclasses import replace
-
+        """Switch trainer.packing (auto | rows | tree) for the next calls; returns the previous value. The ablation
+        trains the same rollouts both ways from one worker. A packing that is not exact here is refused."""
         cfg = replace(self.cfg, packing=packing)
         cfg.validate()
-        if self.cfg.attn_implementation == "flex_attention" and packing != self.cfg.packing:
-            raise ValueError("trainer.packing cannot change on a running worker with trainer.attn_implementation="
-                             "flex_attention: the model loads the tree's own flex attention at start-up")
+        cfg.packing = resolve_packing(packing, self.layout)
         previous, self.cfg = self.cfg.packing, cfg
         return previous
+
+    def packing_summary(self) -> dict[str, str | float]:
+        """The packing this worker trains with, the architecture's layout and the start-up self-check, for the log."""
+        return {"packing": self.cfg.packing, "layout": self.layout.describe(),
+                "check": self.packing_check.describe(), "max_abs_error": self.packing_check.max_abs_error}
 
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Logprobs of every response token of every sample under the current weights, on every rank."""
@@ -265,7 +282,7 @@ class PolicyWorker:
         for idx in mine:
             mb = pack_micro_batch(batch, idx, self.cfg.packing).to(self.device)
             logprobs, _ = forward_logprobs(model, mb, self.cfg.temperature, top_k=self.cfg.top_k,
-                                           top_p=self.cfg.top_p)
+                                           top_p=self.cfg.top_p, layout=self.layout)
             local.update(zip(idx, mb.split(logprobs)))
         gathered: list[dict[int, list[float]]] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)

@@ -7,7 +7,8 @@ nodes in depth-first preorder, so each node's subtree is the contiguous range [n
 
     query q attends to key k  <=>  k <= q < subtree_end[k]       (k is q or one of its ancestors)
 
-which is a dense boolean mask for sdpa, an additive float mask for eager, and a flex_attention `mask_mod` on GPUs.
+which trainer/packing/masks.py turns into the mask each attention takes (dense bool for sdpa, additive for eager, a
+flex_attention BlockMask on GPUs), with each layer type's sliding window measured in depth.
 Position ids are depths, so every node sees the RoPE positions and the context it has in its own samples: its
 hidden state is the one each of those samples would compute alone.
 
@@ -19,15 +20,13 @@ and gradients are those of the same samples packed as plain rows (tests/test_tre
 Memory: the dense mask is T x T booleans for a row of T nodes (16 MiB at T = 4096, 64 MiB at 8192), built once per
 micro-batch and shared by all layers; `tree_units` keeps T <= trainer.micro_batch_tokens unless a single sample is
 longer, by splitting a prompt group whose trie alone exceeds the budget. flex_attention's BlockMask is (T/128)^2.
+Architectures that carry a state along the row (recurrent / linear-attention layers) cannot share prefixes this
+way: trainer/packing/layout.py refuses the tree for them at start-up.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-
-FLEX_BLOCK = 128  # flex_attention's block size: rows are padded to a multiple of it
 
 
 @dataclass
@@ -177,99 +176,3 @@ def pack_units(sequences: list[list[int]], units: list[list[int]], max_tokens: i
             counters.append(counter)
             bins.append([u])
     return [sorted(b) for b in bins]
-
-
-def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool: query q may attend to key k iff k is q or an ancestor of q (k <= q < subtree_end[k])."""
-    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
-    return (idx[None, :] <= idx[:, None]) & (idx[:, None] < subtree_end[None, :])
-
-
-def attention_mask_for(subtree_end: torch.Tensor, attn_implementation: str) -> torch.Tensor:
-    """The 4D mask a transformers model takes as-is (a 4D mask skips its own mask construction).
-
-    sdpa: bool (True = attend). eager: additive float (0 / dtype min): eager *adds* the mask to the scores, so a
-    bool mask would be silently wrong (a 0/1 bias). flex_attention: see `flex_block_mask`.
-    """
-    allowed = tree_attention_mask(subtree_end)[None, None]
-    if attn_implementation == "sdpa":
-        return allowed
-    if attn_implementation == "eager":
-        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
-        return mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    raise ValueError(f"trainer.packing=tree has no dense mask for trainer.attn_implementation="
-                     f"{attn_implementation!r}; use sdpa, eager or flex_attention")
-
-
-def flex_block_mask(subtree_end: torch.Tensor):
-    """flex_attention's BlockMask of the tree (GPU path; UNTESTED on GPUs so far, the CPU has no flex backward).
-
-    The row must already be padded to a multiple of FLEX_BLOCK (pad nodes end their own subtree: they attend to
-    themselves only, and no real node attends to them). Built outside inference_mode: a mask made under it could
-    not be saved for backward. On CUDA the block mask is computed by a compiled kernel without a dense [T, T].
-    """
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    end = subtree_end
-
-    def mask_mod(b, h, q, k):
-        return (k <= q) & (q < end[k])
-
-    t = end.shape[0]
-    with torch.inference_mode(False):
-        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=end.device,
-                                 BLOCK_SIZE=FLEX_BLOCK, _compile=end.device.type == "cuda")
-
-
-def pad_for_flex(input_ids: torch.Tensor, position_ids: torch.Tensor, subtree_end: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pad a tree row to a multiple of FLEX_BLOCK with isolated nodes (token 0, position 0, own subtree only),
-    so flex_attention compiles for few distinct lengths; logit_index never points at them."""
-    t = input_ids.shape[1]
-    pad = -t % FLEX_BLOCK
-    if not pad:
-        return input_ids, position_ids, subtree_end
-    new = torch.arange(t, t + pad, device=subtree_end.device)
-    return (torch.cat([input_ids, input_ids.new_zeros(1, pad)], 1),
-            torch.cat([position_ids, position_ids.new_zeros(1, pad)], 1), torch.cat([subtree_end, new + 1]))
-
-
-_COMPILED_FLEX = None
-TREE_FLEX_ATTENTION = "skyrl_tree_flex"
-
-
-def _tree_flex_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """A transformers attention function: flex_attention compiled once with dynamic=True (a new padded length
-    would otherwise recompile: seconds each), with the tree's BlockMask. GPU-only, UNTESTED on GPUs so far."""
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not hasattr(attention_mask, "mask_mod"):  # rows would pass none: full, non-causal attention, silently
-        raise ValueError("the tree flex attention needs the tree's BlockMask (trainer.packing=tree), got "
-                         f"{type(attention_mask).__name__}")
-    if _COMPILED_FLEX is None:
-        # unsloth raises the recompile limit too: past it dynamo silently falls back to a wrong-result path
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
-    fn = _COMPILED_FLEX if query.device.type == "cuda" else flex_attention  # CPU: forward-only reference path
-    out = fn(query, key, value, block_mask=attention_mask, scale=scaling,
-             enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_tree_flex_attention() -> str:
-    """Register the tree flex attention with transformers; returns the attn_implementation name to load with."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(TREE_FLEX_ATTENTION, _tree_flex_attention)
-    return TREE_FLEX_ATTENTION
-
-
-def tree_model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, subtree_end: torch.Tensor,
-                      attn_implementation: str) -> dict:
-    """input_ids, position_ids and attention_mask for one tree row under this attention implementation."""
-    if attn_implementation in (TREE_FLEX_ATTENTION, "flex_attention"):
-        input_ids, position_ids, subtree_end = pad_for_flex(input_ids, position_ids, subtree_end)
-        return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": flex_block_mask(subtree_end)}
-    return {"input_ids": input_ids, "position_ids": position_ids,
-            "attention_mask": attention_mask_for(subtree_end, attn_implementation)}

@@ -170,6 +170,31 @@ async def sync_weights(group, engine: InferenceEngine, cfg: WeightSyncConfig | N
 
 
 PROBE_SESSION = "weight-sync-probe"
+PROBE_QUESTION = "What is the capital of France?"
+PROBE_CONTEXT = ("The river flows past old stone bridges, markets open at dawn, and travellers ask for directions "
+                 "to museums, parks and stations. ")
+
+
+def weight_sync_probe_ids(tokenizer, sliding_window: int | None, max_model_len: int, max_tokens: int = 16
+                          ) -> list[int]:
+    """The probe prompt: a chat-templated question, preceded by enough context to be longer than the model's sliding
+    window, so that an engine or trainer applying the window differently (or not at all) disagrees on the probe.
+
+    Capped by the engine's context; a window at least that long can never be crossed, so a short probe suffices.
+    """
+    def ids(context: str) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": context + PROBE_QUESTION}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    probe = ids("")
+    if sliding_window is None or sliding_window + max_tokens >= max_model_len:
+        return probe
+    repeats = 1
+    while len(probe) <= sliding_window + max_tokens and len(probe) + max_tokens < max_model_len:
+        probe = ids(PROBE_CONTEXT * repeats)
+        repeats *= 2
+    return probe if len(probe) + max_tokens <= max_model_len else probe[-(max_model_len - max_tokens):]
 
 
 async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], max_tokens: int = 16,

@@ -1,0 +1,81 @@
+"""Tiny random models of the real architectures we train, built offline from transformers' config classes.
+
+Each keeps what changes how a token sees its context: sliding windows and `layer_types`, attention sinks (gpt-oss),
+recurrent / linear-attention / short-conv layers (Qwen3.5/Next, Granite 4, Nemotron-H, LFM2), MoE routing, soft-capping
+(Gemma 2), MLA (DeepSeek V3), tied embeddings where the family ties them. Sizes are the only thing shrunk; windows are
+6 tokens so that a 20-token sample crosses them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WINDOW = 6
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, vocab_size=96, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(num_experts_per_tok=2)
+MIXED = ["sliding_attention", "full_attention"]
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+
+# model_type -> what differs from COMMON (the family's own attention pattern, experts, recurrent layers)
+ARCHITECTURES: dict[str, dict] = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "smollm3": {}, "seed_oss": {}, "glm4": {}, "granite": {},
+    "ministral3": {}, "mistral": {"sliding_window": WINDOW}, "phi3": {"sliding_window": WINDOW},
+    "gemma2": {"sliding_window": WINDOW, "layer_types": MIXED},
+    "gemma3_text": {"sliding_window": WINDOW, "layer_types": MIXED},
+    "gemma4_text": {"sliding_window": WINDOW, "layer_types": MIXED, "vocab_size_per_layer_input": 96,
+                    "hidden_size_per_layer_input": 16},
+    "cohere2": {"sliding_window": WINDOW, "layer_types": MIXED},
+    "olmo3": {"sliding_window": WINDOW, "layer_types": MIXED},
+    "exaone4": {"sliding_window": WINDOW, "layer_types": MIXED},
+    "gpt_oss": {"sliding_window": WINDOW, "layer_types": MIXED, "num_local_experts": 4, **MOE},
+    "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, **MOE},
+    "glm4_moe": {"n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1, **MOE},
+    "deepseek_v3": {"n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "head_dim": 8,
+                    "num_key_value_heads": 4,
+                    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 16, "n_group": 1, "topk_group": 1, **MOE},
+    "minimax_m2": {"num_local_experts": 4, **MOE},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "num_local_experts": 4, "mamba_n_heads": 8,
+                         "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_chunk_size": 8, **MOE},
+    "nemotron_h": {"hybrid_override_pattern": "M*", "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 1,
+                   "ssm_state_size": 16, "chunk_size": 8},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
+                   "moe_intermediate_size": 32, **LINEAR, **MOE},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], **LINEAR},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
+                         "moe_intermediate_size": 32, **LINEAR, **MOE},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+}
+
+# Each chat-template family in tests/templates -> the architecture its models ship with.
+TEMPLATE_ARCHITECTURE = {
+    "command-r7b": "cohere2", "deepseek-r1-distill-qwen": "qwen2", "deepseek-v3.1": "deepseek_v3",
+    "gemma-2": "gemma2", "gemma-4": "gemma4_text", "glm-4.6": "glm4_moe", "gpt-oss": "gpt_oss",
+    "granite-3.3": "granite", "granite-4.0": "granitemoehybrid", "hermes-3-tool-use": "llama",
+    "llama-3.1-instruct": "llama", "llama-3.2": "llama", "minimax-m2": "minimax_m2", "mistral-nemo": "mistral",
+    "mistral-small-3.2": "mistral", "nemotron-3-nano": "nemotron_h", "phi-3.5": "phi3",
+    "qwen2.5-instruct": "qwen2", "qwen3-coder": "qwen3_moe", "qwen3.5": "qwen3_5_moe_text", "qwen3": "qwen3",
+    "seed-oss": "seed_oss", "smollm2": "llama",
+}
+
+# Attention implementations the trainer would pick on CPU (flex_attention is the GPU path; gpt-oss has no sdpa).
+EAGER_ONLY = {"gpt_oss"}
+
+
+def attention_implementations(model_type: str) -> list[str]:
+    """sdpa and eager, or eager alone where transformers has no sdpa path for the family."""
+    return ["eager"] if model_type in EAGER_ONLY else ["sdpa", "eager"]
+
+
+def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
+               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A 2-layer random model of this architecture (no download), in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # tiny configs trip harmless warnings (rope factors, kernels not installed)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **ARCHITECTURES[model_type]})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval()

@@ -1,0 +1,154 @@
+"""Trainer-side exactness per architecture: every packed sample scores as it would alone, or is refused at start-up.
+
+For each architecture in tests/arch_zoo.py (every family in tests/templates and the others we support), a tiny random
+model is packed with GRPO groups sharing a prompt, a step-wise chain, a broken chain, an unrelated prompt, all longer
+than the sliding window, under packing=rows and packing=tree with each attention implementation the trainer would
+pick. Per-token logprobs must equal each sample forwarded alone within 1e-5 (fp32), and gradients must equal one
+sample per row within 1e-4 relative; where a combination cannot be exact (tree on state-carrying layers) it is
+refused, naming the model type and the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from arch_zoo import ARCHITECTURES, TEMPLATE_ARCHITECTURE, attention_implementations, tiny_model
+
+from skyrl_stepwise.trainer.batching import TrainBatch, forward_logprobs, pack_micro_batch, rank_micro_batches
+from skyrl_stepwise.trainer.packing import attention_layout, resolve_packing
+from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal
+
+STATE_CARRYING = {"granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"}
+WINDOWED = {"mistral", "phi3", "gemma2", "gemma3_text", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss"}
+
+
+def conformance_batch(seed: int = 0) -> TrainBatch:
+    """Two prompt groups: a GRPO group sharing a prompt, a step-wise chain re-reading its history, a broken chain
+    (the history cut short, as a stripped think block leaves it), and a second prompt; every sample > the window."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(3, 90, (n,), generator=g).tolist()
+
+    prompt, other = ids(11), ids(9)
+    first, obs = ids(7), ids(4)
+    prompts = [prompt, prompt, prompt + first + obs, prompt[:8] + ids(3), other, other]
+    responses = [first, ids(9), ids(6), ids(5), ids(8), ids(10)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
+                      instance_ids=["q1"] * 4 + ["q2"] * 2)
+
+
+def _alone(model, batch):
+    """Each sample forwarded on its own, the model building its own masks: what the engine computed."""
+    out = []
+    for p, r in zip(batch.prompt_ids, batch.response_ids):
+        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1:-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0])
+    return torch.cat(out)
+
+
+def _packed(model, batch, micro_batches, packing, layout):
+    """Per-sample logprobs in sample order from these micro-batches."""
+    by_sample = {}
+    for idx in micro_batches:
+        mb = pack_micro_batch(batch, idx, packing)
+        by_sample.update(zip(idx, forward_logprobs(model, mb, layout=layout)[0].split(mb.response_lens)))
+    return torch.cat([by_sample[i] for i in range(len(batch))])
+
+
+def _grads(model, batch, micro_batches, packing, layout, weights):
+    model.zero_grad(set_to_none=True)
+    (_packed(model, batch, micro_batches, packing, layout) * weights).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_every_template_family_has_an_architecture_in_the_suite():
+    templates = {p.stem for p in (Path(__file__).parent / "templates").glob("*.jinja")}
+    assert templates <= set(TEMPLATE_ARCHITECTURE), templates - set(TEMPLATE_ARCHITECTURE)
+    assert set(TEMPLATE_ARCHITECTURE.values()) <= set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_packed_samples_score_exactly_as_alone_or_are_refused(model_type):
+    batch = conformance_batch()
+    weights = torch.linspace(-1.0, 1.0, sum(len(r) for r in batch.response_ids))
+    for attn in attention_implementations(model_type):
+        model = tiny_model(model_type, attn)
+        layout = attention_layout(model)
+        assert layout.one_sample_per_row == (model_type in STATE_CARRYING), layout.describe()
+        assert (layout.max_window is not None) == (model_type in WINDOWED), layout.describe()
+        with torch.no_grad():
+            alone = _alone(model, batch)
+        singles = rank_micro_batches(batch, 0, 1, 10_000, "rows", one_sample_per_row=True)
+        reference_grads = _grads(model, batch, singles, "rows", layout, weights)
+        for packing in ("rows", "tree"):
+            if packing == "tree" and layout.one_sample_per_row:
+                with pytest.raises(ValueError, match=rf"trainer.packing=tree is not exact on {model_type}"):
+                    resolve_packing("tree", layout)
+                assert resolve_packing("auto", layout) == "rows"
+                continue
+            assert resolve_packing(packing, layout) == packing
+            mbs = rank_micro_batches(batch, 0, 1, 10_000, packing, layout.one_sample_per_row)
+            if not layout.one_sample_per_row:  # really packed: all six samples in one row
+                assert mbs == [list(range(len(batch)))]
+            with torch.no_grad():
+                got = _packed(model, batch, mbs, packing, layout)
+            err = (got - alone).abs().max().item()
+            assert err < 1e-5, f"{model_type} {attn} {packing}: max |packed - alone| = {err:.2e}"
+            grads = _grads(model, batch, mbs, packing, layout, weights)
+            assert grads.keys() == reference_grads.keys()
+            for name, g in grads.items():
+                ref = reference_grads[name]
+                rel = (g - ref).norm() / ref.norm().clamp_min(1e-12)
+                assert rel < 1e-4, f"{model_type} {attn} {packing}: gradient of {name} off by {rel:.2e} relative"
+
+
+def test_explicit_tree_on_a_recurrent_model_is_refused_at_worker_start(tmp_path):
+    """A user asking for packing=tree on Qwen3.5 (gated delta net) is stopped before the first step, with the model
+    type and the key in the message; auto picks rows with one sample per row and passes the self-check."""
+    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+    tiny_model("qwen3_5_text").save_pretrained(tmp_path / "m")
+    cfg = TrainerConfig(model_path=str(tmp_path / "m"), packing="tree", ckpt_dir=str(tmp_path / "c"))
+    cfg.fsdp.mixed_precision = False
+    with pytest.raises(ValueError, match=r"trainer.packing=tree is not exact on qwen3_5_text.*linear_attention"):
+        PolicyWorker(cfg, trainable=False)
+    cfg.packing = "auto"
+    worker = PolicyWorker(cfg, trainable=False)
+    summary = worker.packing_summary()
+    assert summary["packing"] == "rows" and worker.layout.one_sample_per_row
+    assert summary["max_abs_error"] < 1e-5
+
+
+class _WholeRowLlama(torch.nn.Module):
+    """A causal LM whose forward drops the attention mask and position ids: every token sees the whole row up to it,
+    the way a custom or remote-code model that builds its own causal mask would."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+@pytest.mark.parametrize("packing", ["rows", "tree"])
+def test_selfcheck_catches_a_model_that_ignores_masks_and_positions(packing):
+    model = _WholeRowLlama(tiny_model("llama"))
+    layout = attention_layout(model)
+    check = check_packing(model, layout, packing, torch.device("cpu"))
+    assert not check.passed and check.max_abs_error > 100 * check.tolerance
+    message = refusal(check, layout)
+    assert f"trainer.packing={packing}" in message and "llama" in message and "trainer.attn_implementation" in message
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3_text", "qwen3_5_text"])
+def test_selfcheck_passes_on_exact_packing_with_probes_longer_than_the_window(model_type):
+    model = tiny_model(model_type, attention_implementations(model_type)[0])
+    layout = attention_layout(model)
+    check = check_packing(model, layout, resolve_packing("auto", layout), torch.device("cpu"))
+    assert check.passed and check.max_abs_error < 1e-5, check.describe()
+    assert check.longest_sample > (layout.max_window or 0)
