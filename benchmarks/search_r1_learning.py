@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from pathlib import Path
+
+from skyrl_stepwise.trainer.evaluation import paired_bootstrap, transitions
 
 # what usually explains "RL does not beat SFT": how many groups carry signal, how far the policy moved, what limits
 # the reward (the gold answer retrieved vs answered), and how the per-step credit departs from the outcome
@@ -33,28 +34,6 @@ DIAGNOSTICS = ("dynamic_sampling/generated_signal_frac", "advantages/groups_with
 # logged as policy/kl_loss, but nothing is added to the loss
 MEASURE_KL = ["trainer.algorithm.use_kl_loss=true", "trainer.algorithm.kl_loss_coef=0"]
 ARM_FILE = "arm.json"  # what an arm was run with and how long it took
-
-
-def paired_bootstrap(after: list[float], before: list[float], level: float = 0.95, resamples: int = 4000,
-                     seed: int = 0) -> tuple[float, float, float]:
-    """Mean of after - before over the same prompts and its percentile interval, resampling prompts (pairs)."""
-    if len(after) != len(before) or not after:
-        raise ValueError(f"a paired comparison needs the same prompts in both evals, got {len(after)} and "
-                         f"{len(before)} scores (a trajectory whose infrastructure failed is left out of an eval)")
-    diffs = [a - b for a, b in zip(after, before)]
-    rng = random.Random(seed)
-    n = len(diffs)
-    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    return sum(diffs) / n, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
-
-
-def transitions(after: list[float], before: list[float]) -> tuple[int, int]:
-    """Prompts RL fixed (scored 0 after SFT, > 0 after RL) and prompts it broke (the reverse): a small net gain
-    can hide a large churn, which says the policy moved but not in one direction."""
-    fixed = sum(b <= 0 < a for a, b in zip(after, before))
-    broken = sum(a <= 0 < b for a, b in zip(after, before))
-    return fixed, broken
 
 
 def by_source(after: list[float], before: list[float], sources: list[str]) -> dict[str, tuple[int, float]]:

@@ -281,7 +281,7 @@ def learning_summary(history: list[dict]) -> str | None:
 
 def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
     """The staged evals (before SFT, after SFT, after RL) with intervals, and how many steps had signal."""
-    from skyrl_stepwise.trainer.evaluation import eval_table, load_evals
+    from skyrl_stepwise.trainer.evaluation import eval_table, load_evals, rl_minus_sft
 
     evals, learning = load_evals(run_dir), learning_summary(history)
     if not evals and learning is None:
@@ -290,6 +290,9 @@ def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
     if evals:
         lines += ["Greedy, the same validation prompts at every stage; 95% percentile-bootstrap intervals over "
                   "prompts.", "", eval_table(evals), ""]
+        paired = rl_minus_sft(evals)
+        if paired:
+            lines += [f"**{paired}**", ""]
     if learning:
         lines += [learning, ""]
     return lines

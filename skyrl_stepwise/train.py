@@ -177,7 +177,7 @@ def run(cfg) -> dict:
     from skyrl_stepwise.logging_setup import run_logging
     from skyrl_stepwise.run_record import check_launch, config_tree
     from skyrl_stepwise.run_report import learning_summary, load_history
-    from skyrl_stepwise.trainer.evaluation import load_evals
+    from skyrl_stepwise.trainer.evaluation import load_evals, rl_minus_sft
 
     out = Path(cfg.logging.output_dir)
     record = config_tree(cfg)  # as composed: before the run fills in model paths, ports and cache sizes
@@ -197,8 +197,12 @@ def run(cfg) -> dict:
                     f"checkpoints in {Path(cfg.trainer.ckpt_dir).resolve()}")
         for key in (k for k in SUMMARY_KEYS if k in metrics):
             logger.info(f"  {key:40s} {metrics[key]:.4g}")
-        for result in load_evals(out):
+        evals = load_evals(out)
+        for result in evals:
             logger.info(f"  eval {result.stage:34s} {result.describe()}")
+        paired = rl_minus_sft(evals)
+        if paired:
+            logger.info(f"  {paired}")
         learning = learning_summary(load_history(out / "metrics.jsonl"))
         if learning:
             logger.info(f"  {learning}")

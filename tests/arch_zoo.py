@@ -59,8 +59,9 @@ TEMPLATE_ARCHITECTURE = {
     "seed-oss": "seed_oss", "smollm2": "llama",
 }
 
-# Attention implementations the trainer would pick on CPU (flex_attention is the GPU path; gpt-oss has no sdpa).
-EAGER_ONLY = {"gpt_oss"}
+# Attention implementations the trainer would pick on CPU (flex_attention is the GPU path; gpt-oss has no sdpa, and
+# the trainer refuses sdpa for Gemma 2: it ignores the attention soft-capping).
+EAGER_ONLY = {"gpt_oss", "gemma2"}
 
 
 def attention_implementations(model_type: str) -> list[str]:

@@ -93,3 +93,24 @@ async def test_eval_scores_every_prompt_even_failed_or_overlong_ones(tokenizer):
     assert result.scores == [1.0, 0.0, 0.0, 1.0] and result.num_prompts == 4 and result.unscored == 2
     assert "(2 unscored, counted as 0" in result.describe()
     assert "| 4 (2 unscored) |" in eval_table([result])
+
+
+def test_the_summary_prints_rl_minus_sft_paired_over_the_same_prompts():
+    """The main job's own verdict: RL - SFT on the same prompts with a paired interval, fixed/broken counts; a
+    consistent gain that the separate intervals would call overlapping is resolved by pairing."""
+    from skyrl_stepwise.trainer.evaluation import eval_result, paired_bootstrap, rl_minus_sft
+
+    sft = [1.0] * 30 + [0.0] * 70
+    rl = [1.0] * 30 + [1.0] * 12 + [0.0] * 58  # 12 prompts fixed, none broken
+    stages = [eval_result("before SFT", [0.0] * 100), eval_result("after SFT", sft),
+              eval_result("after RL (step 6)", rl)]
+    assert stages[2].ci_low < stages[1].ci_high  # the separate intervals overlap
+    diff, low, high = paired_bootstrap(rl, sft)
+    assert diff == pytest.approx(0.12) and 0 < low < diff < high
+    line = rl_minus_sft(stages)
+    assert line.startswith("EM after RL (step 6) - after SFT (paired, 100 prompts): +0.120 [")
+    assert "12 prompts fixed, 0 broken: RL beat SFT" in line
+    assert "no difference resolved" in rl_minus_sft([stages[1], eval_result("after RL (step 1)", sft)])
+    assert rl_minus_sft(stages[:2]) is None  # no RL stage yet
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_bootstrap(rl[:50], sft)

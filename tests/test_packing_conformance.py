@@ -123,6 +123,22 @@ def test_explicit_tree_on_a_recurrent_model_is_refused_at_worker_start(tmp_path)
     assert summary["max_abs_error"] < 1e-5
 
 
+def test_attention_that_drops_soft_capping_or_sinks_is_refused():
+    """Gemma 2 soft-caps attention logits and gpt-oss has learned sinks; transformers' sdpa and our packed flex skip
+    them, so those attentions would train another function than the engine samples from."""
+    from skyrl_stepwise.trainer.packing import refuse_inexact_attention
+
+    with pytest.raises(ValueError, match=r"trainer.attn_implementation=sdpa is not exact on gemma2.*soft-capping"):
+        refuse_inexact_attention(attention_layout(tiny_model("gemma2", "sdpa")))
+    refuse_inexact_attention(attention_layout(tiny_model("gemma2", "eager")))
+    refuse_inexact_attention(attention_layout(tiny_model("gemma3_text", "sdpa")))  # Gemma 3 has no soft-capping
+    sinks = tiny_model("gpt_oss", "eager")
+    refuse_inexact_attention(attention_layout(sinks))
+    sinks.config._attn_implementation = "flex_attention"  # the GPU path has no sinks: refused, not dropped
+    with pytest.raises(ValueError, match=r"flex_attention is not exact on gpt_oss.*attention sinks"):
+        refuse_inexact_attention(attention_layout(sinks))
+
+
 class _WholeRowLlama(torch.nn.Module):
     """A causal LM whose forward drops the attention mask and position ids: every token sees the whole row up to it,
     the way a custom or remote-code model that builds its own causal mask would."""

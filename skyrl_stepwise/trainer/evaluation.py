@@ -69,6 +69,46 @@ def eval_result(stage: str, scores: list[float], seconds: float = 0.0, sources: 
                       {k: sum(v) / len(v) for k, v in sorted(by_source.items())}, sources=list(sources or []))
 
 
+def paired_bootstrap(after: list[float], before: list[float], level: float = 0.95, resamples: int = 4000,
+                     seed: int = 0) -> tuple[float, float, float]:
+    """Mean of after - before over the same prompts and its percentile interval, resampling prompts (pairs).
+
+    Two stages scored on the same prompts differ far less in their difference than their separate intervals
+    suggest (a prompt that is easy stays easy); resampling pairs is what resolves a gain of a few points.
+    """
+    if len(after) != len(before) or not after:
+        raise ValueError(f"a paired comparison needs the same prompts in both evals, got {len(after)} and "
+                         f"{len(before)} scores (a trajectory whose infrastructure failed is left out of an eval)")
+    diffs = [a - b for a, b in zip(after, before)]
+    rng = random.Random(seed)
+    n = len(diffs)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return sum(diffs) / n, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def transitions(after: list[float], before: list[float]) -> tuple[int, int]:
+    """Prompts the later stage fixed (scored 0 before, > 0 after) and prompts it broke (the reverse): a small net
+    gain can hide a large churn, which says the policy moved but not in one direction."""
+    fixed = sum(b <= 0 < a for a, b in zip(after, before))
+    broken = sum(a <= 0 < b for a, b in zip(after, before))
+    return fixed, broken
+
+
+def rl_minus_sft(results: list[EvalResult], metric: str = "EM") -> str | None:
+    """The main job's answer to "did RL beat the warm start?": the last RL stage minus the SFT stage, paired over the
+    same prompts, with its interval and the fixed / broken counts; None without both stages."""
+    sft = next((r for r in results if r.stage == "after SFT"), None)
+    rl = next((r for r in reversed(results) if r.stage.startswith("after RL")), None)
+    if sft is None or rl is None or len(sft.scores) != len(rl.scores) or not sft.scores:
+        return None
+    diff, low, high = paired_bootstrap(rl.scores, sft.scores)
+    fixed, broken = transitions(rl.scores, sft.scores)
+    verdict = "RL beat SFT" if low > 0 else "RL fell below SFT" if high < 0 else "no difference resolved"
+    return (f"{metric} {rl.stage} - after SFT (paired, {len(rl.scores)} prompts): {diff:+.3f} [{low:+.3f}, "
+            f"{high:+.3f}] 95% bootstrap; {fixed} prompts fixed, {broken} broken: {verdict}")
+
+
 def eval_subset(rows: list, size: int, seed: int = 0) -> list:
     """The fixed validation subset every stage evaluates: a seeded sample of `size` rows in their file order.
 

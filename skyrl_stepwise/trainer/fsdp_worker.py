@@ -29,7 +29,7 @@ from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forwa
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, TrainerConfig
 from skyrl_stepwise.trainer.losses import policy_loss
-from skyrl_stepwise.trainer.packing import attention_layout, resolve_packing
+from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal
 
 
@@ -219,10 +219,16 @@ class PolicyWorker:
         self.model = load_sharded_model(cfg, self.device, trainable)
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
         self.layout = attention_layout(self.model)
+        refuse_inexact_attention(self.layout)
         self.cfg = cfg = replace(cfg, packing=resolve_packing(cfg.packing, self.layout))
-        self.packing_check = check_packing(self.model, self.layout, cfg.packing, self.device,
-                                           torch.bfloat16 if mixed_precision_on(cfg.fsdp, self.device)
-                                           else torch.float32, seed=cfg.seed)
+        try:
+            self.packing_check = check_packing(self.model, self.layout, cfg.packing, self.device,
+                                               torch.bfloat16 if mixed_precision_on(cfg.fsdp, self.device)
+                                               else torch.float32, seed=cfg.seed)
+        except Exception as e:  # a model that cannot even run our packed inputs: refused the same way, loudly
+            raise ValueError(f"trainer.packing={cfg.packing} with trainer.attn_implementation="
+                             f"{cfg.attn_implementation} failed the packing self-check on {self.layout.describe()}: "
+                             f"{type(e).__name__}: {e}") from e
         if not self.packing_check.passed:
             raise ValueError(refusal(self.packing_check, self.layout))
         self.reference = None

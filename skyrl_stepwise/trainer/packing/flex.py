@@ -76,6 +76,8 @@ def _packed_flex_attention(module, query, key, value, attention_mask, scaling=No
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)
     fn = _COMPILED_FLEX if query.device.type == "cuda" else flex_attention  # CPU: forward-only reference path
+    if kwargs.get("softcap") is not None:  # refused at start-up (packing/layout.py); never silently dropped
+        raise ValueError("the packed flex attention does not apply attention logit soft-capping: use eager")
     out = fn(query, key, value, block_mask=attention_mask, scale=scaling,
              enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None

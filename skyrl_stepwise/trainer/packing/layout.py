@@ -40,6 +40,8 @@ class AttentionLayout:
     attn_implementation: str
     windows: dict[str, int | None]
     stateful_layers: tuple[str, ...] = ()
+    attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping: sdpa silently ignores it
+    attention_sinks: bool = False  # gpt-oss's learned sinks: only eager (and some flash kernels) apply them
 
     @property
     def one_sample_per_row(self) -> bool:
@@ -110,7 +112,26 @@ def attention_layout(model: torch.nn.Module) -> AttentionLayout:
     if getattr(inner, "_is_stateful", False) and not stateful:
         stateful.append("recurrent")
     return AttentionLayout(model_type=config.model_type, attn_implementation=model.config._attn_implementation,
-                           windows=windows, stateful_layers=tuple(stateful))
+                           windows=windows, stateful_layers=tuple(stateful),
+                           attention_softcap=getattr(config, "attn_logit_softcapping", None),
+                           attention_sinks=any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter)
+                                               for m in model.modules()))
+
+
+def refuse_inexact_attention(layout: AttentionLayout, key: str = "trainer.attn_implementation") -> None:
+    """Refuse an attention implementation that computes another function than the model's own, whatever the packing.
+
+    transformers' sdpa path drops attention logit soft-capping without a word, so a Gemma 2 trainer on sdpa would
+    score every token differently from the engine that sampled it; our packed flex attention has no soft-capping
+    either (a score_mod failed to compile on an H200, benchmarks/gpu_packing.py).
+    """
+    attn = layout.attn_implementation
+    if layout.attention_softcap and attn not in ("eager",) and not attn.startswith("flash_attention"):
+        raise ValueError(f"{key}={attn} is not exact on {layout.describe()}: it ignores the model's attention logit "
+                         f"soft-capping ({layout.attention_softcap}), which the engines apply. Use {key}=eager")
+    if layout.attention_sinks and attn not in ("eager",) and not attn.startswith("flash_attention"):
+        raise ValueError(f"{key}={attn} is not exact on {layout.describe()}: the packed rows' attention does not "
+                         f"apply the model's attention sinks. Use {key}=eager")
 
 
 def resolve_packing(packing: str, layout: AttentionLayout, key: str = "trainer.packing") -> str:
