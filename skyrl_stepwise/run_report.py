@@ -23,8 +23,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("Reward, EM and pass@n", "score", "fraction", [
         ("reward/mean", "train reward"), ("environment/em", "train EM"), ("reward/pass_at_n", "train pass@n"),
         ("eval/reward/mean", "eval reward (greedy)"),
-        ("advantages/groups_with_signal_frac", "prompt groups with reward variance"),
-        ("dynamic_sampling/generated_signal_frac", "generated groups with variance (dynamic sampling)")]),
+        ("advantages/groups_with_signal_frac", "prompt groups with signal (a non-zero advantage)"),
+        ("dynamic_sampling/generated_signal_frac", "generated groups with signal (dynamic sampling)")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
         ("train/packed_tokens", "packed for the update"),
