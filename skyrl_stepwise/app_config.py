@@ -27,8 +27,9 @@ def default_output_dir(run_name: str) -> str:
     return time.strftime(f"outputs/%Y-%m-%d/%H-%M-%S_{run_name}")
 
 
-def to_run_config(composed, in_hydra_job: bool = True):
-    """A composed DictConfig as a validated RunConfig; a bad value or combination fails naming its key.
+def validated_config(composed, in_hydra_job: bool = True):
+    """A composed DictConfig as a RunConfig, checked as every run checks it (unknown keys, values, combinations,
+    log levels) and otherwise untouched: what `--cfg job` may print.
 
     Outside a Hydra job there is no `${hydra:runtime.output_dir}` to resolve, so an unset logging.output_dir
     falls back to `default_output_dir`.
@@ -43,12 +44,19 @@ def to_run_config(composed, in_hydra_job: bool = True):
         composed.logging.output_dir = default_output_dir(composed.logging.run_name)
     cfg = OmegaConf.to_object(composed)
     cfg.validate()
+    parse_level(cfg.logging.console_level, "logging.console_level")
+    parse_level(cfg.logging.file_level, "logging.file_level")
+    return cfg
+
+
+def to_run_config(composed, in_hydra_job: bool = True):
+    """A composed DictConfig as a validated RunConfig fitted to this host; a bad value or combination fails naming
+    its key (see validated_config)."""
+    cfg = validated_config(composed, in_hydra_job)
     changed = cfg.fit_precision_to_host()
     if changed:
         logger.warning(f"this CPU has no native bf16 (AVX512-BF16/AMX; bf16 matmuls would be emulated, 3-80x "
                        f"slower): {', '.join(changed)}")
-    parse_level(cfg.logging.console_level, "logging.console_level")
-    parse_level(cfg.logging.file_level, "logging.file_level")
     return cfg
 
 
@@ -95,6 +103,33 @@ def input_errors() -> tuple[type[Exception], ...]:
     return EnvPluginError, ConfigMismatchError, ToolConfigError
 
 
+def check_printed_config(argv: list[str]) -> None:
+    """`--cfg job|hydra|all` prints the composed config without running the job, so Hydra never validates it: a
+    config the run would refuse (`trainer.packing=bogus`, an unknown `+key`) was printed as if fine. Validate it
+    first, as the run does, and exit non-zero naming the key; any other command line is left to Hydra."""
+    from hydra._internal.utils import get_args_parser  # Hydra's own parser: the same words Hydra reads
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:  # a malformed command line: Hydra reports it itself
+        return
+    if not args.cfg or args.help or args.hydra_help or args.multirun:  # a sweep prints its overrides unexpanded
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            composed = compose(config_name=args.config_name or "config", overrides=list(args.overrides))
+    except ConfigCompositionException:  # a bad override: Hydra's own run reports it, as for any other command
+        return
+    try:
+        validated_config(composed, in_hydra_job=False)
+    except ValueError as e:
+        print(f"Error: the config would be refused by a run: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def hydra_entry(task: Callable, argv: list[str] | None = None) -> int:
     """Run `task(cfg: RunConfig)` as a Hydra application over conf/ with `argv` as its command line.
 
@@ -121,8 +156,10 @@ def hydra_entry(task: Callable, argv: list[str] | None = None) -> int:
             raise ConfigCompositionException(f"{type(e).__name__}: {e}") from None
 
     app = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(job)
+    words = _with_run_dir(list(argv or []))
+    check_printed_config(words)
     saved = sys.argv
-    sys.argv = [saved[0] if saved else "skyrl-stepwise", *_with_run_dir(list(argv or []))]
+    sys.argv = [saved[0] if saved else "skyrl-stepwise", *words]
     try:
         app()
     finally:

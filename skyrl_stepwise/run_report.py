@@ -23,8 +23,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("Reward, EM and pass@n", "score", "fraction", [
         ("reward/mean", "train reward"), ("environment/em", "train EM"), ("reward/pass_at_n", "train pass@n"),
         ("eval/reward/mean", "eval reward (greedy)"),
-        ("advantages/groups_with_signal_frac", "prompt groups with reward variance"),
-        ("dynamic_sampling/generated_signal_frac", "generated groups with variance (dynamic sampling)")]),
+        ("advantages/groups_with_signal_frac", "prompt groups with signal (a non-zero advantage)"),
+        ("dynamic_sampling/generated_signal_frac", "generated groups with signal (dynamic sampling)")]),
     ("Tokens per step", "tokens", "count", [
         ("generate/real_tokens", "in samples (prompt + response)"), ("generate/padded_tokens", "as a padded batch"),
         ("train/packed_tokens", "packed for the update"),
@@ -47,11 +47,13 @@ TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("en
                  ("eval/reward/mean", "eval reward"), ("eval/reward/ci_low", "eval 95% low"),
                  ("eval/reward/ci_high", "eval 95% high"),
                  ("policy/loss", "loss"), ("policy/kl_loss", "KL"), ("train/grad_norm", "grad norm"),
+                 ("train/skipped_step", "skipped updates"),
                  ("generate/num_samples", "samples"), ("generate/real_tokens", "tokens"),
                  ("generate/batch_padded_seq_len", "padded len"), ("generate/merge_rate", "merge rate"),
                  ("train/forward_tokens", "fwd tokens"), ("train/compression_ratio", "compression"),
                  ("generate/bridge_fallbacks", "fallbacks"), ("timing/generate_s", "generate s"),
                  ("timing/train_s", "update s"), ("timing/weight_sync_s", "sync s"), ("timing/step_s", "step s")]
+SHOWN_WHEN_NONZERO = {"train/skipped_step"}  # columns left out unless some step has a non-zero value
 STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"), ("X", ":")]
 
 
@@ -150,7 +152,8 @@ def _cell(value, fmt: str) -> str:
 
 def step_table(history: list[dict]) -> str:
     """One markdown row per step with the columns that were logged."""
-    columns = [(k, t) for k, t in TABLE_COLUMNS if any(k in r for r in history)]
+    columns = [(k, t) for k, t in TABLE_COLUMNS
+               if any(r.get(k) if k in SHOWN_WHEN_NONZERO else k in r for r in history)]
     head = ["step"] + [t for _, t in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     formats = {k: _column_format([r[k] for r in history if k in r]) for k, _ in columns}
@@ -226,6 +229,18 @@ def _status(history: list[dict], total_steps: int, failure: BaseException | None
     if done == 0:
         return f"**{what}** before step 1 of {total_steps}; nothing was trained (details in run.log)."
     return f"**{what}** after step {done} of {total_steps}; the steps below were logged before that."
+
+
+def skipped_section(history: list[dict]) -> list[str]:
+    """A line naming the steps that skipped optimizer updates (lost their gradient), or nothing when none did."""
+    from skyrl_stepwise.trainer.tracking import skipped_updates
+
+    skipped = [(r["step"], skipped_updates(r)) for r in history if skipped_updates(r)]
+    if not skipped:
+        return []
+    steps = "; ".join(f"step {step}: {what}" for step, what in skipped)
+    return [f"**{len(skipped)} of {len(history)} steps skipped optimizer updates** ({steps}): a non-finite gradient "
+            "norm or nothing to train on, so their batches' gradients were lost (`train/skipped_step`).", ""]
 
 
 def _files(cfg, run_dir: Path) -> list[str]:
@@ -331,6 +346,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
     title = f"{cfg.logging.run_name}: {Path(str(cfg.model_path)).name}, {len(steps)} of {cfg.total_steps} steps"
     plot_curves(steps, run_dir / "curves.png", title)
     parts = [f"# Run report: {cfg.logging.run_name}", "", _status(steps, cfg.total_steps, failure), "",
+             *skipped_section(steps),
              *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
              "## Steps", "", step_table(steps) if steps else "No step was logged.", "",

@@ -52,6 +52,27 @@ def test_a_wrong_key_or_value_exits_nonzero_naming_it(override, key, tmp_path, c
     assert key in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override, key", [("trainer.packing=bogus", "trainer.packing"),
+                                           ("+not_a_key=1", "not_a_key"),
+                                           ("+generator.n_sample_per_prompt=2", "generator.n_samples_per_prompt?"),
+                                           ("total_steps=0", "total_steps")])
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_cfg_job_refuses_to_print_a_config_the_run_would_refuse(command, override, key, tmp_path, capsys,
+                                                                 monkeypatch):
+    """`--cfg job` prints without running the job, so it once printed configs that every run refuses."""
+    from skyrl_stepwise import sft
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("--cfg job must not run"))
+    main = train.main if command == "train" else sft.main
+    with pytest.raises(SystemExit) as exit_:
+        main(["experiment=search_r1_tiny", override, "--cfg", "job"])
+    assert exit_.value.code not in (0, None)
+    out = capsys.readouterr()
+    assert key in out.err and "would be refused by a run" in out.err and out.out == ""  # nothing printed as if fine
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_trainer_scores_the_truncation_the_engines_sample_with():
     """top_p / top_k reach the trainer from generator.sampling; a trainer overridden apart is refused, naming both
     keys (its logprobs would score a different distribution and bias every TIS weight)."""

@@ -155,3 +155,18 @@ def test_rows_whose_extra_info_is_always_empty_round_trip(tmp_path):
     loaded = load_prompt_dataset(tmp_path / "toy.parquet")
     assert [(r.instance_id, r.extra_info, r.reward_spec) for r in loaded] == \
         [("c0", {}, {"ground_truth": {"target": ["blue"]}}), ("c1", {}, {"ground_truth": {"target": ["blue"]}})]
+
+
+def test_each_row_gets_back_exactly_its_own_extra_info_keys(tmp_path):
+    """Parquet stores a column of dicts as one struct over every row's keys: rows came back with the others' keys set
+    to None, and a user's env reset saw keys its row never had (e.g. `"tools" in extra_info` with value None)."""
+    base = {"prompt": [{"role": "user", "content": "q"}], "env_class": "mine", "data_source": "x"}
+    extras = [{"level": 1}, {"tools": ["search"], "meta": {"seed": 3}},
+              {"meta": {"name": "n", "tags": [{"k": 1}, {"v": 2}]}}]
+    specs = [{"answer": 4}, {"rubric": "strict"}, {}]
+    pq.write_table(pa.Table.from_pylist([{**base, "instance_id": f"r{i}", "extra_info": e, "reward_spec": s}
+                                         for i, (e, s) in enumerate(zip(extras, specs))]), tmp_path / "mixed.parquet")
+    loaded = load_prompt_dataset(tmp_path / "mixed.parquet")
+    assert [r.extra_info for r in loaded] == extras
+    assert [r.reward_spec for r in loaded] == specs
+    assert loaded[0].env_extras()["extra_info"] == {"level": 1}

@@ -123,3 +123,74 @@ def test_dynamic_sampling_with_one_sample_per_prompt_is_refused_at_startup():
         cfg.validate()
     cfg.generator.n_samples_per_prompt = 2
     cfg.validate()
+
+
+class SlowYesEnv:
+    """"yes" scores 1 and ends the episode; anything else earns 0 and asks again."""
+
+    async def reset(self, prompt_messages, extras):
+        return list(prompt_messages)
+
+    async def step(self, action_text):
+        if "yes" in action_text:
+            return StepResult([], reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "Try again."}], reward=0.0, done=False)
+
+
+def _discounted_trainer(tokenizer, tmp_path, dynamic: bool):
+    """Rows "same*": both samples answer yes at once. Row "late": sample 0 answers yes at once, sample 1 only on its
+    second turn, so both score 1 in total but gamma < 1 gives their steps different advantages."""
+    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
+    from skyrl_stepwise.trainer.tracking import Tracker
+
+    def script(prompt, session, index):
+        row, rep = session.split("/")[1], int(session.rsplit("_", 1)[1])
+        answer = "no" if row == "late" and rep == 1 and index == 0 else "yes"
+        return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    cfg = RunConfig(total_steps=1)
+    cfg.generator = GeneratorConfig(max_turns=2, max_input_length=512, n_samples_per_prompt=2, show_progress=False,
+                                    sampling=GeneratorSamplingConfig(max_generate_length=8))
+    cfg.data.train_batch_size, cfg.data.shuffle = 1, False
+    algo = cfg.trainer.algorithm
+    algo.dynamic_sampling, algo.max_sample_batches = dynamic, 3
+    algo.step_advantage, algo.gamma = "discounted", 0.9
+    registry = EnvRegistry()
+    registry.register("yes", SlowYesEnv)
+    engine = EnginePool([ScriptedEngine(script, tokenizer)])
+    return RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator),
+                     StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator)), engine, None, None,
+                     Tracker(tmp_path, "p", "r", "disabled", {}), [_row(r) for r in ("same1", "late", "same2")],
+                     [], [1])
+
+
+async def test_dynamic_sampling_keeps_a_group_whose_steps_have_advantage_although_its_scores_tie(tokenizer, tmp_path):
+    """Signal is a trained token with a non-zero advantage under the configured credit, not distinct trajectory
+    scores: with discounting, "late" ties on score (1 and 1) yet its slow sample's steps are below the baseline."""
+    trainer = _discounted_trainer(tokenizer, tmp_path, dynamic=True)
+    _, batch, metrics, prompts = await trainer.sample()
+    assert prompts == ["same1", "late"]  # same1 has no signal; late has, and fills the batch
+    assert _groups(batch) == ["late"] and len(batch) == 3  # 1 step + 2 steps
+    assert any(abs(a) > 0.01 for adv in batch.advantages for a in adv)
+    assert metrics["advantages/groups_with_signal"] == 1.0 and metrics["dynamic_sampling/draws"] == 2.0
+
+
+async def test_groups_with_signal_counts_per_step_advantages_without_dynamic_sampling(tokenizer, tmp_path):
+    trainer = _discounted_trainer(tokenizer, tmp_path, dynamic=False)
+    trainer.cfg.data.train_batch_size = 2
+    trainer.loader.batch_size = 2
+    _, batch, metrics, prompts = await trainer.sample()
+    assert prompts == ["same1", "late"] and _groups(batch) == ["late", "same1"]
+    assert metrics["advantages/groups_with_signal"] == 1.0 and metrics["advantages/groups_with_signal_frac"] == 0.5
+
+
+def test_signal_ignores_advantages_on_tokens_that_are_not_trained():
+    from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
+    from skyrl_stepwise.trainer.advantages import signal_groups
+
+    output = GeneratorOutput(prompt_token_ids=[[1]] * 4, response_ids=[[2, 3]] * 4, rewards=[0.0] * 4,
+                             loss_masks=[[1, 0], [1, 0], [1, 1], [0, 1]],
+                             trajectory_ids=[TrajectoryID("a", 0), TrajectoryID("a", 1), TrajectoryID("b", 0),
+                                             TrajectoryID("b", 1)])
+    assert signal_groups(output, [[0.0, 0.5], [1e-12, -0.5], [0.0, 0.0], [0.0, -0.2]]) == {"a": False, "b": True}

@@ -3,6 +3,8 @@ every engine session is released. The last test runs one real training step (Smo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from skyrl_stepwise.envs.base import EnvRegistry, StepResult
@@ -166,3 +168,76 @@ async def test_one_real_training_step_with_failures(tokenizer, model_path, tmp_p
     assert metrics["train/grad_norm"] > 0
     assert engine.sessions == {}  # trajectories and the weight-sync probe all released their sessions
     assert engine.engines[0].weight_updates == 1
+
+
+class BadOutputEnv:
+    """A user's env getting its output wrong on one trajectory each: a NaN or inf reward, a non-text observation,
+    a reset returning messages whose content is not text. The others answer like FaultyEnv."""
+
+    def __init__(self, fault: str | None = None) -> None:
+        self.fault = fault
+
+    async def reset(self, prompt_messages, extras):
+        if self.fault == "reset":
+            return [{"role": "user", "content": ["Is the sky blue?"]}]
+        return list(prompt_messages)
+
+    async def step(self, action_text):
+        if self.fault == "nan":
+            return StepResult([], reward=float("nan"), done=True)
+        if self.fault == "inf":
+            return StepResult([], reward=float("-inf"), done=True)
+        if self.fault == "observation":
+            return StepResult([{"role": "user", "content": 42}], reward=0.0, done=False)
+        return StepResult([], reward=float("yes" in action_text), done=True)
+
+
+async def test_env_output_outside_the_contract_fails_that_trajectory_only_naming_the_class_and_field(tokenizer,
+                                                                                                     caplog):
+    """A non-finite reward once reached the advantages (and skipped the whole step's update); a non-text observation
+    was reported as a chat-template refusal. Each now fails its own trajectory, counted, named in a warning."""
+    import logging
+    import math
+
+    from skyrl_stepwise.trainer.credit import compute_credit
+    from skyrl_stepwise.trainer.config import AlgorithmConfig
+    from skyrl_stepwise.trainer.loop import expand
+
+    eos = tokenizer.eos_token_id
+    answers = {0: "yes", 1: "no", 2: "yes"}
+    script = lambda p, s, i: tokenizer.encode(answers[int(s.rsplit("_", 1)[1])], add_special_tokens=False) + [eos]
+    faults = {0: "nan", 4: "inf", 7: "observation", 9: "reset"}  # row * REPS + rep
+    created: list[BadOutputEnv] = []
+    registry = EnvRegistry()
+    registry.register("faulty", lambda: created.append(BadOutputEnv(faults.get(len(created)))) or created[-1])
+    gen = StepwiseGenerator(tokenizer, ScriptedEngine(script, tokenizer), registry, _generator_config())
+    with caplog.at_level(logging.WARNING):
+        out = await gen.generate(*expand([_row(r) for r in ROWS], REPS, "t"))
+    m = out.rollout_metrics
+    assert m["generate/failed_trajectories"] == 4 and m["generate/failed_trajectories/env_output"] == 4
+    failed = {(t.instance_id.split("/")[1], t.repetition_id) for t in out.failed_trajectory_ids}
+    assert failed == {("a", 0), ("b", 1), ("c", 1), ("d", 0)}
+    assert all(math.isfinite(r) for r in out.trajectory_rewards()) and len(out.trajectory_ids) == 8
+    credit = compute_credit(out, AlgorithmConfig())
+    assert all(math.isfinite(a) for adv in credit.advantages for a in adv)
+    assert any(a != 0 for adv in credit.advantages for a in adv)  # the healthy rows still have a gradient
+    env = "test_failures.BadOutputEnv"
+    assert f"{env}.step reward is nan, not a finite number" in caplog.text
+    assert f"{env}.step reward is -inf" in caplog.text
+    assert f"{env}.step observations[0]['content'] must be a string, got int: '42'" in caplog.text
+    assert f"{env}.reset return value[0]['content'] must be a string, got list" in caplog.text
+
+
+def test_the_env_contract_names_each_field():
+    from skyrl_stepwise.envs.contract import EnvOutputError, check_step_result
+
+    env = BadOutputEnv()
+    for result, field in ((StepResult([], "1", True), "reward must be a real number, got str"),
+                          (StepResult([], None, True), "reward must be a real number, got NoneType"),
+                          (StepResult("text", 0.0, True), "observations must be a list of chat messages, got str"),
+                          (StepResult([{"content": "x"}], 0.0, True), "observations[0]['role'] must be a string"),
+                          (StepResult([], 0.0, True, {"hits": "3"}), "metrics['hits'] must be a number, got str"),
+                          ((["obs"], 1.0, True), "must return a StepResult, got tuple")):
+        with pytest.raises(EnvOutputError, match=re.escape(f"BadOutputEnv.step_turn {field}")):
+            check_step_result(result, env, "step_turn")
+    assert check_step_result(StepResult([], True, True, {"n": 2}), env).reward is True  # bools and ints are numbers

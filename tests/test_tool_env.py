@@ -114,15 +114,32 @@ def test_a_malformed_call_is_answered_in_the_form_each_template_accepts():
     assert none.role_fallbacks == 2 and [c["id"] for c in none.assistant["tool_calls"]] == ["call_0"]
 
 
+class _Retriever:
+    """A retrieval client stand-in: passages for a query, or the retriever's error quoting the query back."""
+
+    async def search(self, queries, topk):
+        from skyrl_stepwise.retrieval.client import RetrievalError
+
+        if queries[0].startswith("broken"):
+            raise RetrievalError(f"HTTP 422 from http://r: invalid query {queries[0]!r}")
+        return [[{"contents": "Multiplication\nsix times seven is 42"}]]
+
+
+def _tool_env(bonus: float):
+    from skyrl_stepwise.envs.tool import ToolEnv
+    from skyrl_stepwise.tools.builtin import CalculatorTool, SearchTool
+
+    return ToolEnv({"search": SearchTool(client=_Retriever()), "calculator": CalculatorTool()},
+                   ToolEnvConfig(intermediate_reward=bonus))
+
+
 async def test_a_tool_result_with_the_golden_answer_earns_the_intermediate_reward_once():
     from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
-    from skyrl_stepwise.envs.tool import ToolEnv
-    from skyrl_stepwise.tools.builtin import CalculatorTool
 
-    call = ParsedTurn("", tool_calls=[ToolCallRequest("calculator", {"expression": "6*7"}, id="c1")])
+    call = ParsedTurn("", tool_calls=[ToolCallRequest("search", {"query": "six times seven"}, id="c1")])
     extras = {"reward_spec": {"ground_truth": {"target": ["42"]}}, "max_turns": 4}
     for bonus in (0.0, 0.3):
-        env = ToolEnv({"calculator": CalculatorTool()}, ToolEnvConfig(intermediate_reward=bonus))
+        env = _tool_env(bonus)
         await env.reset([{"role": "user", "content": "six times seven?"}], extras)
         first, again = await env.step_turn(call), await env.step_turn(call)
         assert "42" in first.observations[0]["content"] and not first.done
@@ -130,3 +147,27 @@ async def test_a_tool_result_with_the_golden_answer_earns_the_intermediate_rewar
         assert first.metrics["answer_retrieved"] == again.metrics["answer_retrieved"] == 1.0
         final = await env.step_turn(ParsedTurn("<answer>42</answer>"))
         assert final.done and final.reward == 1.0
+
+
+async def test_only_successful_retrieval_results_earn_the_intermediate_reward():
+    """Error messages quote the model's own text and a calculator computes what it was given: neither retrieved the
+    answer, so neither pays (each was once worth the bonus by writing the answer into a call)."""
+    from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+
+    extras = {"reward_spec": {"ground_truth": {"target": ["42"]}}, "max_turns": 8}
+    farmed = {
+        "malformed call quoting the answer": ToolCallRequest(None, None, raw='{"name": "search", 42',
+                                                             error="invalid_json"),
+        "a tool named after the answer": ToolCallRequest("42", {}),
+        "a failing calculator call on it": ToolCallRequest("calculator", {"expression": "'42'"}),
+        "a calculator computing it": ToolCallRequest("calculator", {"expression": "6*7"}),
+        "arguments the schema refuses": ToolCallRequest("search", {"query": 42}),
+        "a failed search quoting its query": ToolCallRequest("search", {"query": "broken 42"}),
+    }
+    for what, request in farmed.items():
+        env = _tool_env(0.5)
+        await env.reset([{"role": "user", "content": "six times seven?"}], extras)
+        step = await env.step_turn(ParsedTurn("", tool_calls=[request]))
+        assert "42" in step.observations[0]["content"], what  # the answer is in what the model reads back
+        assert step.reward == 0.0 and step.metrics["answer_retrieved"] == 0.0, what
+        assert not env.rewarded_retrieval, what

@@ -84,6 +84,22 @@ def _require_columns(table: pa.Table, required: tuple[str, ...], path: str | Pat
                          f"the file has {table.column_names}")
 
 
+# free-form dict columns: stored as Arrow structs, whose fields are the union of every row's keys
+FREE_FORM_COLUMNS = ("reward_spec", "extra_info")
+
+
+def own_keys(value: Any) -> Any:
+    """A struct value as its row wrote it: parquet stores a column of dicts as one struct with the union of every
+    row's keys, so a row reads back with the other rows' keys set to None. Those are dropped (nested dicts too),
+    so an env's reset sees exactly its row's keys; a key a row set to None itself cannot be told apart and is
+    dropped as well."""
+    if isinstance(value, dict):
+        return {k: own_keys(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [own_keys(v) for v in value]
+    return value
+
+
 def _validate_row(row: dict[str, Any], i: int, path: str | Path) -> PromptRow:
     where = f"{path}: row {i} (instance_id={row.get('instance_id')!r})"
     prompt = row["prompt"]
@@ -123,6 +139,9 @@ def load_prompt_dataset(path: str | Path) -> list[PromptRow]:
     table = _read_table(path)
     _require_columns(table, REQUIRED_COLUMNS, path, "a prompt dataset")
     rows = table.select(list(REQUIRED_COLUMNS)).to_pylist()
+    structs = [c for c in FREE_FORM_COLUMNS if pa.types.is_struct(table.schema.field(c).type)]
+    for row in rows:
+        row.update({c: own_keys(row[c]) for c in structs})
     out = [_validate_row(row, i, path) for i, row in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, r in enumerate(out):

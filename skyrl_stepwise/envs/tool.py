@@ -17,8 +17,8 @@ from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
 from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check
 from skyrl_stepwise.envs.search import ground_truth_targets, intermediate_retrieval_reward
-from skyrl_stepwise.tools import ToolExecutor, build_tools, load_tools_yaml, to_messages
-from skyrl_stepwise.tools.base import ToolLike
+from skyrl_stepwise.tools import ToolExecutor, ToolResult, build_tools, load_tools_yaml, to_messages
+from skyrl_stepwise.tools.base import ToolLike, is_retrieval_tool
 from skyrl_stepwise.tools.builtin import CalculatorTool, SearchTool
 
 
@@ -35,8 +35,9 @@ class ToolEnvConfig:
     # written for tag-based agents (Search-R1's `<search>` instructions contradict function calling).
     question_only: bool = False
     max_turns: int = 4  # used only when the generator does not pass extras["max_turns"]
-    # Per-step credit: a turn whose tool results contain a golden answer (normalised substring) earns this reward on
-    # its own step, once per episode. 0 = off. environment/answer_retrieved is logged per tool turn either way.
+    # Per-step credit: a turn whose successful retrieval-tool results (e.g. search; never error messages or other
+    # tools' output) contain a golden answer (normalised substring) earns this reward on its own step, once per
+    # episode. 0 = off. environment/answer_retrieved is logged per tool turn either way.
     intermediate_reward: float = 0.0
 
 
@@ -94,15 +95,20 @@ class ToolEnv:
             results = await self.executor.execute(calls)
             metrics = {f"tool/{k}": float(v) for k, v in self.executor.reset_counts().items()}
             metrics["tool_calls"] = float(len(calls))
-            messages = to_messages(results)
-            reward = intermediate_retrieval_reward("\n".join(m["content"] for m in messages), self.targets,
+            reward = intermediate_retrieval_reward(self._retrieved_text(results), self.targets,
                                                    self.cfg.intermediate_reward, self, metrics)
-            return StepResult(messages, reward, False, metrics)
+            return StepResult(to_messages(results), reward, False, metrics)
         answer = final_answer(turn.content) if not calls else None
         reward = exact_match_score(answer, self.targets)
         return StepResult([], reward, True, {"em": reward, "answered": float(answer is not None),
                                              "subem": float(answer is not None and subem_check(answer, self.targets)),
                                              "tool_calls": float(len(calls))})
+
+
+    def _retrieved_text(self, results: list[ToolResult]) -> str:
+        """The successful results of retrieval tools only: an error message (malformed call, unknown tool, a failing
+        calculator) or a computed result quotes the model's own text, so a golden answer in it was not retrieved."""
+        return "\n".join(r.content for r in results if r.ok and is_retrieval_tool(self.executor.tools.get(r.name)))
 
 
 def build_env_tools(cfg: ToolEnvConfig, search_url: str | None = None) -> dict[str, ToolLike]:

@@ -5,7 +5,8 @@ renderer puts next` (`skyrl_stepwise.chat`); where that cannot be proven exact, 
 full history, which starts a new step chain, and we count it with its reason. The length check always runs
 on the prompt that is about to be sent.
 
-Infrastructure failures (env.reset or env.step raising, the engine raising or aborting a request) end
+Infrastructure failures (env.reset or env.step raising or returning what the env contract refuses, e.g. a NaN
+reward or an observation that is not text (envs/contract.py), the engine raising or aborting a request) end
 the trajectory as *failed*: it is counted by cause and never becomes training data, because a reward
 of 0 for a crashed env or a half-sampled aborted turn is something we made up, not something the
 policy did. The engine session is released whatever happens.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from skyrl_stepwise.chat import ChatRenderer, conversation_turn, create_renderer
 from skyrl_stepwise.envs.base import Env, Message, TurnEnv
+from skyrl_stepwise.envs.contract import EnvOutputError, check_messages, check_step_result, env_name
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.generator.output import TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
@@ -55,7 +57,7 @@ class TrajectoryStats:
     env_metrics: dict[str, float] = field(default_factory=dict)
 
 
-FAILURE_CAUSES = ("env_reset", "env_step", "engine_error", "engine_abort", "render")
+FAILURE_CAUSES = ("env_reset", "env_step", "env_output", "engine_error", "engine_abort", "render")
 
 
 @dataclass
@@ -133,6 +135,7 @@ class AgentLoop:
             messages = await env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns})
         except Exception as e:
             raise _TrajectoryFailed("env_reset", repr(e)) from e
+        messages = self._checked(check_messages, messages, f"{env_name(env)}.reset return value")
         tools = getattr(env, "tool_schemas", None) or None  # OpenAI function schemas the env offers, rendered
         history: list[Message] = list(messages)  # text view, for full re-renders and `retokenize`
         prompt_ids = self._render(chat.prompt_ids, history, tools)
@@ -172,6 +175,7 @@ class AgentLoop:
                 step = await (env.step_turn(turn_parsed) if takes_turns else env.step(action_text))
             except Exception as e:
                 raise _TrajectoryFailed("env_step", repr(e)) from e
+            step = self._checked(check_step_result, step, env, "step_turn" if takes_turns else "step")
             stats.env_seconds += time.perf_counter() - t0
             for k, v in step.metrics.items():
                 stats.env_metrics[k] = stats.env_metrics.get(k, 0.0) + float(v)
@@ -223,6 +227,15 @@ class AgentLoop:
                 if last.logprobs is not None:
                     last.logprobs.append(0.0)
         return steps
+
+    @staticmethod
+    def _checked(check, *args):
+        """Env output through its contract check; a violation ends this trajectory only (cause `env_output`), its
+        message naming the env class and the field."""
+        try:
+            return check(*args)
+        except EnvOutputError as e:
+            raise _TrajectoryFailed("env_output", str(e)) from e
 
     @staticmethod
     def _render(fn, *args):

@@ -24,6 +24,19 @@ BUILTIN_TOOLS: dict[str, str] = {
 }
 
 
+class FailedCall(str):
+    """Text a tool returns for a call that failed but should reach the model as written (e.g. "Search failed:
+    ..."), without the executor's "Error: tool ... failed" wrapping. The executor marks its result not ok
+    (error_kind tool_error), so nothing downstream takes it for a real result: a failure message can quote the
+    model's own arguments, and the tool env's retrieval reward must not pay for them."""
+
+
+def is_retrieval_tool(tool: ToolLike | None) -> bool:
+    """Whether a tool's successful results are retrieved text (class attribute `retrieval = True`, e.g. search):
+    only those may earn the tool env's intermediate reward, since the answer in them came from outside the model."""
+    return getattr(tool, "retrieval", False) is True
+
+
 @runtime_checkable
 class ToolLike(Protocol):
     """What the executor needs; `Tool` below is the convenient base class implementing it."""
@@ -48,6 +61,9 @@ class Tool:
 
     default_schema: dict[str, Any] | None = None
     config_class: ClassVar[type | None] = None
+    # True for tools whose results are retrieved text (search, lookup): the tool env's intermediate reward looks
+    # for golden answers in their successful results only (see is_retrieval_tool)
+    retrieval: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None) -> None:
         schema = tool_schema if tool_schema is not None else self.default_schema

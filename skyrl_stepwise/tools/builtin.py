@@ -20,7 +20,7 @@ import httpx
 
 from skyrl_stepwise.envs.search import format_documents
 from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalError, RetrieverEndpointConfig
-from skyrl_stepwise.tools.base import Tool
+from skyrl_stepwise.tools.base import FailedCall, Tool
 from skyrl_stepwise.tools.config import ToolConfigError
 
 
@@ -175,9 +175,11 @@ class SearchToolConfig(RetrieverEndpointConfig):
 
 class SearchTool(Tool):
     """`search(query)`: top-k passages from a Search-R1 retriever; a failing retriever yields a readable
-    'Search failed: ...' text (counted in `failures`), never an exception, so the episode goes on."""
+    'Search failed: ...' text (counted in `failures`, and a FailedCall: not a result), never an exception, so the
+    episode goes on."""
 
     config_class = SearchToolConfig
+    retrieval = True
 
     default_schema = {
         "type": "function",
@@ -202,12 +204,12 @@ class SearchTool(Tool):
         """The Search-R1 doc list for `arguments["query"]` (one line per passage)."""
         query = str(arguments.get("query", "")).strip()
         if not query:
-            return "Search failed: the query is empty."
+            return FailedCall("Search failed: the query is empty.")
         try:
             docs = (await self.client.search([query], self.cfg.topk))[0]
         except (RetrievalError, httpx.HTTPError) as e:  # a broken retriever must not end the episode
             self.failures += 1
-            return self.cfg.failure_template.format(error=(str(e) or type(e).__name__)[:300])
+            return FailedCall(self.cfg.failure_template.format(error=(str(e) or type(e).__name__)[:300]))
         text = format_documents(docs, self.cfg.doc_template).strip()
         return text or self.cfg.empty_message
 

@@ -19,7 +19,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from skyrl_stepwise.chat.base import Message, ParsedTurn, ToolCallRequest
-from skyrl_stepwise.tools.base import ToolLike
+from skyrl_stepwise.tools.base import FailedCall, ToolLike
 
 # What the model is told about each parser error kind (ToolCallRequest.error).
 PARSE_HINTS = {
@@ -175,6 +175,8 @@ class ToolExecutor:
         except Exception as e:  # noqa: BLE001 - any tool failure is the model's observation, not a crash
             return self._tool_error(call_id, name, e, time.perf_counter() - t0)  # its own TimeoutError too
         seconds = time.perf_counter() - t0
+        if isinstance(content, FailedCall):  # the tool's own failure text, shown as written but not a result
+            return ToolResult(call_id, name, str(content), ok=False, error_kind="tool_error", seconds=seconds)
         if not isinstance(content, str):
             return ToolResult(call_id, name, f"Error: tool {name!r} returned {type(content).__name__}, not text.",
                               ok=False, error_kind="tool_error", seconds=seconds)

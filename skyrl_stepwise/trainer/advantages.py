@@ -62,19 +62,32 @@ def group_advantages(scores: dict[TrajectoryID, float], estimator: str = "grpo",
     return advantages
 
 
-def signal_groups(scores: dict[TrajectoryID, float]) -> dict[str, bool]:
-    """Each prompt group (instance_id, in first-seen order) -> whether its trajectories scored differently:
-    only such groups give GRPO/RLOO a non-zero advantage, hence a gradient."""
-    groups: dict[str, set[float]] = defaultdict(set)
-    for tid, score in scores.items():
-        groups[tid.instance_id].add(score)
-    return {instance: len(values) > 1 for instance, values in groups.items()}
+# an advantage this small is rounding (GRPO over equal scores can leave ~1e-11), not a gradient
+SIGNAL_TOLERANCE = 1e-8
+
+
+def signal_groups(output: GeneratorOutput, advantages: list[list[float]]) -> dict[str, bool]:
+    """Each prompt group (instance_id, in first-seen order) -> whether any of its trained (loss-masked) tokens has a
+    non-zero advantage under the configured credit: only those groups give the policy a gradient.
+
+    Judged on the advantages, not on trajectory scores: with discounting (gamma < 1), GiGPO or intermediate
+    rewards, trajectories that scored the same in total still give their steps different advantages."""
+    if output.trajectory_ids is None:
+        raise ValueError("signal_groups needs GeneratorOutput.trajectory_ids (got None): signal is per prompt group")
+    signal: dict[str, bool] = {}
+    for tid, adv, mask in zip(output.trajectory_ids, advantages, output.loss_masks):
+        trained = any(m and abs(a) > SIGNAL_TOLERANCE for a, m in zip(adv, mask))
+        signal[tid.instance_id] = signal.get(tid.instance_id, False) or trained
+    return signal
 
 
 def groups_with_signal(scores: dict[TrajectoryID, float]) -> tuple[int, int]:
-    """(prompt groups whose trajectories scored differently, all groups): how much of a step could learn."""
-    signal = signal_groups(scores)
-    return sum(signal.values()), len(signal)
+    """(prompt groups whose trajectories scored differently, all groups): reward variance, which is what gives
+    outcome credit a non-zero advantage (per-step credit can have signal without it: see signal_groups)."""
+    groups: dict[str, set[float]] = defaultdict(set)
+    for tid, score in scores.items():
+        groups[tid.instance_id].add(score)
+    return sum(len(v) > 1 for v in groups.values()), len(groups)
 
 
 def loss_weights(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]] | None:

@@ -220,8 +220,9 @@ class RLTrainer:
 
         Without dynamic sampling: one batch of prompts (data position = the step), every group trained. With it
         (DAPO): up to max_sample_batches draws (data position = step * max_sample_batches + draw), keeping the
-        groups whose samples scored differently until data.train_batch_size of them; a group that scored the
-        same everywhere has zero advantage and would only dilute the token mean, so it is dropped.
+        groups with signal (a trained token with a non-zero advantage under the configured credit) until
+        data.train_batch_size of them; a group without has zero advantage everywhere and would only dilute the
+        token mean, so it is dropped.
         """
         cfg, algo = self.cfg, self.cfg.trainer.algorithm
         draws = algo.max_sample_batches if algo.dynamic_sampling else 1
@@ -237,9 +238,9 @@ class RLTrainer:
             outputs.append(output)
             if len(output) == 0:
                 continue
-            signal = signal_groups(trajectory_scores(output))
-            signal_of.update(signal)
             credit = compute_credit(output, algo)
+            signal = signal_groups(output, credit.advantages)  # a trained token with a non-zero advantage
+            signal_of.update(signal)
             credit_metrics = credit_metrics or credit.metrics  # the first draw's: a draw is one batch's worth
             batch = TrainBatch.from_output(output, credit.advantages, loss_weights=loss_weights(output, algo))
             if algo.dynamic_sampling:

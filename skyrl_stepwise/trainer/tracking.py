@@ -27,6 +27,17 @@ CONSOLE_KEYS = {"reward": "reward/mean", "pass@n": "reward/pass_at_n", "eval_rew
                 "step_s": "timing/step_s"}
 
 
+def skipped_updates(metrics: dict) -> str | None:
+    """What a step's `train/skipped_step` means in words, or None when every update ran. A skipped update (a
+    non-finite gradient norm, or nothing to train on) loses the whole batch's gradient, so it is never left to a
+    metric nobody reads: the console line and report.md say it."""
+    skipped = metrics.get("train/skipped_step", 0.0)
+    if not skipped:
+        return None
+    ran = metrics.get("train/optimizer_steps", 0.0)
+    return f"skipped {skipped:.0f} of {skipped + ran:.0f} optimizer update(s)"
+
+
 def _step_of(line: str) -> float:
     """The step a metrics.jsonl line records; a line cut short by a kill mid-write belongs to no kept step."""
     try:
@@ -81,7 +92,12 @@ class Tracker:
             self.wandb.log(metrics, step=step)
             self._last_wandb_step = max(self._last_wandb_step, step)
         shown = " ".join(f"{label}={metrics[k]:.4g}" for label, k in CONSOLE_KEYS.items() if k in metrics)
-        logger.info(f"step {step}: {shown}")
+        skipped = skipped_updates(metrics)
+        if skipped is None:
+            logger.info(f"step {step}: {shown}")
+        else:  # a warning: shown however quiet the console is
+            logger.warning(f"step {step}: {shown} | {skipped.upper()} (non-finite gradient norm or nothing to "
+                           f"train on: train/skipped_step)")
 
     def log_image(self, key: str, path: str | Path, step: int | None = None) -> None:
         """A figure (the run report's curves.png) into wandb next to the metrics it plots; a no-op without
