@@ -318,15 +318,31 @@ class AgentLoop:
                                      "tokens_dropped": edit.tokens_dropped, "note": edit.note})
         return built.ids
 
+    def _ask_for_summary(self, prompt_ids, response, history, observations, tools, keep_turn) -> list[int]:
+        """The summary prompt: the instruction as a user message after the observations, or, where the template
+        wants alternating roles (Mistral, Gemma 2), appended to the last observation's text."""
+        chat, instruction = self.renderer, self.cfg.context.summary_instruction
+        last = observations[-1] if observations else None
+        if last is None or last.get("role") != "user":
+            ask = {"role": "user", "content": instruction}
+            try:
+                return chat.next_prompt(prompt_ids, response, history + [ask], observations + [ask], tools,
+                                        keep_turn).ids
+            except Exception:  # noqa: BLE001 - the template refuses a user message here: append it instead
+                if last is None:
+                    raise
+        merged = dict(last, content=f"{last['content']}\n\n{instruction}")
+        return chat.next_prompt(prompt_ids, response, history[:-1] + [merged], observations[:-1] + [merged], tools,
+                                keep_turn).ids
+
     async def _summarize(self, prompt_ids, response, observations, history, initial, kept, tools, trajectory_id,
                          turn, stats: TrajectoryStats, edit: ContextEdit, step_index: int):
         """The policy model writes a summary turn (an action, trained unless context.train_summaries=false) on the
         prompt that crossed the threshold plus the instruction; the context restarts from the first messages, the
         summary exactly as sampled and the resume message. None where the summary prompt would not fit."""
         cfg, chat = self.cfg, self.renderer
-        ask_message = {"role": "user", "content": cfg.context.summary_instruction}
-        ask = self._render(chat.next_prompt, prompt_ids, response, history + [ask_message],
-                           observations + [ask_message], tools, kept[-1].keep_turn).ids
+        ask = self._render(self._ask_for_summary, prompt_ids, response, history, observations, tools,
+                           kept[-1].keep_turn)
         if len(ask) > cfg.max_input_length:
             stats.context_summaries_skipped += 1
             return None
