@@ -199,3 +199,16 @@ async def test_a_trajectory_weighs_the_same_however_it_was_cut(tokenizer):
                 values = {round(a, 6) for t, adv, ks in zip(merged.trajectory_ids, advantages, merged.loss_masks)
                           if t == tid for a, k in zip(adv, ks) if k}
                 assert len(values) == 1, (ctx.policy, values)
+
+
+async def test_show_and_rollouts_mark_where_the_context_was_edited(tokenizer):
+    from skyrl_stepwise.chat import create_renderer
+    from skyrl_stepwise.trainer.rollout_samples import format_sample, rollout_samples
+
+    gen, _, _ = make(tokenizer, ContextConfig(policy="sliding_window", window=2))
+    out = await run(gen)
+    samples = rollout_samples(out, create_renderer(tokenizer, "auto", {}, "all"), step=1, stage="train", n=1)
+    events = samples[0].context_events
+    assert [e["before_step"] for e in events] == [3, 4, 5] and all(e["tokens_dropped"] > 100 for e in events)
+    text = format_sample(__import__("dataclasses").asdict(samples[0]))
+    assert "[context edit by sliding_window before model turn 4:" in text and "placeholders" in text
