@@ -38,6 +38,10 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ("Bridge fallbacks and failures", "count per step", "count", [
         ("generate/bridge_fallbacks", "bridge fallbacks"), ("generate/retokenize_drift_steps", "retokenize drift steps"),
         ("generate/failed_trajectories", "failed trajectories")]),
+    ("Context management", "count per step", "count", [
+        ("context/edits", "context edits"), ("context/summaries", "summaries"),
+        ("context/exhausted_trajectories", "context exhausted"),
+        ("context/budget_exhausted_trajectories", "token budget exhausted")]),
 ]
 TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_sync", "weight_sync_probe", "eval", "step"]
 TIMING_LABELS = {"generate": "rollouts", "train": "update", "step": "whole step"}  # as the progress bars say
@@ -51,7 +55,8 @@ TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("en
                  ("generate/num_samples", "samples"), ("generate/real_tokens", "tokens"),
                  ("generate/batch_padded_seq_len", "padded len"), ("generate/merge_rate", "merge rate"),
                  ("train/forward_tokens", "fwd tokens"), ("train/compression_ratio", "compression"),
-                 ("generate/bridge_fallbacks", "fallbacks"), ("timing/generate_s", "generate s"),
+                 ("generate/bridge_fallbacks", "fallbacks"), ("context/edits", "ctx edits"),
+                 ("context/exhausted_trajectories", "ctx exhausted"), ("timing/generate_s", "generate s"),
                  ("timing/train_s", "update s"), ("timing/weight_sync_s", "sync s"), ("timing/step_s", "step s")]
 SHOWN_WHEN_NONZERO = {"train/skipped_step"}  # columns left out unless some step has a non-zero value
 STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"), ("X", ":")]

@@ -145,7 +145,9 @@ async def test_length_check_runs_on_the_current_prompt(tokenizer):
     out = await run(gen)
     assert len(out) == 1
     assert len(out.prompt_token_ids[0]) <= limit
-    assert out.stop_reasons == ["length"] and out.is_last_step == [True]
+    # the history outgrew the context: a stop reason of its own, not the per-turn `length`
+    assert out.stop_reasons == ["context_exhausted"] and out.is_last_step == [True]
+    assert out.rollout_metrics["context/exhausted_trajectories"] == 1
     assert out.response_ids[0][-1] == tokenizer.eos_token_id and out.loss_masks[0][-1] == 0
 
 
@@ -155,10 +157,11 @@ async def test_step_length_bound_holds(tokenizer):
                                max_input_length=300, turns=10, max_turns=10,
                                sampling=GeneratorSamplingConfig(max_generate_length=40))
     out = await run(gen, n=2)
-    for p, r, m, reason in zip(out.prompt_token_ids, out.response_ids, out.loss_masks, out.stop_reasons):
+    for p, r, m, reason, last in zip(out.prompt_token_ids, out.response_ids, out.loss_masks, out.stop_reasons,
+                                     out.is_last_step):
         assert len(p) <= 300 and len(p) + len(r) <= 300 + 40 + 1
         assert r[-1] == eos and m[-1] == 0  # cut at max_tokens: the closing EOS is ours, masked
-        assert reason == "length"
+        assert reason == ("context_exhausted" if last else "length")  # the last turn's history outgrew the context
 
 
 async def test_single_message_mode_appends_raw_observation(tokenizer):

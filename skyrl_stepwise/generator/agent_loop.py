@@ -14,6 +14,7 @@ policy did. The engine session is released whatever happens.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import zlib
@@ -23,6 +24,8 @@ from skyrl_stepwise.chat import ChatRenderer, conversation_turn, create_renderer
 from skyrl_stepwise.envs.base import Env, Message, TurnEnv
 from skyrl_stepwise.envs.contract import EnvOutputError, check_messages, check_step_result, env_name
 from skyrl_stepwise.generator.config import GeneratorConfig
+from skyrl_stepwise.generator.context import (ContextEdit, ContextView, KeptTurn, Tokens, flatten, make_policy,
+                                              rebuild)
 from skyrl_stepwise.generator.output import TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
 
@@ -39,6 +42,7 @@ class StepSample:
     logprobs: list[float] | None  # None when the engine was not asked for logprobs: never made up
     reward: float
     stop_reason: str
+    kind: str = "action"  # "summary": a summary turn the context policy asked for (no env step)
 
 
 @dataclass
@@ -55,9 +59,21 @@ class TrajectoryStats:
     observation_role_fallbacks: int = 0  # observations rendered in another role than the env gave (template refuses it)
     prompt_too_long: bool = False
     env_metrics: dict[str, float] = field(default_factory=dict)
+    # context management (generator/context.py): edits are chain breaks of their own, never template fallbacks
+    context_edits: int = 0
+    context_fires: int = 0  # how often the policy changed anything (a truncated observation counts once)
+    context_tokens_dropped: int = 0
+    context_summaries: int = 0
+    context_summaries_skipped: int = 0  # the summary prompt itself would not fit
+    context_rerenders: int = 0  # rebuilding an edited context, the template forced a re-render
+    sampled_tokens: int = 0
+    observed_tokens: int = 0
+    context_events: list[dict] = field(default_factory=list)  # where the context was edited and what was dropped
 
 
-FAILURE_CAUSES = ("env_reset", "env_step", "env_output", "engine_error", "engine_abort", "render")
+FAILURE_CAUSES = ("env_reset", "env_step", "env_output", "engine_error", "engine_abort", "render", "context_policy")
+# why a trajectory stopped at a limit of its own (not the per-turn `length` of max_generate_length)
+LIMIT_STOPS = ("context_exhausted", "budget_exhausted")
 
 
 @dataclass
@@ -104,6 +120,8 @@ class AgentLoop:
         self.renderer = renderer or create_renderer(tokenizer, cfg.renderer, dict(cfg.chat_template_kwargs),
                                                     cfg.thinking_retention, cfg.tool_parser)
         self.close_id = self.renderer.close_id
+        self.policy = make_policy(cfg.context)
+        self.tokens = Tokens(self.renderer.encode, self.renderer.decode)
 
     def _sampling(self, trajectory_id: TrajectoryID, turn: int) -> SamplingParams:
         s = self.cfg.sampling
@@ -141,12 +159,17 @@ class AgentLoop:
         prompt_ids = self._render(chat.prompt_ids, history, tools)
         single_message_text = ""  # single-message mode: the one growing assistant message
         steps: list[StepSample] = []
-        ended_by_length = False
+        limit_stop: str | None = None
+        initial, kept = list(messages), []  # what a context policy sees: first messages, then kept turns
+        budget = cfg.context.token_budget
 
         for turn in range(cfg.max_turns):
             if len(prompt_ids) > cfg.max_input_length:
-                ended_by_length = True
+                limit_stop = "context_exhausted"
                 stats.prompt_too_long = not steps
+                break
+            if budget is not None and steps and stats.sampled_tokens + stats.observed_tokens >= budget:
+                limit_stop = "budget_exhausted"
                 break
             t0 = time.perf_counter()
             try:
@@ -158,6 +181,7 @@ class AgentLoop:
             if result.finish_reason == "abort":  # a half-sampled turn is neither acted on nor trained
                 raise _TrajectoryFailed("engine_abort", f"request aborted after {len(result.token_ids)} tokens")
             sampled = list(result.token_ids)
+            stats.sampled_tokens += len(sampled)
             logprobs = list(result.logprobs) if result.logprobs is not None else None
             model_eos = bool(sampled) and sampled[-1] in chat.stop_ids
             action_ids = sampled[:-1] if model_eos else sampled
@@ -195,6 +219,7 @@ class AgentLoop:
 
             observations = step.observations
             if cfg.use_conversation_multi_turn:
+                observations = self._observe(observations, len(steps), stats)
                 parsed = turn_parsed or self._render(chat.parse, response, prompt_ids, tools)
                 # the turn and its observations in roles the template renders (malformed calls answered)
                 conversation = conversation_turn(parsed, observations, chat.roles)
@@ -204,6 +229,18 @@ class AgentLoop:
                 history.extend(observations)
                 next_ids = self._next_conversation_prompt(prompt_ids, response, observations, history, tools, stats,
                                                           keep_turn=parsed.malformed)
+                kept.append(KeptTurn(response, conversation.assistant, observations, parsed.malformed))
+                edit = self._decide(initial, kept, next_ids, stats)
+                if edit is not None and edit.summarize:
+                    summary = await self._summarize(prompt_ids, response, observations, history, initial, kept, tools,
+                                                    trajectory_id, turn, stats, edit, len(steps))
+                    if summary is not None:
+                        summary_step, next_ids, kept = summary
+                        steps.append(summary_step)
+                        history = flatten(initial, kept)
+                elif edit is not None:
+                    next_ids = self._apply_edit(initial, kept, edit, tools, stats, len(steps))
+                    history = flatten(initial, kept)
             else:
                 observation_text = "".join(m["content"] for m in observations)
                 single_message_text += action_text + observation_text
@@ -216,17 +253,135 @@ class AgentLoop:
             chain = prompt_ids + response
             if next_ids[:len(chain)] != chain:
                 stats.chain_breaks += 1
+                stats.observed_tokens += sum(self.tokens.count(m["content"]) for m in observations
+                                             if isinstance(m.get("content"), str))
+            else:
+                stats.observed_tokens += len(next_ids) - len(chain)
             prompt_ids = next_ids
 
-        if ended_by_length and steps:
+        if limit_stop is not None and steps:
             last = steps[-1]
-            last.stop_reason = "length"
+            last.stop_reason = limit_stop
             if not last.response_ids or last.response_ids[-1] not in chat.stop_ids:
-                last.response_ids.append(self.close_id)
+                last.response_ids.append(self.close_id)  # appended by us: masked
                 last.loss_mask.append(0)
                 if last.logprobs is not None:
                     last.logprobs.append(0.0)
+            last.reward += await self._tell_env(env, limit_stop)
         return steps
+
+    async def _tell_env(self, env: Env, reason: str) -> float:
+        """The documented hook `Env.on_context_exhausted(reason) -> float | None`: the env learns the trajectory hit
+        a limit (`context_exhausted`, `budget_exhausted`) and may return a terminal reward (added to the last step)."""
+        hook = getattr(env, "on_context_exhausted", None)
+        if hook is None:
+            return 0.0
+        try:
+            value = hook(reason)
+            if inspect.isawaitable(value):
+                value = await value
+        except Exception as e:
+            raise _TrajectoryFailed("env_step", f"on_context_exhausted: {e!r}") from e
+        return 0.0 if value is None else float(value)
+
+    def _observe(self, observations: list[Message], step_index: int, stats: TrajectoryStats) -> list[Message]:
+        """Observations as the policy lets them into the context (truncate); a policy error fails this trajectory."""
+        try:
+            edit = self.policy.observe(observations, self.tokens)
+        except Exception as e:
+            raise _TrajectoryFailed("context_policy", f"{self.policy.name}.observe: {e!r}") from e
+        if edit is None:
+            return observations
+        stats.context_fires += 1
+        stats.context_tokens_dropped += edit.tokens_dropped
+        stats.context_events.append({"before_step": step_index, "policy": self.policy.name, "kind": "truncate",
+                                     "tokens_dropped": edit.tokens_dropped, "note": edit.note})
+        return edit.observations
+
+    def _decide(self, initial, kept, next_ids, stats: TrajectoryStats) -> ContextEdit | None:
+        """Ask the policy, with the next prompt rendered, whether to edit; a policy error fails this trajectory."""
+        view = ContextView(initial, kept, len(next_ids), self.cfg.max_input_length, stats.context_summaries,
+                           self.tokens)
+        try:
+            return self.policy.between_turns(view)
+        except Exception as e:
+            raise _TrajectoryFailed("context_policy", f"{self.policy.name}.between_turns: {e!r}") from e
+
+    def _apply_edit(self, initial, kept, edit: ContextEdit, tools, stats: TrajectoryStats, step_index: int):
+        """Replace the observations the policy dropped and rebuild the next prompt exactly (a new chain)."""
+        for i, observations in edit.replace.items():
+            if not 0 <= i < len(kept):
+                raise _TrajectoryFailed("context_policy", f"{self.policy.name} replaced turn {i} of {len(kept)}")
+            kept[i].observations, kept[i].edited = list(observations), True
+        built = self._render(rebuild, self.renderer, initial, kept, tools, self.cfg.history == "retokenize")
+        stats.context_edits += 1
+        stats.context_fires += 1
+        stats.context_tokens_dropped += edit.tokens_dropped
+        stats.context_rerenders += built.rerenders
+        stats.context_events.append({"before_step": step_index, "policy": self.policy.name, "kind": "edit",
+                                     "tokens_dropped": edit.tokens_dropped, "note": edit.note})
+        return built.ids
+
+    def _ask_for_summary(self, prompt_ids, response, history, observations, tools, keep_turn) -> list[int]:
+        """The summary prompt: the instruction as a user message after the observations, or, where the template
+        wants alternating roles (Mistral, Gemma 2), appended to the last observation's text."""
+        chat, instruction = self.renderer, self.cfg.context.summary_instruction
+        last = observations[-1] if observations else None
+        if last is None or last.get("role") != "user":
+            ask = {"role": "user", "content": instruction}
+            try:
+                return chat.next_prompt(prompt_ids, response, history + [ask], observations + [ask], tools,
+                                        keep_turn).ids
+            except Exception:  # noqa: BLE001 - the template refuses a user message here: append it instead
+                if last is None:
+                    raise
+        merged = dict(last, content=f"{last['content']}\n\n{instruction}")
+        return chat.next_prompt(prompt_ids, response, history[:-1] + [merged], observations[:-1] + [merged], tools,
+                                keep_turn).ids
+
+    async def _summarize(self, prompt_ids, response, observations, history, initial, kept, tools, trajectory_id,
+                         turn, stats: TrajectoryStats, edit: ContextEdit, step_index: int):
+        """The policy model writes a summary turn (an action, trained unless context.train_summaries=false) on the
+        prompt that crossed the threshold plus the instruction; the context restarts from the first messages, the
+        summary exactly as sampled and the resume message. None where the summary prompt would not fit."""
+        cfg, chat = self.cfg, self.renderer
+        ask = self._render(self._ask_for_summary, prompt_ids, response, history, observations, tools,
+                           kept[-1].keep_turn)
+        if len(ask) > cfg.max_input_length:
+            stats.context_summaries_skipped += 1
+            return None
+        try:
+            result = await self.engine.generate(ask, self._sampling(trajectory_id, -1 - stats.context_summaries),
+                                                session_id=trajectory_id.key())
+        except Exception as e:
+            raise _TrajectoryFailed("engine_error", repr(e)) from e
+        if result.finish_reason == "abort":
+            raise _TrajectoryFailed("engine_abort", f"summary request aborted after {len(result.token_ids)} tokens")
+        sampled = list(result.token_ids)
+        stats.sampled_tokens += len(sampled)
+        logprobs = list(result.logprobs) if result.logprobs is not None else None
+        response_ids, mask = list(sampled), [int(cfg.context.train_summaries)] * len(sampled)
+        if not (sampled and sampled[-1] in chat.stop_ids) and self._needs_eos(False, result.finish_reason):
+            response_ids.append(self.close_id)  # ours: never trained
+            mask.append(0)
+            if logprobs is not None:
+                logprobs.append(0.0)
+        step = StepSample(ask, response_ids, mask, logprobs, 0.0, result.finish_reason, kind="summary")
+        parsed = self._render(chat.parse, response_ids, ask, tools)
+        resume = conversation_turn(parsed, [{"role": "user", "content": cfg.context.resume_message}], chat.roles)
+        new_kept = [KeptTurn(response_ids, resume.assistant, resume.observations, parsed.malformed, kind="summary")]
+        base = self._render(chat.prompt_ids, initial, tools)
+        next_ids = self._next_conversation_prompt(base, response_ids, resume.observations,
+                                                  flatten(initial, new_kept), tools, stats, keep_turn=parsed.malformed)
+        stats.context_edits += 1
+        stats.context_fires += 1
+        stats.context_summaries += 1
+        stats.context_tokens_dropped += max(len(ask) - len(base), 0)
+        stats.context_events.append({"before_step": step_index + 1, "policy": self.policy.name, "kind": "summary",
+                                     "tokens_dropped": max(len(ask) - len(base), 0),
+                                     "note": f"{edit.note}; {len(ask) - len(base)} context tokens replaced by a "
+                                             f"{len(sampled)}-token summary (step {step_index})"})
+        return step, next_ids, new_kept
 
     @staticmethod
     def _checked(check, *args):

@@ -19,6 +19,73 @@ class GeneratorSamplingConfig:
     seed: int | None = None
 
 
+CONTEXT_POLICIES = ("none", "truncate", "sliding_window", "summarize")
+DEFAULT_SUMMARY_INSTRUCTION = ("Your context is nearly full. Summarise everything you have learned so far that you still "
+                               "need to finish the task (facts found, what you tried, what is left), as concisely as "
+                               "you can. Do not call tools in this turn.")
+DEFAULT_RESUME_MESSAGE = "Continue the task from your summary above."
+
+
+@dataclass
+class ContextConfig:
+    """How a trajectory's context is managed between turns (generator/context.py). See README "Long-horizon
+    agents: context policies". Every policy keeps sampled ids exact; an edit starts a new step chain."""
+
+    # none | truncate | sliding_window | summarize | a plugin `pkg.module:Class` (built with this config)
+    policy: str = "none"
+    # truncate: each observation message capped at this many tokens (head + tail, a marker says how many were cut)
+    max_observation_tokens: int = 256
+    truncate_head_fraction: float = 0.5  # share of the cap kept from the start of the observation
+    # sliding_window: the observations of the last `window` turns are kept; older ones become `placeholder`
+    window: int = 2
+    placeholder: str = "[older observation removed: {tokens} tokens]"
+    # summarize: when the next prompt would exceed `summarize_threshold` tokens (null: 3/4 of max_input_length),
+    # the policy model writes a summary turn and the context restarts from the first messages and that summary
+    summarize_threshold: int | None = None
+    summary_instruction: str = DEFAULT_SUMMARY_INSTRUCTION
+    resume_message: str = DEFAULT_RESUME_MESSAGE
+    train_summaries: bool = True  # summary turns are actions trained with the trajectory's credit; false: masked
+    max_summaries: int = 8  # per trajectory
+    # per trajectory, sampled + observed tokens; past it the trajectory stops with `budget_exhausted` (null: none)
+    token_budget: int | None = None
+    # SUPO-style: trajectories that stop at a limit (context_exhausted, budget_exhausted) get no gradient (their
+    # loss mask zeroed) instead of being trained on a reward the cut made up; counted in
+    # generate/overlong_filtered_trajectories
+    mask_limit_stops: bool = False
+
+    def validate(self, max_input_length: int, conversation: bool) -> None:
+        """Refuse a context config that cannot work, naming the key (a plugin is imported now, like env plugins)."""
+        where = "generator.context"
+        if self.policy not in CONTEXT_POLICIES:
+            if ":" not in self.policy:
+                raise ValueError(f"{where}.policy={self.policy!r} is not one of {list(CONTEXT_POLICIES)} nor a "
+                                 "plugin 'pkg.module:Class'")
+            from skyrl_stepwise.generator.context import load_plugin
+
+            load_plugin(self.policy, f"{where}.policy")
+        if self.policy != "none" and not conversation:
+            raise ValueError(f"{where}.policy={self.policy!r} edits chat turns: it needs "
+                             "generator.use_conversation_multi_turn=true")
+        for key, value in (("max_observation_tokens", self.max_observation_tokens), ("window", self.window),
+                           ("max_summaries", self.max_summaries)):
+            if value < (0 if key == "max_summaries" else 1):
+                raise ValueError(f"{where}.{key} must be >= 1, got {value}")
+        if not 0.0 <= self.truncate_head_fraction <= 1.0:
+            raise ValueError(f"{where}.truncate_head_fraction must be in [0, 1], got {self.truncate_head_fraction}")
+        if self.summarize_threshold is not None and not 0 < self.summarize_threshold <= max_input_length:
+            raise ValueError(f"{where}.summarize_threshold={self.summarize_threshold} must be in (0, "
+                             f"generator.max_input_length={max_input_length}]: the summary prompt is the prompt that "
+                             "crossed it plus the instruction, and it must still fit")
+        if self.token_budget is not None and self.token_budget <= 0:
+            raise ValueError(f"{where}.token_budget must be > 0 or null, got {self.token_budget}")
+        if "{tokens}" not in self.placeholder and "{" in self.placeholder:
+            raise ValueError(f"{where}.placeholder may use only the field {{tokens}}, got {self.placeholder!r}")
+
+    def threshold(self, max_input_length: int) -> int:
+        """The summarize trigger in tokens: the key, or 3/4 of max_input_length (room for the summary turn)."""
+        return self.summarize_threshold if self.summarize_threshold is not None else (3 * max_input_length) // 4
+
+
 @dataclass
 class GeneratorConfig:
     """How trajectories are rolled out and turned into samples."""
@@ -48,6 +115,7 @@ class GeneratorConfig:
     # model's own EOS or the env (SkyRL's apply_overlong_filtering); counted in generate/overlong_filtered_*.
     apply_overlong_filtering: bool = False
     show_progress: bool = True
+    context: ContextConfig = field(default_factory=ContextConfig)
 
     def validate(self) -> None:
         """Reject combinations that would silently train on the wrong thing, naming the key."""
@@ -72,3 +140,4 @@ class GeneratorConfig:
                            ("generator.n_samples_per_prompt", self.n_samples_per_prompt)):
             if value <= 0:
                 raise ValueError(f"{key} must be > 0, got {value}")
+        self.context.validate(self.max_input_length, self.use_conversation_multi_turn)

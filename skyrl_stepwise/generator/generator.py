@@ -8,7 +8,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from skyrl_stepwise.envs.base import EnvRegistry, Message
-from skyrl_stepwise.generator.agent_loop import FAILURE_CAUSES, AgentLoop, TrajectoryResult
+from skyrl_stepwise.generator.agent_loop import FAILURE_CAUSES, LIMIT_STOPS, AgentLoop, TrajectoryResult
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.metrics import sample_metrics
@@ -45,17 +45,21 @@ def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
             out.is_last_step.append(i == len(traj.steps) - 1)
             out.turn_indices.append([i] * len(step.response_ids))
     out.rollout_metrics["generate/step_rewards_dropped_empty_turn"] = dropped
+    out.context_events = [{"trajectory": traj.trajectory_id.key(), **event} for traj in kept
+                          for event in traj.stats.context_events]
     if any(step.logprobs is None for traj in kept for step in traj.steps):
         out.rollout_logprobs = None
     return out
 
 
-def filter_overlong(results: list[TrajectoryResult]) -> int:
-    """Zero the loss mask of trajectories that ended by length, not by the model's own choice (SkyRL's
-    apply_overlong_filtering): a cut-off answer's reward says little about its tokens. Returns how many."""
+def filter_overlong(results: list[TrajectoryResult], reasons: tuple[str, ...] = ("length", *LIMIT_STOPS)) -> int:
+    """Zero the loss mask of trajectories that ended by length or a limit (context, token budget), not by the
+    model's own choice (SkyRL's apply_overlong_filtering); `reasons=LIMIT_STOPS` alone is SUPO's handling of
+    trajectories cut by a limit (generator.context.mask_limit_stops): no gradient rather than a made-up reward.
+    A cut-off answer's reward says little about its tokens. Returns how many."""
     filtered = 0
     for traj in results:
-        if traj.failure is None and traj.steps and traj.steps[-1].stop_reason == "length":
+        if traj.failure is None and traj.steps and traj.steps[-1].stop_reason in reasons:
             for step in traj.steps:
                 step.loss_mask = [0] * len(step.loss_mask)
             filtered += 1
@@ -83,6 +87,7 @@ def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
         "generate/engine_seconds": sum(s.engine_seconds for s in stats),
         "generate/trajectory_reward_mean": sum(sum(st.reward for st in r.steps) for r in results) / n,
     }
+    metrics.update(context_metrics(results, stats))
     for cause in FAILURE_CAUSES:
         metrics[f"generate/failed_trajectories/{cause}"] = sum(r.failure == cause for r in failed)
     for s in stats:
@@ -96,6 +101,26 @@ def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
     for key in sorted(env_keys):
         metrics[f"environment/{key}"] = sum(s.env_metrics.get(key, 0.0) for s in stats) / n
     return metrics
+
+
+def context_metrics(kept: list[TrajectoryResult], stats: list) -> dict[str, float]:
+    """`context/*`: what the context policy did (edits are chain breaks of their own, not template fallbacks) and
+    how trajectories ended at a limit; `context/fires_per_trajectory` 0 on a run says the policy never fired."""
+    n = max(len(kept), 1)
+    last = [r.steps[-1].stop_reason for r in kept if r.steps]
+    return {
+        "context/edits": sum(s.context_edits for s in stats),
+        "context/tokens_dropped": sum(s.context_tokens_dropped for s in stats),
+        "context/summaries": sum(s.context_summaries for s in stats),
+        "context/summaries_skipped": sum(s.context_summaries_skipped for s in stats),
+        "context/rerenders": sum(s.context_rerenders for s in stats),
+        "context/fires_per_trajectory": sum(r.stats.context_fires for r in kept) / n,
+        "context/trajectories_edited": sum(r.stats.context_fires > 0 for r in kept),
+        "context/exhausted_trajectories": last.count("context_exhausted"),
+        "context/budget_exhausted_trajectories": last.count("budget_exhausted"),
+        "context/tokens_per_trajectory_mean": sum(r.stats.sampled_tokens + r.stats.observed_tokens
+                                                  for r in kept) / n,
+    }
 
 
 class StepwiseGenerator:
@@ -129,7 +154,8 @@ class StepwiseGenerator:
             raise RuntimeError(f"every trajectory of the batch failed ({', '.join(causes)}); first: "
                                f"{results[0].failure_message}")
 
-        overlong = filter_overlong(results) if self.cfg.apply_overlong_filtering else 0
+        overlong = filter_overlong(results) if self.cfg.apply_overlong_filtering else \
+            filter_overlong(results, LIMIT_STOPS) if self.cfg.context.mask_limit_stops else 0
         output = steps_to_output(results)
         output.rollout_metrics.update(trajectory_metrics(results))
         output.rollout_metrics["generate/overlong_filtered_trajectories"] = overlong

@@ -45,6 +45,8 @@ class RolloutSample:
     stop_reason: str | None
     turns: int
     segments: list[Segment]
+    # where a context policy edited the context and what it dropped or summarised (GeneratorOutput.context_events)
+    context_events: list[dict] = field(default_factory=list)
 
     @property
     def prompt(self) -> str:
@@ -140,8 +142,10 @@ def rollout_samples(output: GeneratorOutput, renderer, step: int, stage: str, n:
         segments = decode_trajectory(renderer, [(output.prompt_token_ids[i], output.response_ids[i],
                                                  output.loss_masks[i]) for i in idx], tools)
         stop = output.stop_reasons[idx[-1]] if output.stop_reasons else None
+        events = [{k: v for k, v in e.items() if k != "trajectory"} for e in output.context_events
+                  if e.get("trajectory") == tid.key()]
         out.append(RolloutSample(step, stage, tid.key(), pick, scores[tid], stop,
-                                 sum(s.role == "model" for s in segments), segments))
+                                 sum(s.role == "model" for s in segments), segments, events))
     return out
 
 
@@ -214,4 +218,7 @@ def format_sample(sample: dict[str, Any], max_chars: int = 2000) -> str:
         for call in seg.get("tool_calls") or []:
             lines.append(f"  -> tool call {call['name']}({json.dumps(call['arguments'])})"
                          + (f" ERROR {call['error']}" if call.get("error") else ""))
+    for event in sample.get("context_events") or []:  # what the context policy changed, and where
+        lines.append(f"[context {event['kind']} by {event['policy']} before model turn {event['before_step'] + 1}: "
+                     f"{event['tokens_dropped']} tokens dropped; {event['note']}]")
     return "\n".join(lines)

@@ -1,0 +1,214 @@
+"""Context policies (generator/context.py) on the real SmolLM2 tokenizer and template with a scripted engine:
+config refused at start-up, what each policy keeps, limits with stop reasons of their own and the env hook, a
+plugin error contained to its trajectory, merging across an edit, and a trajectory's weight however it was cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+from skyrl_stepwise.generator.config import ContextConfig
+from skyrl_stepwise.generator.merge import merge_stepwise_output
+from skyrl_stepwise.inference.scripted import ScriptedEngine
+
+PROMPT = [{"role": "system", "content": "You are a search agent."},
+          {"role": "user", "content": "Find the answer."}]
+
+
+class LongEnv:
+    """Each observation is ~240 tokens and unique (OBS-n); done after `turns` actions. Records hook calls."""
+
+    def __init__(self, turns: int = 6, boom: bool = False, terminal: float | None = None):
+        self.turns, self.n, self.boom, self.terminal, self.told = turns, 0, boom, terminal, []
+
+    async def reset(self, prompt, extras):
+        return list(prompt)
+
+    async def step(self, action_text):
+        self.n += 1
+        done = self.n >= self.turns
+        content = f"OBS-{self.n} " + ("BOOM " if self.boom else "") + "lorem ipsum dolor " * 33
+        return StepResult([] if done else [{"role": "user", "content": content}], 1.0 if done else 0.0, done)
+
+    def on_context_exhausted(self, reason):
+        self.told.append(reason)
+        return self.terminal
+
+
+class BoomPolicy:
+    """A plugin that raises on a trajectory whose observations say BOOM."""
+
+    name = "boom"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def between_turns(self, view):
+        if any("BOOM" in m["content"] for t in view.turns for m in t.observations):
+            raise RuntimeError("boom")
+        return None
+
+
+def make(tokenizer, context: ContextConfig, envs=None, turns=6, max_input_length=4096, **kw):
+    cfg = GeneratorConfig(max_turns=turns, max_input_length=max_input_length, show_progress=False,
+                          thinking_retention="all", context=context,
+                          sampling=GeneratorSamplingConfig(max_generate_length=32), **kw)
+    envs = [] if envs is None else envs
+    registry = EnvRegistry()
+    registry.register("long", lambda: envs.append(LongEnv(turns)) or envs[-1])
+    registry.register("boom", lambda: envs.append(LongEnv(turns, boom=True)) or envs[-1])
+    eos = tokenizer.eos_token_id
+    engine = ScriptedEngine(lambda p, s, i: tokenizer(f"Answer {i}: noted.", add_special_tokens=False)["input_ids"]
+                            + [eos], tokenizer)
+    return StepwiseGenerator(tokenizer, engine, registry, cfg), engine, envs
+
+
+async def run(gen, classes=("long",)):
+    ids = [TrajectoryID("q", i) for i in range(len(classes))]
+    return await gen.generate([PROMPT] * len(classes), list(classes), [{}] * len(classes), ids)
+
+
+def test_bad_context_config_is_refused_naming_the_key():
+    for context, key in ((ContextConfig(policy="windowed"), "generator.context.policy"),
+                         (ContextConfig(policy="summarize", summarize_threshold=5000), "summarize_threshold"),
+                         (ContextConfig(policy="no_such_module_xyz:Policy"), "generator.context.policy"),
+                         (ContextConfig(policy="test_context:LongEnv"), "between_turns"),
+                         (ContextConfig(policy="truncate", max_observation_tokens=0), "max_observation_tokens")):
+        with pytest.raises(ValueError, match=key):
+            GeneratorConfig(max_input_length=4096, context=context).validate()
+    with pytest.raises(ValueError, match="use_conversation_multi_turn"):
+        GeneratorConfig(use_conversation_multi_turn=False, context=ContextConfig(policy="truncate")).validate()
+    GeneratorConfig(context=ContextConfig(policy="test_context:BoomPolicy")).validate()  # a real plugin loads
+
+
+async def test_truncate_caps_each_observation_without_breaking_the_chain(tokenizer):
+    gen, engine, _ = make(tokenizer, ContextConfig(policy="truncate", max_observation_tokens=20))
+    out = await run(gen)
+    m = out.rollout_metrics
+    assert len(out) == 6 and m["generate/chain_breaks"] == 0 and m["context/edits"] == 0
+    for i in range(5):
+        text = tokenizer.decode(out.prompt_token_ids[i + 1][len(out.prompt_token_ids[i]) + len(out.response_ids[i]):])
+        assert f"OBS-{i + 1}" in text and "tokens cut" in text  # head kept, the marker says how much went
+        assert len(tokenizer(text)["input_ids"]) < 60  # ~240-token observation capped at 20 + marker + template
+    assert m["context/fires_per_trajectory"] == 5 and m["context/tokens_dropped"] > 5 * 70
+    assert [e["kind"] for e in out.context_events] == ["truncate"] * 5
+
+
+async def test_sliding_window_keeps_the_last_observations_exactly(tokenizer):
+    gen, engine, _ = make(tokenizer, ContextConfig(policy="sliding_window", window=2))
+    out = await run(gen)
+    m = out.rollout_metrics
+    assert len(out) == 6 and m["generate/failed_trajectories"] == 0
+    for i, (prompt, (_, sent)) in enumerate(zip(out.prompt_token_ids, engine.calls)):
+        assert prompt == sent  # every prompt is exactly the engine's input
+        trained = [t for t, k in zip(out.response_ids[i], out.loss_masks[i]) if k]
+        assert trained == engine.sampled[i]
+        text = tokenizer.decode(prompt)
+        kept = {f"OBS-{j}" for j in range(max(i - 1, 1), i + 1)}  # the last 2 turns' observations
+        assert all(k in text for k in kept) and not any(f"OBS-{j} " in text for j in range(1, max(i - 1, 1)))
+        assert text.count("[older observation removed:") == max(i - 2, 0)
+        for j in range(i):  # every sampled turn stays in the context exactly as sampled
+            assert _contains(prompt, out.response_ids[j])
+    assert m["context/edits"] == 3 and m["context/rerenders"] == 0 and m["generate/bridge_fallbacks"] == 0
+    merged = merge_stepwise_output(out)
+    assert len(merged) == 1 + 3  # a new chain at each edit, nothing merged across one
+    assert [t for r, k in zip(merged.response_ids, merged.loss_masks) for t, b in zip(r, k) if b] == \
+        [t for s in engine.sampled for t in s]
+
+
+def _contains(seq, sub):
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+@pytest.mark.parametrize("train_summaries", [True, False])
+async def test_summarize_restarts_from_task_and_the_summary_as_sampled(tokenizer, train_summaries):
+    first = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True))
+    ctx = ContextConfig(policy="summarize", summarize_threshold=first + 250, train_summaries=train_summaries)
+    gen, engine, _ = make(tokenizer, ctx)
+    out = await run(gen)
+    m = out.rollout_metrics
+    kinds = ["summary" if "Summarise" in tokenizer.decode(p[-60:]) else "action" for p in out.prompt_token_ids]
+    assert m["context/summaries"] == kinds.count("summary") >= 2 and len(out) == 6 + kinds.count("summary")
+    for i, kind in enumerate(kinds):
+        assert out.prompt_token_ids[i] == engine.calls[i][1]
+        assert len(out.prompt_token_ids[i]) <= 4096
+        trained = [t for t, k in zip(out.response_ids[i], out.loss_masks[i]) if k]
+        assert trained == (engine.sampled[i] if train_summaries or kind == "action" else [])
+        if kind == "summary":  # the next prompt: first messages + the summary exactly as sampled + resume
+            nxt = out.prompt_token_ids[i + 1]
+            assert nxt[:first] == out.prompt_token_ids[0][:first] and _contains(nxt, engine.sampled[i])
+            assert "OBS-" not in tokenizer.decode(nxt) and "Continue the task" in tokenizer.decode(nxt)
+    merged = merge_stepwise_output(out)
+    assert len(merged) == 1 + kinds.count("summary")  # each restart starts a new chain
+    assert [e["kind"] for e in out.context_events] == ["summary"] * kinds.count("summary")
+
+
+async def test_limits_have_stop_reasons_of_their_own_and_the_env_is_told(tokenizer):
+    envs = []
+    gen, _, _ = make(tokenizer, ContextConfig(), envs=envs, max_input_length=300)
+    envs_terminal = envs
+    gen.env_registry = EnvRegistry()
+    gen.env_registry.register("long", lambda: envs_terminal.append(LongEnv(6, terminal=-0.5)) or envs_terminal[-1])
+    out = await run(gen)
+    assert out.stop_reasons[-1] == "context_exhausted" and "length" not in out.stop_reasons
+    assert envs[0].told == ["context_exhausted"] and out.trajectory_rewards()[-1] == -0.5
+    assert out.rollout_metrics["context/exhausted_trajectories"] == 1
+    assert out.response_ids[-1][-1] == tokenizer.eos_token_id  # the model closed it: nothing appended
+
+    envs = []
+    gen, _, _ = make(tokenizer, ContextConfig(token_budget=700), envs=envs)
+    out = await run(gen)
+    assert out.stop_reasons[-1] == "budget_exhausted" and envs[0].told == ["budget_exhausted"]
+    assert 2 <= len(out) < 6 and out.rollout_metrics["context/budget_exhausted_trajectories"] == 1
+
+    gen, _, _ = make(tokenizer, ContextConfig(token_budget=700, mask_limit_stops=True))
+    out = await run(gen)
+    assert all(sum(m) == 0 for m in out.loss_masks)  # SUPO-style: cut by a limit, no gradient
+    assert out.rollout_metrics["generate/overlong_filtered_trajectories"] == 1
+
+
+async def test_plugin_error_fails_only_its_trajectory(tokenizer):
+    gen, _, _ = make(tokenizer, ContextConfig(policy="test_context:BoomPolicy"))
+    out = await run(gen, ("long", "boom"))
+    m = out.rollout_metrics
+    assert m["generate/failed_trajectories/context_policy"] == 1 and m["generate/num_trajectories"] == 1
+    assert out.failed_trajectory_ids == [TrajectoryID("q", 1)] and len(out) == 6
+
+
+async def test_a_trajectory_weighs_the_same_however_it_was_cut(tokenizer):
+    from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights
+    from skyrl_stepwise.trainer.config import AlgorithmConfig
+
+    first = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True))
+    cfg = AlgorithmConfig(loss_reduction="trajectory_mean")
+    for ctx in (ContextConfig(), ContextConfig(policy="summarize", summarize_threshold=first + 250),
+                ContextConfig(policy="sliding_window", window=1)):
+        gen, _, _ = make(tokenizer, ctx)
+        out = await run(gen, ("long", "long"))
+        out.rewards = [[0.0] * (len(r) - 1) + [float(i % 2 == 0 and j == len(out) - 1)]
+                       for j, (i, r) in enumerate(zip(range(len(out)), out.response_ids))]
+        for merged in (out, merge_stepwise_output(out)):
+            weights = loss_weights(merged, cfg)
+            for tid in {t for t in merged.trajectory_ids}:
+                total = sum(w * k for t, ws, ks in zip(merged.trajectory_ids, weights, merged.loss_masks)
+                            if t == tid for w, k in zip(ws, ks))
+                assert total == pytest.approx(1.0), (ctx.policy, len(merged))
+            advantages = compute_advantages(merged, cfg)
+            for tid in set(merged.trajectory_ids):  # every segment carries its trajectory's outcome
+                values = {round(a, 6) for t, adv, ks in zip(merged.trajectory_ids, advantages, merged.loss_masks)
+                          if t == tid for a, k in zip(adv, ks) if k}
+                assert len(values) == 1, (ctx.policy, values)
+
+
+async def test_show_and_rollouts_mark_where_the_context_was_edited(tokenizer):
+    from skyrl_stepwise.chat import create_renderer
+    from skyrl_stepwise.trainer.rollout_samples import format_sample, rollout_samples
+
+    gen, _, _ = make(tokenizer, ContextConfig(policy="sliding_window", window=2))
+    out = await run(gen)
+    samples = rollout_samples(out, create_renderer(tokenizer, "auto", {}, "all"), step=1, stage="train", n=1)
+    events = samples[0].context_events
+    assert [e["before_step"] for e in events] == [3, 4, 5] and all(e["tokens_dropped"] > 100 for e in events)
+    text = format_sample(__import__("dataclasses").asdict(samples[0]))
+    assert "[context edit by sliding_window before model turn 4:" in text and "placeholders" in text
