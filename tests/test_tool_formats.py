@@ -80,3 +80,30 @@ async def test_malformed_calls_are_answered(family):
     if results[0].error_kind == "invalid_json":  # told how a call looks in its own format, not another family's
         own = {"gpt-oss": "to=functions.<tool name>", "mistral-small-3.2": "[TOOL_CALLS]<tool name>[ARGS]"}[family]
         assert own in results[0].content and "<tool_call>" not in results[0].content, results[0].content
+
+
+@pytest.mark.parametrize(("schema", "text", "value"), [
+    ({"type": "string"}, "2024", "2024"),
+    ({"type": ["string", "null"]}, "null", "null"),  # a nullable string stays text
+    ({"enum": ["a", "1"]}, "1", "1"),  # an enum without type, with a string member
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "7", "7"),
+    (None, "[1]", "[1]"),  # an undeclared parameter
+    ({"description": "anything"}, "true", "true"),
+    ({"type": "integer"}, "7", 7),
+    ({"type": "integer"}, "five", "five"),  # not JSON: the text, for the schema check to answer
+    ({"type": ["integer", "null"]}, "null", None),
+    ({"enum": [1, 2]}, "2", 2),
+])
+def test_xml_values_are_text_wherever_the_schema_admits_a_string(schema, text, value):
+    from skyrl_stepwise.chat.tool_formats.xml_values import typed_value
+
+    assert typed_value(text, schema) == value and type(typed_value(text, schema)) is type(value)
+
+
+def test_xml_value_padding_is_probed_from_the_rendering():
+    from skyrl_stepwise.chat.tool_formats.xml_values import ValuePadding, probed_padding
+
+    assert probed_padding("<parameter=k>\nSKYRLPROBEVALUE\n</parameter>") == ValuePadding("\n", "\n")
+    assert probed_padding("<arg_value>SKYRLPROBEVALUE</arg_value>") == ValuePadding("", "")
+    assert probed_padding('{"k": "SKYRLPROBEVALUE"}') is None
+    assert ValuePadding("\n", "\n").unpad("\n\n  x\n\n") == "\n  x\n"
