@@ -89,7 +89,7 @@ def call_from_object(obj: Any, raw: str, name_key: str = "name", args_keys: tupl
 
 def json_list_calls(body: str, name_key: str, args_keys: tuple[str, ...],
                     id_key: str | None = None) -> list[ToolCallRequest]:
-    """Calls from a JSON list of call objects (Granite, Command R, Mistral v3): one invalid_json call if the list
+    """Calls from a JSON list of call objects (Command R): one invalid_json call if the list
     does not decode, one call per element otherwise."""
     try:
         items = json.loads(body)
