@@ -270,8 +270,8 @@ def test_a_template_that_ignores_tools_is_told_its_own_call_format():
 
 
 # --- Arguments as written: every family's own rendering of a call parses back to exactly its arguments ------------
-EDIT_SCHEMA = {"type": "function", "function": {"name": "edit", "description": "Replace text in a file.", "parameters": {
-    "type": "object", "properties": {
+EDIT_SCHEMA = {"type": "function", "function": {"name": "edit", "description": "Replace text in a file.",
+                                                "parameters": {"type": "object", "properties": {
         "old_str": {"type": "string"}, "new_str": {"type": "string"}, "count": {"type": "integer"},
         "note": {"type": ["string", "null"]},  # OpenAI strict mode's optional field
         "mode": {"enum": ["fast", "2024"]},  # an enum without `type`

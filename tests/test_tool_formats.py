@@ -117,18 +117,31 @@ def _granite(name, arguments):
 GRANITE_CASES = [
   ('<|tool_call|>[{"name": "search", "arguments": {"query": "a"}}]', [_granite("search", {"query": "a"})]),
   ('<|tool_call|>[{"arguments": {"query": "b"}, "name": "search"}]', [_granite("search", {"query": "b"})]),
-  ('<|tool_call|>[{"name": "search", "arguments": {"query": "c"}}, {"name": "calculator", "arguments": {"expression": "1+1"}}]', [_granite("search", {"query": "c"}), _granite("calculator", {"expression": "1+1"})]),
-  ('<|tool_call|>[{"name": "search", "arguments": {"query": "d"}}]<|tool_call|>[{"name": "search", "arguments": {"query": "e"}}]', [_granite("search", {"query": "d"}), _granite("search", {"query": "e"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "c"}}, '
+   '{"name": "calculator", "arguments": {"expression": "1+1"}}]',
+    [_granite("search", {"query": "c"}), _granite("calculator", {"expression": "1+1"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "d"}}]'
+   '<|tool_call|>[{"name": "search", "arguments": {"query": "e"}}]',
+    [_granite("search", {"query": "d"}), _granite("search", {"query": "e"})]),
   ('<|tool_call|>{"name": "search", "arguments": {"query": "f"}}', [_granite("search", {"query": "f"})]),
-  ('<|tool_call|>[{"name": "search", "arguments": {"query": "g"}}]\n\nI will wait for the result.', [_granite("search", {"query": "g"})]),
-  ('<|tool_call|>[{"name": "search", "arguments": {"query": "what is <|tool_call|>?"}}]', [_granite("search", {"query": "what is <|tool_call|>?"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "g"}}]\n\nI will wait for the result.',
+    [_granite("search", {"query": "g"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "what is <|tool_call|>?"}}]',
+    [_granite("search", {"query": "what is <|tool_call|>?"})]),
   ('<|tool_call|>\n[\n  {"name": "search", "arguments": {"query": "h"}}\n]\n', [_granite("search", {"query": "h"})]),
   ('<|tool_call|>[{"name": "search", "parameters": {"query": "i"}}]', [_granite("search", {"query": "i"})]),
-  ('Let me look. <|tool_call|>[{"name": "search", "arguments": {"query": "j"}}]', [_granite("search", {"query": "j"})]),
-  ('<|tool_call|>[{"name": "search", "arguments": {"query": "k ]"}}] then more text [1]', [_granite("search", {"query": "k ]"})]),
-  ('<|tool_call|>[{"name": "search", "arguments": {"query": "l"}}]\n<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2"}}]', [_granite("search", {"query": "l"}), _granite("calculator", {"expression": "2"})]),
-  ('<|tool_call|>[{"name": "calculator", "arguments": {"expression": "3*3"}}, {"name": "search", "arguments": {"query": "m"}}]', [_granite("calculator", {"expression": "3*3"}), _granite("search", {"query": "m"})]),
-  ('<|tool_call|>[{"name": "search", "arguments": {"query": "n\\nline"}}]', [_granite("search", {"query": "n\nline"})]),
+  ('Let me look. <|tool_call|>[{"name": "search", "arguments": {"query": "j"}}]',
+    [_granite("search", {"query": "j"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "k ]"}}] then more text [1]',
+    [_granite("search", {"query": "k ]"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "l"}}]\n'
+   '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2"}}]',
+    [_granite("search", {"query": "l"}), _granite("calculator", {"expression": "2"})]),
+  ('<|tool_call|>[{"name": "calculator", "arguments": {"expression": "3*3"}}, '
+   '{"name": "search", "arguments": {"query": "m"}}]',
+    [_granite("calculator", {"expression": "3*3"}), _granite("search", {"query": "m"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "n\\nline"}}]',
+    [_granite("search", {"query": "n\nline"})]),
   ('<|tool_call|>[{"name": "search", "arguments": {}}]', [_granite("search", {})]),
 ]
 
