@@ -380,6 +380,68 @@ async def test_observations_go_in_a_role_the_template_renders(family):
         assert m["generate/observation_role_fallbacks"] == 2, (family, m)
 
 
+class SeveralResultsEnv:
+    """A Search-R1-style env answering each plain turn with two `tool` messages (no call, no call id), each turn's
+    texts distinct: the shape two held-out templates refused (consecutive tool messages after a turn without
+    calls) or dropped (Command R7B: a later turn's results after two earlier ones)."""
+
+    def __init__(self):
+        self.turn = 0
+
+    async def reset(self, prompt, extras):
+        return list(prompt)
+
+    async def step(self, action_text):
+        self.turn += 1
+        return StepResult([{"role": "tool", "content": f"<information>Doc {i} of turn {self.turn}.</information>"}
+                           for i in (1, 2)], 0.0, False)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_several_observations_after_a_plain_turn_reach_every_later_prompt(family):
+    """Issue 36 item 6: role probing covers every shape the generator sends (one and several tool messages, after
+    a call and after none, first and later turns), so no shape fails the batch or loses a result."""
+    spec, tok = FAMILIES[family], family_tokenizer(family)
+    kwargs = dict(spec.render_kwargs)
+    chat = create_renderer(tok, "auto", kwargs, "all")
+    text = tok("I will search.", add_special_tokens=False)["input_ids"] + [chat.close_id]
+    engine = ScriptedEngine(lambda prompt, session, index: text, tok)
+    registry = EnvRegistry()
+    registry.register("search", SeveralResultsEnv)
+    cfg = GeneratorConfig(max_turns=3, max_input_length=8192, show_progress=False, thinking_retention="all",
+                          chat_template_kwargs=kwargs, sampling=GeneratorSamplingConfig(max_generate_length=32))
+    gen = StepwiseGenerator(tokenizer=tok, engine=engine, env_registry=registry, cfg=cfg)
+    out = await gen.generate([PROMPT], ["search"], [{}], [TrajectoryID("q", 0)])
+    m = out.rollout_metrics
+    assert m["generate/failed_trajectories"] == 0 and len(out) == 3, (family, m)
+    final = chat.decode(out.prompt_token_ids[2])
+    assert all(f"Doc {i} of turn {t}." in final for i in (1, 2) for t in (1, 2)), (family, final[-600:])
+    if family == "command-r7b":  # it drops a later turn's results: they go in the fallback role
+        assert not chat.roles.tool_without_call and m["generate/observation_role_fallbacks"] == 4, m
+
+
+def test_role_probing_routes_a_shape_a_template_refuses_to_the_fallback():
+    """A template that refuses consecutive `tool` messages after a turn without calls (Ministral 3 Reasoning's
+    rule, written here as its own check) but renders one: observations after no call go in the fallback role;
+    those after a call stay tool messages."""
+    from skyrl_stepwise.chat.base import probe_role_support
+    from jinja2 import Template
+
+    template = Template(
+        "{% for m in messages %}{% if m.role == 'tool' and loop.previtem.role == 'tool' and "
+        "not messages[loop.index0 - 2].tool_calls %}{{ raise_exception('consecutive tool messages') }}{% endif %}"
+        "[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}<call {{ c.function.name }}>{% endfor %}"
+        "{% endfor %}")
+
+    def render(messages):
+        def fail(why):
+            raise ValueError(why)
+        return template.render(messages=messages, raise_exception=fail)
+
+    support = probe_role_support(render)
+    assert support.tool_after_call and not support.tool_without_call
+
+
 def test_tool_turn_stop_tokens_come_from_the_template(tmp_path):
     """The token a call turn ends with is found by rendering one (GLM <|observation|>, harmony <|call|>, Llama 3.1's
     ipython <|eom_id|>, Gemma 4 <|tool_response>), never a token between two calls (DeepSeek's

@@ -229,3 +229,59 @@ def test_tool_call_demonstrations_are_written_in_each_familys_own_call_format(fa
     assert call_turn[-1] in chat.stop_ids  # the turn ends as a model ends it
     assert "42" not in tokenizer.decode(call_turn)  # never the tool's output as a target
     assert sum(sum(m) for m in out.loss_masks) == len(call_turn) + len(chat.encode("<answer>42</answer>")) + 1
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - CALLS_NOT_WRITABLE))
+def test_tool_demonstrations_do_not_depend_on_their_call_ids(family):
+    """Issue 36 item 5: the k-th tool message after a demonstrated turn answers the parsed turn's k-th call, as in
+    RL; a demonstration's own ids (`toolu_...`, not the `call_0` gpt-oss's and Gemma 4's parsers assign) once had
+    its tool result trained as a user turn there, a layout RL never produces."""
+    from skyrl_stepwise.chat import create_renderer
+    from skyrl_stepwise.tools.base import configured_tool_schemas
+
+    tokenizer, tools = family_tokenizer(family), configured_tool_schemas(None)
+    cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]),
+                          chat_template_kwargs=dict(FAMILIES[family].render_kwargs))
+    chat = create_renderer(tokenizer, cfg.renderer, cfg.chat_template_kwargs)
+
+    def demo(call_id):
+        return [TOOL_DEMO[0], {**TOOL_DEMO[1], "tool_calls": [{**TOOL_DEMO[1]["tool_calls"][0], "id": call_id}]},
+                {**TOOL_DEMO[2], "tool_call_id": call_id}, TOOL_DEMO[3]]
+
+    outs = [conversation_samples(tokenizer, [demo(i)], cfg, tools) for i in ("call00000", "toolu01AB")]
+    if "toolu01AB" not in tokenizer.decode(outs[1].response_ids[0]):  # Mistral writes the id into the call itself
+        assert outs[0].prompt_token_ids == outs[1].prompt_token_ids and outs[0].response_ids == outs[1].response_ids
+    if chat.roles.tool_after_call:  # the result is rendered as what it is: a tool result
+        assert all(o.rollout_metrics["generate/observation_role_fallbacks"] == 0 for o in outs), family
+
+
+EDIT_TOOL = {"type": "function", "function": {"name": "edit", "description": "Replace text.", "parameters": {
+    "type": "object", "properties": {"old_str": {"type": "string"}, "new_str": {"type": "string"}},
+    "required": ["old_str", "new_str"]}}}
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "qwen3.5", "glm-4.6", "minimax-m2", "seed-oss", "nemotron-3-nano"])
+def test_a_demonstrated_call_is_trained_only_where_its_arguments_parse_back(family, monkeypatch):
+    """Issue 36 item 2: the SFT parse-back check compares arguments, not only names: a call whose rendering the
+    parser reads back with other arguments (a stripped `    return x\\n`) is never trained as that call."""
+    from skyrl_stepwise.chat import create_renderer
+    from skyrl_stepwise.chat.tool_formats import base as formats_base
+
+    tokenizer = family_tokenizer(family)
+    cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]),
+                          chat_template_kwargs=dict(FAMILIES[family].render_kwargs))
+    arguments = {"old_str": "    return x\n", "new_str": "\n    return y\n\n"}
+    demo = [{"role": "user", "content": "Fix it."}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call00000", "function": {"name": "edit", "arguments": arguments}}]},
+            {"role": "tool", "content": "done", "tool_call_id": "call00000"}, {"role": "assistant", "content": "ok"}]
+    out = conversation_samples(tokenizer, [demo], cfg, [EDIT_TOOL])
+    chat = create_renderer(tokenizer, cfg.renderer, cfg.chat_template_kwargs)
+    mask, response = out.loss_masks[0], out.response_ids[0]
+    parsed = chat.parse(response[:mask.index(0)], out.prompt_token_ids[0], [EDIT_TOOL])
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("edit", arguments)]
+    # a reader that loses whitespace: the demonstration is refused by name, not trained as another call
+    real = formats_base.xml_call
+    monkeypatch.setattr(formats_base, "xml_call", lambda name, pairs, *a: real(
+        name, [(k, v.strip()) for k, v in pairs], *a))
+    with pytest.raises(ValueError, match="cannot be written in the call format of"):
+        conversation_samples(tokenizer, [demo], cfg, [EDIT_TOOL])

@@ -51,8 +51,9 @@ MALFORMED = {
                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "invalid_json"),
     "deepseek_v31": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search{\"query\": \"x\"}<｜tool▁call▁end｜>"
                      "<｜tool▁calls▁end｜>", "malformed_structure"),
-    "qwen_xml": ("<tool_call>\n<function=search>\n<parameter=limit>\nthree\n</parameter>\n</function>\n</tool_call>",
-                 "invalid_json"),
+    # (a wrong type, `<parameter=limit>three</parameter>`, is well-formed: the executor's schema check answers it)
+    "qwen_xml": ("<tool_call>\n<function=search>\n<parameter=limit>\n3\n</parameter>\n</tool_call>",
+                 "malformed_structure"),
     "seed_xml": ("<seed:tool_call>\n<function=search>\n<parameter=query>x</parameter>\n</seed:tool_call>",
                  "malformed_structure"),
     "minimax": ('<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">x</parameter>\n',
@@ -266,3 +267,87 @@ def test_a_template_that_ignores_tools_is_told_its_own_call_format():
     text = chat.render([{"role": "user", "content": "Q"}], True, TOOLS)
     assert FORMATS["deepseek_v31"].expected_format in text and '"name": "search"' in text
     assert "<tool_call>" not in text
+
+
+# --- Arguments as written: every family's own rendering of a call parses back to exactly its arguments ------------
+EDIT_SCHEMA = {"type": "function", "function": {"name": "edit", "description": "Replace text in a file.",
+                                                "parameters": {"type": "object", "properties": {
+        "old_str": {"type": "string"}, "new_str": {"type": "string"}, "count": {"type": "integer"},
+        "note": {"type": ["string", "null"]},  # OpenAI strict mode's optional field
+        "mode": {"enum": ["fast", "2024"]},  # an enum without `type`
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+    "required": ["old_str", "new_str"], "additionalProperties": False}}}
+EDIT_TOOLS = [EDIT_SCHEMA]
+# leading spaces, a trailing newline, inner blank lines, JSON-looking strings: each must come back byte for byte
+VERBATIM = {"old_str": "    return x\n", "new_str": "\n\n    return  y\n\n\n  # done\n", "count": 2, "note": "2024",
+            "mode": "2024", "either": "null"}
+
+
+def _edit_call_ids(family: str, chat: TemplateRenderer, calls) -> list[int]:
+    """The sampled ids of a turn with `calls` on `edit`-like tools: the template's own rendering, or where it renders
+    no calls the JSON its instructions ask for."""
+    if chat.renders_tool_calls:
+        return _sampled_call_turn(family, chat, calls)
+    tok = family_tokenizer(family)
+    objects = [{"name": n, "arguments": a} for n, a in calls]
+    text = ("<|tool_call|>" + json.dumps(objects) if chat.tool_parser.name == "granite" else
+            "\n".join("<tool_call>\n" + json.dumps(o) + "\n</tool_call>" for o in objects))
+    return tok(text, add_special_tokens=False)["input_ids"] + [chat.close_id]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_argument_parses_back_exactly_as_rendered(family):
+    """Issue 36 items 1-2: whitespace included (Qwen3-Coder's XML parser stripped `    return x\\n` to `return x`),
+    and a value stays a string wherever its schema admits one (a nullable string, an untyped enum, anyOf)."""
+    chat = _renderer(family)
+    ids = _edit_call_ids(family, chat, [("edit", VERBATIM)])
+    turn = chat.parse(ids, [], EDIT_TOOLS)
+    got = [(c.name, json.loads(c.arguments) if isinstance(c.arguments, str) else c.arguments, c.error)
+           for c in turn.tool_calls]
+    assert got == [("edit", VERBATIM, None)], chat.decode(ids)
+
+
+class _Edit:
+    name, schema, config_class = "edit", EDIT_SCHEMA, None
+
+    async def call(self, arguments):
+        return "edited"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_schema_mistakes_get_the_executors_message(family):
+    """A wrong type and an unknown tool are answered with the schema's and the lookup's message (not "the call is
+    not valid JSON": an XML call holds no JSON); a nullable string is a well-formed call that runs."""
+    from skyrl_stepwise.tools import ToolExecutor
+
+    chat = _renderer(family)
+    executor = ToolExecutor({"edit": _Edit()})
+    cases = [  # (call, what the answer must say)
+        (("edit", {"old_str": "a", "new_str": "b", "count": "five"}), "'five' is not of type 'integer'"),
+        (("edit", {"old_str": "a", "new_str": "b", "note": "maybe"}), "edited"),
+        (("weather", {"city": "Paris"}), "unknown tool 'weather'"),
+    ]
+    for call, expected in cases:
+        ids = _edit_call_ids(family, chat, [call])
+        results = await executor.execute(chat.parse(ids, [], EDIT_TOOLS).tool_calls)
+        assert len(results) == 1 and expected in results[0].content, (family, call, results)
+
+
+@pytest.mark.parametrize("family", ["nemotron-3-nano", "minimax-m2"])
+async def test_library_renderers_read_xml_values_as_written(family):
+    """The `renderers` library's XML readers strip values and refuse text where the schema wants no string: the
+    family's own reader re-reads its calls (values as written, a wrong type answered by the schema check)."""
+    from skyrl_stepwise.tools import ToolExecutor
+
+    tok = family_tokenizer(family)
+    chat = create_renderer(tok, "auto", dict(FAMILIES[family].render_kwargs))
+    assert chat.name.startswith("renderers:")
+    user = [{"role": "user", "content": "U"}]
+    for arguments, expected in ((VERBATIM, "edited"), ({"old_str": "a", "new_str": "b", "count": "five"},
+                                                       "'five' is not of type 'integer'")):
+        messages = user + [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": "call00000", "function": {"name": "edit", "arguments": arguments}}]}]
+        turn = chat.parse(chat.turn_ids(messages, 1, EDIT_TOOLS).ids, chat.prompt_ids(user, EDIT_TOOLS), EDIT_TOOLS)
+        assert [(c.name, c.arguments, c.error) for c in turn.tool_calls] == [("edit", arguments, None)]
+        results = await ToolExecutor({"edit": _Edit()}).execute(turn.tool_calls)
+        assert expected in results[0].content, results

@@ -80,3 +80,84 @@ async def test_malformed_calls_are_answered(family):
     if results[0].error_kind == "invalid_json":  # told how a call looks in its own format, not another family's
         own = {"gpt-oss": "to=functions.<tool name>", "mistral-small-3.2": "[TOOL_CALLS]<tool name>[ARGS]"}[family]
         assert own in results[0].content and "<tool_call>" not in results[0].content, results[0].content
+
+
+@pytest.mark.parametrize(("schema", "text", "value"), [
+    ({"type": "string"}, "2024", "2024"),
+    ({"type": ["string", "null"]}, "null", "null"),  # a nullable string stays text
+    ({"enum": ["a", "1"]}, "1", "1"),  # an enum without type, with a string member
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "7", "7"),
+    (None, "[1]", "[1]"),  # an undeclared parameter
+    ({"description": "anything"}, "true", "true"),
+    ({"type": "integer"}, "7", 7),
+    ({"type": "integer"}, "five", "five"),  # not JSON: the text, for the schema check to answer
+    ({"type": ["integer", "null"]}, "null", None),
+    ({"enum": [1, 2]}, "2", 2),
+])
+def test_xml_values_are_text_wherever_the_schema_admits_a_string(schema, text, value):
+    from skyrl_stepwise.chat.tool_formats.xml_values import typed_value
+
+    assert typed_value(text, schema) == value and type(typed_value(text, schema)) is type(value)
+
+
+def test_xml_value_padding_is_probed_from_the_rendering():
+    from skyrl_stepwise.chat.tool_formats.xml_values import ValuePadding, probed_padding
+
+    assert probed_padding("<parameter=k>\nSKYRLPROBEVALUE\n</parameter>") == ValuePadding("\n", "\n")
+    assert probed_padding("<arg_value>SKYRLPROBEVALUE</arg_value>") == ValuePadding("", "")
+    assert probed_padding('{"k": "SKYRLPROBEVALUE"}') is None
+    assert ValuePadding("\n", "\n").unpad("\n\n  x\n\n") == "\n  x\n"
+
+
+
+def _granite(name, arguments):
+    return {"name": name, "arguments": arguments}
+
+
+GRANITE_CASES = [
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "a"}}]', [_granite("search", {"query": "a"})]),
+  ('<|tool_call|>[{"arguments": {"query": "b"}, "name": "search"}]', [_granite("search", {"query": "b"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "c"}}, '
+   '{"name": "calculator", "arguments": {"expression": "1+1"}}]',
+    [_granite("search", {"query": "c"}), _granite("calculator", {"expression": "1+1"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "d"}}]'
+   '<|tool_call|>[{"name": "search", "arguments": {"query": "e"}}]',
+    [_granite("search", {"query": "d"}), _granite("search", {"query": "e"})]),
+  ('<|tool_call|>{"name": "search", "arguments": {"query": "f"}}', [_granite("search", {"query": "f"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "g"}}]\n\nI will wait for the result.',
+    [_granite("search", {"query": "g"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "what is <|tool_call|>?"}}]',
+    [_granite("search", {"query": "what is <|tool_call|>?"})]),
+  ('<|tool_call|>\n[\n  {"name": "search", "arguments": {"query": "h"}}\n]\n', [_granite("search", {"query": "h"})]),
+  ('<|tool_call|>[{"name": "search", "parameters": {"query": "i"}}]', [_granite("search", {"query": "i"})]),
+  ('Let me look. <|tool_call|>[{"name": "search", "arguments": {"query": "j"}}]',
+    [_granite("search", {"query": "j"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "k ]"}}] then more text [1]',
+    [_granite("search", {"query": "k ]"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "l"}}]\n'
+   '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2"}}]',
+    [_granite("search", {"query": "l"}), _granite("calculator", {"expression": "2"})]),
+  ('<|tool_call|>[{"name": "calculator", "arguments": {"expression": "3*3"}}, '
+   '{"name": "search", "arguments": {"query": "m"}}]',
+    [_granite("calculator", {"expression": "3*3"}), _granite("search", {"query": "m"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {"query": "n\\nline"}}]',
+    [_granite("search", {"query": "n\nline"})]),
+  ('<|tool_call|>[{"name": "search", "arguments": {}}]', [_granite("search", {})]),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), GRANITE_CASES)
+def test_granite_calls_parse_as_written(text, expected):
+    """Issue 36 item 7: Granite 3.3's `<|tool_call|>` JSON list is read where its JSON value ends, so text after
+    the list, a marker quoted in an argument, or a `]` in a string no longer turns a well-formed call invalid_json."""
+    from skyrl_stepwise.chat.tool_formats.granite import parse_granite_text
+
+    _, calls = parse_granite_text(text)
+    assert [_granite(c.name, c.arguments) if c.error is None else c.error for c in calls] == expected
+
+
+def test_granite_text_that_is_not_json_is_one_malformed_call_per_marker():
+    from skyrl_stepwise.chat.tool_formats.granite import parse_granite_text
+
+    content, calls = parse_granite_text('Sure. <|tool_call|>[{"name": "search", <|tool_call|>[{"arguments": {}}]')
+    assert content == "Sure. " and [c.error for c in calls] == ["invalid_json", "missing_name"]

@@ -119,24 +119,64 @@ def probe_call_message(n_calls: int = 1, content: str = "") -> Message:
         for i in range(n_calls)]}
 
 
-def probe_role_support(render: Callable[[list[Message]], str]) -> RoleSupport:
-    """Render three tiny conversations (`render` returns the text with the generation prompt, or raises): does
-    the template keep a system message, a tool result after a call, a tool result after a plain turn?"""
+@dataclass(frozen=True)
+class ObservationShape:
+    """What follows an assistant turn, as the generator sends it: `n` `tool` messages answering the turn's calls
+    (`after_call`) or a turn without calls (a Search-R1-style env), on the first turn or a later one (`later`: the
+    same shape twice, as a trajectory repeats it; Command R7B drops a later turn's result after two earlier ones)."""
 
-    def keeps(messages: list[Message], text: str) -> bool:
+    after_call: bool
+    n: int
+    later: bool
+
+    def conversation(self, role: str = "tool") -> tuple[list[Message], list[str]]:
+        """(the probe conversation with its observations in `role`, the observation texts it must show); in
+        another role than `tool` a turn's observations are one message, as `conversation_turn` merges them."""
+        messages: list[Message] = [{"role": "user", "content": "U"}]
+        texts: list[str] = []
+        for turn in range(2 if self.later else 1):
+            messages.append(probe_call_message(self.n) if self.after_call else
+                            {"role": "assistant", "content": f"A{turn}"})
+            turn_texts = [f"{PROBE_TEXT}{turn}{i}" for i in range(self.n)]
+            texts += turn_texts
+            if role != "tool":
+                messages.append({"role": role, "content": "\n\n".join(turn_texts)})
+                continue
+            for i, text in enumerate(turn_texts):  # an observation that answers no call has no call id either
+                messages.append({"role": "tool", "content": text, **({"tool_call_id": f"call{i:05d}", "name": (
+                    f"skyrl_probe_call{i or ''}")} if self.after_call else {})})
+        return messages, texts
+
+
+OBSERVATION_SHAPES = tuple(ObservationShape(after_call, n, later)
+                           for after_call in (True, False) for n in (1, 2) for later in (False, True))
+
+
+def probe_role_support(render: Callable[[list[Message]], str], fallback_role: str = "user") -> RoleSupport:
+    """Which roles the template renders (`render` returns the text with the generation prompt, or raises): a system
+    message, and for every observation shape the generator sends (ObservationShape: one and several `tool`
+    messages, after a call and after no call, first and later turns) whether each message is kept. A kind of
+    observation (after a call, after no call) goes in `fallback_role` where the template refuses or drops any of
+    its shapes in `tool` but renders that shape in the fallback role (a shape neither renders, parallel calls on a
+    template without them, says nothing: the model cannot produce it there)."""
+
+    def keeps(messages: list[Message], texts: list[str]) -> bool:
         try:
-            return text in render(messages)
+            text = render(messages)
         except Exception:  # noqa: BLE001 - jinja's raise_exception and friends: the template refuses it
             return False
+        return all(t in text for t in texts)
+
+    def tool_role_serves(after_call: bool) -> bool:
+        for shape in (s for s in OBSERVATION_SHAPES if s.after_call == after_call):
+            if not keeps(*shape.conversation()) and keeps(*shape.conversation(fallback_role)):
+                return False
+        return True
 
     user = {"role": "user", "content": "U"}
-    tool = {"role": "tool", "tool_call_id": PROBE_CALL_ID, "name": "skyrl_probe_call", "content": PROBE_TEXT}
-    # an observation that answers no call has no call id either (Search-R1-style envs): Mistral refuses that
-    bare_tool = {"role": "tool", "content": PROBE_TEXT}
-    return RoleSupport(
-        system=keeps([{"role": "system", "content": PROBE_TEXT}, user], PROBE_TEXT),
-        tool_after_call=keeps([user, probe_call_message(), tool], PROBE_TEXT),
-        tool_without_call=keeps([user, {"role": "assistant", "content": "A"}, bare_tool], PROBE_TEXT))
+    return RoleSupport(system=keeps([{"role": "system", "content": PROBE_TEXT}, user], [PROBE_TEXT]),
+                       tool_after_call=tool_role_serves(True), tool_without_call=tool_role_serves(False),
+                       fallback_role=fallback_role)
 
 
 @dataclass

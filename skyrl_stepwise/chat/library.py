@@ -6,12 +6,14 @@ what it does; we only check its bridge's prefix contract and say why it declined
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
-                                      RenderedTurn, check_observations_kept, probe_role_support,
-                                      rendered_turn)
-from skyrl_stepwise.chat.tool_formats import FORMATS, ToolParser
+                                      RenderedTurn, check_observations_kept, probe_call_message,
+                                      probe_role_support, rendered_turn)
+from skyrl_stepwise.chat.tool_formats import FORMATS, PROBE_ARG, ToolParser
+from skyrl_stepwise.chat.tool_formats.xml_values import PROBE_VALUE, ValuePadding, probed_padding
 
 # The call format of the library's renderers, by name prefix (first match), for answering a malformed call and
 # for reading a call its parser missed; families not listed get the error without a format (rather than a wrong one).
@@ -100,7 +102,11 @@ class LibraryRenderer:
         self.stop_ids, self.close_id = set(stops), stops[0]
         fmt = next((FORMATS[f] for prefix, f in CALL_FORMATS if renderer_name.startswith(prefix)), None)
         self.call_format = fmt.expected_format if fmt is not None else None
-        self.own_parser = ToolParser(fmt, tokenizer) if fmt is not None else None
+        # XML-style values: ours keeps them as written (less the renderer's own padding) and lets the executor
+        # answer a wrong type; the library's strips them and refuses text where the schema wants no string
+        self.reads_values = fmt is not None and fmt.padded is not None
+        self.own_parser = ToolParser(fmt, tokenizer, self._value_padding() if self.reads_values else None) \
+            if fmt is not None else None
         self.roles = probe_role_support(lambda m: self.decode(self.renderer.render_ids(m, add_generation_prompt=True)))
 
     def encode(self, text: str) -> list[int]:
@@ -134,6 +140,10 @@ class LibraryRenderer:
         calls = [ToolCallRequest(c.name, c.arguments, c.raw, None if ok else str(c.status), c.id,
                                  None if ok else self.call_format)
                  for c in parsed.tool_calls for ok in [c.status == ToolCallParseStatus.OK]]
+        if calls and self.reads_values:
+            own = self.own_parser.parse(list(completion_ids), self._decode_turn, tools)[1]
+            if [c.name for c in own] == [c.name for c in calls]:  # the same calls, their values as written
+                calls = [replace(c, id=lib.id) for c, lib in zip(own, calls)]
         if tools and not calls and self.own_parser is not None:
             # the library reads a call it cannot decode as the final answer (Llama 3's invalid JSON): a turn that
             # opens a call in the family's format is a (malformed) call, answered, never the episode's end
@@ -143,6 +153,15 @@ class LibraryRenderer:
                                   calls_text=self._calls_text(completion_ids, content))
         return ParsedTurn(parsed.content, parsed.reasoning_content, calls,
                           calls_text=self._calls_text(completion_ids, parsed.content) if calls else "")
+
+    def _value_padding(self) -> ValuePadding | None:
+        """What this renderer writes around a string argument value (probed as for templates)."""
+        call = probe_call_message()
+        call["tool_calls"][0]["function"]["arguments"] = {PROBE_ARG: PROBE_VALUE}
+        try:
+            return probed_padding(self.decode(self.renderer.render_ids([{"role": "user", "content": "U"}, call])))
+        except Exception:  # a renderer that cannot render the probe: the default padding  # noqa: BLE001
+            return None
 
     def _calls_text(self, completion_ids: list[int], content: str) -> str:
         """The sampled text after the content (the calls as written), where it can be found; "" otherwise."""

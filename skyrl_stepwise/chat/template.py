@@ -21,6 +21,7 @@ from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTur
 from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat
 from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES
+from skyrl_stepwise.chat.tool_formats.xml_values import PROBE_VALUE, ValuePadding, probed_padding
 from skyrl_stepwise.chat.tool_parsers import parse_harmony_text, tool_parser_for
 
 # Stands in for sampled assistant content when only the template's rendering of the *new* messages is wanted;
@@ -58,7 +59,7 @@ class TemplateRenderer:
         probe, self.string_arguments = self._tool_support()
         self.renders_tools, self.renders_tool_calls = probe.renders_tools, probe.renders_calls
         # the format the template renders calls in (generator.tool_parser overrides); unknown: fails here
-        self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser)
+        self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser, self._value_padding())
         # what the template writes between a turn's text and its first call (Qwen: "\n"), so text before a call
         # is parsed without it and the template's rendering of the turn reproduces the sampled text
         self.content_call_separator = self._content_call_separator()
@@ -261,6 +262,19 @@ class TemplateRenderer:
                     pass
                 return probe, isinstance(arguments, str)
         return probe, False
+
+    def _value_padding(self) -> ValuePadding | None:
+        """What the template writes around a string argument value (Qwen3-Coder: a newline each side), so XML-style
+        values are read back exactly as the model wrote them; None where it renders no such value."""
+        if not self.renders_tool_calls:
+            return None
+        arguments = {PROBE_ARG: PROBE_VALUE}
+        call = probe_call_message()
+        call["tool_calls"][0]["function"]["arguments"] = json.dumps(arguments) if self.string_arguments else arguments
+        try:
+            return probed_padding(self._apply_template([{"role": "user", "content": "U"}, call], False, [_PROBE_TOOL]))
+        except RenderError:
+            return None
 
     def _call_turn_stops(self) -> set[int]:
         """The ids a tool-call turn ends with where a plain turn's terminator does not end it: the first special

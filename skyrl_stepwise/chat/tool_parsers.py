@@ -9,14 +9,17 @@ from skyrl_stepwise.chat.tool_formats.harmony import HARMONY_FORMAT, parse_harmo
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES_FORMAT, parse_hermes_text
 from skyrl_stepwise.chat.tool_formats.llama_json import LLAMA_JSON_FORMAT
 from skyrl_stepwise.chat.tool_formats.mistral import MISTRAL_CALLS, MISTRAL_FORMAT, mistral_call_id, parse_mistral_text
+from skyrl_stepwise.chat.tool_formats.xml_values import ValuePadding
 
 
-def tool_parser_for(probe: ProbeRendering, tokenizer, requested: str = "auto") -> ToolParser:
+def tool_parser_for(probe: ProbeRendering, tokenizer, requested: str = "auto",
+                    padding: ValuePadding | None = None) -> ToolParser:
     """The parser for the call format the chat template renders (what the model was trained to sample), or the
-    one `generator.tool_parser` names; an unknown rendered format fails here, at startup (UnknownToolFormat)."""
+    one `generator.tool_parser` names; an unknown rendered format fails here, at startup (UnknownToolFormat).
+    `padding`: what the template writes around an XML-style value (probed), removed from every value read."""
     model = getattr(tokenizer, "name_or_path", "") or "<unnamed tokenizer>"
     fmt = tool_format(requested) if requested != "auto" else detect_tool_format(probe, model)
-    return ToolParser(fmt, tokenizer)
+    return ToolParser(fmt, tokenizer, padding)
 
 
 __all__ = ["FORMATS", "HARMONY_FORMAT", "HERMES_FORMAT", "LLAMA_JSON_FORMAT", "MISTRAL_CALLS", "MISTRAL_FORMAT",

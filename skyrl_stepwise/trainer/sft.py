@@ -157,7 +157,7 @@ def assistant_turn_ids(chat, conversation: list[Message], index: int, tools: lis
             why = why if content is None else "the template rewrites the earlier messages when it renders the turn"
             continue
         parsed = chat.parse(turn.ids, chat.prompt_ids(conversation[:index], tools), tools)
-        if [(c.name, c.error) for c in parsed.tool_calls] == [(name, None) for name, _, _ in calls]:
+        if parsed_calls(parsed) == [(name, arguments, None) for name, arguments, _ in calls]:
             if turn.prefill and chat.name not in _PREFILL_WARNED:
                 _PREFILL_WARNED.add(chat.name)
                 logger.warning(f"{chat.name}: the generation prompt adds {turn.prefill!r}, which the template's "
@@ -169,6 +169,35 @@ def assistant_turn_ids(chat, conversation: list[Message], index: int, tools: lis
         raise ValueError(f"an SFT demonstration's tool calls {[c[0] for c in calls]} cannot be written in the call "
                          f"format of {chat.name}: {why}")
     return chat.encode(assistant_text(message)) + [chat.close_id]
+
+
+def parsed_calls(parsed) -> list[tuple[str | None, Any, str | None]]:
+    """(name, arguments as a dict, error) of each call of a parsed turn: what a demonstration's calls must read back
+    as, arguments included (a reader that strips `    return x\n` to `return x` trains a call never made)."""
+    from skyrl_stepwise.tools.executor import decode_arguments
+
+    return [(c.name, decode_arguments(c.arguments)[0] if c.error is None else c.arguments, c.error)
+            for c in parsed.tool_calls]
+
+
+def keyed_to_parsed_calls(chat, conversation: list[Message], turn_ids: list[list[int]],
+                          tools: list[dict] | None) -> list[Message]:
+    """The conversation with the k-th `tool` message after each assistant turn answering that turn's k-th call as
+    the parser reads the trained ids (its id, `call_0` where the format has none), as the tool env answers calls
+    in RL: a demonstration's own ids (`toolu_01...`) would otherwise match no call, and templates that render a
+    result only after its call (gpt-oss, Gemma 4) would get it as a user turn, a layout RL never produces."""
+    out, turn, ids = [], -1, []
+    for i, m in enumerate(conversation):
+        if m["role"] == "assistant":
+            turn, k = turn + 1, 0
+            ids = chat.parse(turn_ids[turn], chat.prompt_ids(conversation[:i], tools), tools).call_ids() \
+                if m.get("tool_calls") else []
+        elif m["role"] == "tool" and turn >= 0:
+            if k < len(ids):
+                m = {**m, "tool_call_id": ids[k]}
+            k += 1
+        out.append(m)
+    return out
 
 
 def turn_as_sampled(chat, messages: list[Message], index: int, tools: list[dict] | None):
@@ -201,6 +230,8 @@ def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg:
                            gen_cfg.tool_parser)
     turns = [[assistant_turn_ids(chat, c, j, tools if uses_tools(c) else None)
               for j, m in enumerate(c) if m["role"] == "assistant"] for c in conversations]
+    conversations = [keyed_to_parsed_calls(chat, c, ts, tools) if uses_tools(c) else c
+                     for c, ts in zip(conversations, turns)]
     longest = max(len(t) for ts in turns for t in ts)
     cfg = replace(gen_cfg, n_samples_per_prompt=1, step_wise_trajectories=True, merge_stepwise_output=True,
                   max_turns=max(len(ts) for ts in turns), max_input_length=1 << 30, show_progress=False,

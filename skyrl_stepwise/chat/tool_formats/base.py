@@ -1,5 +1,5 @@
 """What every tool-call format shares: its description (`ToolFormat`), the parser built from it (`ToolParser`), and
-small readers several formats use (a JSON call object, an XML-style argument value).
+small readers several formats use (a JSON call object, XML-style arguments: xml_values.py).
 
 A format is recognised from the chat template's own rendering of a probe call (see detect.py), so each one says
 what that rendering looks like (`renders`), which text opens a call (`markers`: a turn that contains one but
@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from skyrl_stepwise.chat.base import ToolCallRequest
+from skyrl_stepwise.chat.tool_formats.xml_values import DEFAULT_PADDING, ValuePadding, xml_call
 
 # (text, tools) -> (content before the first call, every call attempt in order)
 TextParser = Callable[[str, "list[dict] | None"], "tuple[str, list[ToolCallRequest]]"]
@@ -38,15 +39,19 @@ class ToolFormat:
     # matches a template's tool instructions, for templates that do not render `tool_calls` (Granite 3.3)
     instructs: re.Pattern | None = None
     description: str = ""
+    # XML-style formats: the text reader for values padded as a template writes them (`ValuePadding`, probed);
+    # `parse_text` is this reader with DEFAULT_PADDING
+    padded: Callable[[ValuePadding], TextParser] | None = None
 
 
 class ToolParser:
     """Sampled ids -> (content, calls) in one format; a call marker that yields no call is a malformed call."""
 
-    def __init__(self, fmt: ToolFormat, tokenizer) -> None:
+    def __init__(self, fmt: ToolFormat, tokenizer, padding: ValuePadding | None = None) -> None:
         self.format = fmt
         self.name = fmt.name
         self._library = fmt.library(tokenizer) if fmt.library is not None else None
+        self._parse_text = fmt.padded(padding) if padding is not None and fmt.padded is not None else fmt.parse_text
 
     def parse(self, ids: list[int], decode, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
         """Every call attempt, each malformed one carrying its error kind and this format's expected_format."""
@@ -54,7 +59,7 @@ class ToolParser:
         if self._library is not None:
             content, calls = self._library(list(ids), decode)
         else:
-            content, calls = self.format.parse_text(text, tools)
+            content, calls = self._parse_text(text, tools)
         if not calls:
             at = first_marker(text, self.format.markers)
             if at >= 0:  # the model opened a call we cannot read: answer it, do not end the episode on it
@@ -84,7 +89,7 @@ def call_from_object(obj: Any, raw: str, name_key: str = "name", args_keys: tupl
 
 def json_list_calls(body: str, name_key: str, args_keys: tuple[str, ...],
                     id_key: str | None = None) -> list[ToolCallRequest]:
-    """Calls from a JSON list of call objects (Granite, Command R, Mistral v3): one invalid_json call if the list
+    """Calls from a JSON list of call objects (Command R): one invalid_json call if the list
     does not decode, one call per element otherwise."""
     try:
         items = json.loads(body)
@@ -103,24 +108,11 @@ def schema_params(tools: list[dict] | None) -> dict[str, dict[str, dict]]:
     return _build_param_type_index(tools)
 
 
-def coerce_value(text: str, schema: dict | None) -> tuple[Any, bool]:
-    """An XML-style argument value typed by its schema, as vLLM and the `renderers` library read it: verbatim
-    where the schema says string, else JSON, else the text (second item True: a JSON value was expected)."""
-    from renderers.parsing import _coerce_arg_value
-
-    return _coerce_arg_value(text, schema)
-
-
-def xml_arguments(name: str, pairs: list[tuple[str, str]], tools: list[dict] | None,
-                  raw: str) -> ToolCallRequest:
-    """A call from (key, raw value) pairs, typed by the tool's schema; invalid_json where a non-string parameter
-    holds text that is not JSON."""
-    params = schema_params(tools).get(name, {})
-    arguments, bad = {}, False
-    for key, value in pairs:
-        arguments[key], fallback = coerce_value(value.strip(), params.get(key))
-        bad = bad or fallback
-    return ToolCallRequest(name, arguments, raw, "invalid_json" if bad else None)
+def xml_arguments(name: str, pairs: list[tuple[str, str]], tools: list[dict] | None, raw: str,
+                  padding: ValuePadding = DEFAULT_PADDING) -> ToolCallRequest:
+    """A call from (key, value as written) pairs, each value unpadded and typed by the tool's schema
+    (xml_values.py); never refused here: a wrong type or an unknown tool is the executor's to answer."""
+    return xml_call(name, pairs, schema_params(tools).get(name, {}), raw, padding)
 
 
 def parse_blocks(text: str, open_tag: str, close_tag: str, read_block: Callable[[str], list[ToolCallRequest]]
