@@ -25,27 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from arch_zoo import ARCHITECTURES, tiny_model  # noqa: E402
+from arch_zoo import ARCHITECTURES, conformance_batch, tiny_model  # noqa: E402
 
 from skyrl_stepwise.trainer.batching import TrainBatch, forward_logprobs, pack_micro_batch  # noqa: E402
 from skyrl_stepwise.trainer.packing import attention_layout  # noqa: E402
 from skyrl_stepwise.trainer.packing.flex import register_packed_flex_attention  # noqa: E402
 
 FLEX_ARCHS = ["llama", "qwen3", "mistral", "gemma3_text", "cohere2", "olmo3", "exaone4", "qwen3_moe"]
-
-
-def conformance_batch(seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(n):
-        return torch.randint(3, 90, (n,), generator=g).tolist()
-
-    prompt, other = ids(11), ids(9)
-    first, obs = ids(7), ids(4)
-    prompts = [prompt, prompt, prompt + first + obs, prompt[:8] + ids(3), other, other]
-    responses = [first, ids(9), ids(6), ids(5), ids(8), ids(10)]
-    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
-                      instance_ids=["q1"] * 4 + ["q2"] * 2)
 
 
 def packed_logprobs(model, batch, rows, packing, device):

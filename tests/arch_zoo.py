@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from skyrl_stepwise.trainer.batching import TrainBatch
+
 WINDOW = 6
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, vocab_size=96, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -80,3 +82,19 @@ def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     return model.eval()
+
+
+def conformance_batch(seed: int = 0) -> TrainBatch:
+    """Two prompt groups: a GRPO group sharing a prompt, a step-wise chain re-reading its history, a broken chain
+    (the history cut short, as a stripped think block leaves it), and a second prompt; every sample > the window."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(3, 90, (n,), generator=g).tolist()
+
+    prompt, other = ids(11), ids(9)
+    first, obs = ids(7), ids(4)
+    prompts = [prompt, prompt, prompt + first + obs, prompt[:8] + ids(3), other, other]
+    responses = [first, ids(9), ids(6), ids(5), ids(8), ids(10)]
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
+                      instance_ids=["q1"] * 4 + ["q2"] * 2)

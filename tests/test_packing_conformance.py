@@ -14,30 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from arch_zoo import ARCHITECTURES, TEMPLATE_ARCHITECTURE, attention_implementations, tiny_model
+from arch_zoo import (ARCHITECTURES, TEMPLATE_ARCHITECTURE, attention_implementations, conformance_batch,
+                      tiny_model)
 
-from skyrl_stepwise.trainer.batching import TrainBatch, forward_logprobs, pack_micro_batch, rank_micro_batches
+from skyrl_stepwise.trainer.batching import forward_logprobs, pack_micro_batch, rank_micro_batches
 from skyrl_stepwise.trainer.packing import attention_layout, resolve_packing
 from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal
 
 STATE_CARRYING = {"granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"}
 WINDOWED = {"mistral", "phi3", "gemma2", "gemma3_text", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss"}
-
-
-def conformance_batch(seed: int = 0) -> TrainBatch:
-    """Two prompt groups: a GRPO group sharing a prompt, a step-wise chain re-reading its history, a broken chain
-    (the history cut short, as a stripped think block leaves it), and a second prompt; every sample > the window."""
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(n):
-        return torch.randint(3, 90, (n,), generator=g).tolist()
-
-    prompt, other = ids(11), ids(9)
-    first, obs = ids(7), ids(4)
-    prompts = [prompt, prompt, prompt + first + obs, prompt[:8] + ids(3), other, other]
-    responses = [first, ids(9), ids(6), ids(5), ids(8), ids(10)]
-    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
-                      instance_ids=["q1"] * 4 + ["q2"] * 2)
 
 
 def _alone(model, batch):

@@ -16,11 +16,12 @@ import torch
 
 from skyrl_stepwise.trainer.packing.layout import AttentionLayout
 
-# Largest |packed - alone| logprob accepted: fp32 differs by summation order only (~1e-6 on tiny models, ~1e-4 on
-# deep ones); bf16 compute rounds every layer (measured ~1e-2 on SmolLM2), while a leak or a lost window moves
-# logprobs by tenths to several nats on a trained model.
+# Largest |packed - alone| logprob accepted. fp32 differs by summation order only (SmolLM2-135M: 1e-5); bf16 compute
+# (FSDP mixed precision) rounds every layer and takes other kernels for masked rows: 0.15 on SmolLM2. What the check
+# must catch is far larger on a trained model: on SmolLM2 a row whose samples see each other scores 2.7-5.2 nats
+# away, a window the model does not have 10.6, in fp32 and bf16 alike.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
-HALF_TOLERANCE = 0.1
+HALF_TOLERANCE = 0.5
 
 
 @dataclass(frozen=True)
