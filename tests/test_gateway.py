@@ -303,3 +303,46 @@ async def test_a_session_without_calls_or_reward_fails_its_trajectory_only():
     result = gateway.close_session(silent)
     assert result.failure == "agent_no_calls" and result.steps == []
     assert gateway.metrics()["gateway/failed_trajectories/agent_no_calls"] == 1
+
+
+def _raising_agent(task):
+    raise RuntimeError("the agent crashed")
+
+
+async def _silent_agent(task):
+    return 1.0
+
+
+async def test_agent_programs_as_rollouts_over_a_real_server():
+    """The example agent (sync openai client, in a thread) against the endpoint served by uvicorn; a crashing and a
+    silent agent fail their own trajectories only, counted; the batch trains exactly what was sampled."""
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    def turns(chat, tok):
+        return [_call_ids("smollm2", chat), tok("It is 5.", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("smollm2", "all", turns)
+    rows = [("examples.agent_program.agent:run", "q0"), (f"{__name__}:_raising_agent", "q1"),
+            (f"{__name__}:_silent_agent", "q2")]
+    extras = [{"reward_spec": {"ground_truth": "5"}, "extra_info": {"agent": a}} for a, _ in rows]
+    ids = [TrajectoryID(q, 0) for _, q in rows]
+    async with AgentServer(gateway) as url:
+        out = await AgentProgramGenerator(gateway, url).generate(
+            [[{"role": "user", "content": "What is 2+3?"}]] * 3, ["keyword"] * 3, extras, ids)
+    assert [t.instance_id for t in out.trajectory_ids] == ["q0", "q0"]
+    assert sorted(t.instance_id for t in out.failed_trajectory_ids) == ["q1", "q2"]
+    m = out.rollout_metrics
+    assert m["gateway/failed_trajectories/agent_error"] == 1 and m["gateway/failed_trajectories/agent_no_calls"] == 1
+    assert m.get("gateway/chain_breaks", 0) == 0 and m["gateway/extended"] == 1, m
+    assert out.trajectory_rewards() == [0.0, 1.0] and m["environment/tool_calls"] == 1
+    trained = [t for resp, mask in zip(out.response_ids, out.loss_masks) for t, k in zip(resp, mask) if k]
+    assert trained == [t for s in engine.sampled for t in s]
+
+
+def test_an_agent_that_cannot_be_imported_fails_at_start_up():
+    from skyrl_stepwise.envs.builtin import EnvPluginError
+    from skyrl_stepwise.gateway.rollout import load_agents
+
+    with pytest.raises(EnvPluginError, match="row 1 extra_info.agent"):
+        load_agents([{"extra_info": {"agent": "examples.agent_program.agent:run"}},
+                     {"extra_info": {"agent": "examples.agent_program.agent:nope"}}])
