@@ -346,3 +346,15 @@ def test_an_agent_that_cannot_be_imported_fails_at_start_up():
     with pytest.raises(EnvPluginError, match="row 1 extra_info.agent"):
         load_agents([{"extra_info": {"agent": "examples.agent_program.agent:run"}},
                      {"extra_info": {"agent": "examples.agent_program.agent:nope"}}])
+
+
+def test_gateway_rows_are_checked_at_start_up_and_the_key_composes():
+    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.envs.builtin import EnvPluginError
+    from skyrl_stepwise.gateway.rollout import check_agent_rows
+
+    assert load_config(["gateway.enabled=true"]).gateway.enabled
+    with pytest.raises(ValueError, match="gateway.agent_timeout_s"):
+        load_config(["gateway.agent_timeout_s=0"])
+    with pytest.raises(EnvPluginError, match=r"rows \[1\] name no agent"):
+        check_agent_rows([{"extra_info": {"agent": "examples.agent_program.agent:run"}}, {"extra_info": {}}])

@@ -60,6 +60,16 @@ def load_agents(rows_extras: list[dict[str, Any]], where: str = "data") -> dict[
     return agents
 
 
+def check_agent_rows(rows_extras: list[dict[str, Any]], where: str = "data") -> None:
+    """With gateway.enabled every row runs an agent program: a row naming none, or an agent that cannot be
+    imported, fails at start-up naming the row."""
+    missing = [i for i, x in enumerate(rows_extras) if agent_path(x) is None]
+    if missing:
+        raise EnvPluginError(f"{where}: gateway.enabled=true but rows {missing[:5]} name no agent "
+                             "(extra_info.agent: 'pkg.module:function')")
+    load_agents(rows_extras, where)
+
+
 class AgentProgramGenerator:
     """The generator's `generate()` for rows that name agents: one session per trajectory on `gateway`, served at
     `server_url`; the result is the GeneratorOutput the trainer consumes, built by the generator's own functions."""
