@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from skyrl_stepwise.envs.search import SearchEnvConfig
 from skyrl_stepwise.envs.tool import ToolEnvConfig
+from skyrl_stepwise.gateway.config import GatewayConfig
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.placement import PlacementConfig
@@ -105,10 +106,12 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)  # the agent endpoint (rows naming agents)
 
     def validate(self) -> None:
         """Every rule that spans sections, with the key path in the message."""
         self.generator.validate()
+        self.gateway.validate()
         self.trainer.validate()
         self.sft.validate()
         self.placement.validate()

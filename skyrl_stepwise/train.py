@@ -47,7 +47,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.trainer.worker_group import PolicyGroup, ReferenceOnPolicyRanks
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
-    engine = policy = reference = tracker = placement_group = None
+    engine = policy = reference = tracker = placement_group = agent_server = None
     try:
         start = time.perf_counter()
         ensure_ray()
@@ -95,7 +95,17 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             save_record(record, cfg.logging.output_dir)
         probe = weight_sync_probe_ids(tokenizer, max_sliding_window(AutoConfig.from_pretrained(cfg.trainer.model_path)),
                                       cfg.engine.max_model_len)
-        trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator), eval_generator,
+        generator = StepwiseGenerator(tokenizer, engine, registry, cfg.generator)
+        if cfg.gateway.enabled:  # rows name agent programs: they roll out through the agent endpoint
+            from skyrl_stepwise.gateway import Gateway
+            from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+            gateway = Gateway(tokenizer, engine, cfg.generator, cfg.gateway, renderer=generator.loop.renderer)
+            agent_server = AgentServer(gateway)
+            url = await agent_server.__aenter__()
+            logger.info(f"agent endpoint: {url}/s/{{session}}/v1 (models {gateway.model_names})")
+            generator = AgentProgramGenerator(gateway, url, registry)
+        trainer = RLTrainer(cfg, generator, eval_generator,
                             engine, policy, reference, tracker, train_rows, val_rows,
                             probe, weight_sync, rollout_log)
         g = cfg.generator
@@ -115,6 +125,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     finally:
         if tracker is not None:
             _report(cfg, tracker, None)
+        if agent_server is not None:
+            await agent_server.__aexit__(None, None, None)
         if policy is not None:
             policy.shutdown()
         if engine is not None:

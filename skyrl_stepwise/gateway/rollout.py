@@ -1,0 +1,202 @@
+"""An agent program as a rollout: a dataset row names an agent callable (`extra_info.agent: "pkg.module:function"`),
+which gets its session's base URL and API key, runs its own loop against the endpoint, and returns the reward.
+
+The callable takes one `AgentTask` and returns a float, `{"reward": float, "metrics": {...}}`, or None (it posted
+the reward to `{task.reward_url}`, or the row's env scores the final answer). A coroutine function is awaited;
+a plain function runs in a thread. A timeout, an exception, no call to the model or no reward fails that trajectory
+only (`gateway/failed_trajectories/{cause}`), never the batch; failed trajectories are not trained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from skyrl_stepwise.envs.base import EnvRegistry, Message
+from skyrl_stepwise.envs.builtin import EnvPluginError, import_object
+from skyrl_stepwise.gateway.service import Gateway
+from skyrl_stepwise.generator.generator import steps_to_output, trajectory_metrics
+from skyrl_stepwise.generator.merge import merge_stepwise_output
+from skyrl_stepwise.generator.metrics import sample_metrics
+from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
+
+logger = logging.getLogger(__name__)
+AGENT_FAILURES = ("agent_error", "agent_timeout", "agent_no_calls", "agent_no_reward", "agent_bad_return")
+
+
+@dataclass
+class AgentTask:
+    """What an agent program gets for one trajectory: where to send its chat calls, and the row."""
+
+    base_url: str  # an OpenAI base URL for this trajectory's session: `.../s/{session}/v1`
+    api_key: str
+    model: str
+    session: str
+    reward_url: str  # POST {"reward": float, "metrics": {...}} here instead of returning it
+    messages: list[Message]  # the row's prompt
+    extras: dict[str, Any] = field(default_factory=dict)  # the row's env extras (reward_spec, extra_info)
+
+
+def agent_path(extras: dict[str, Any]) -> str | None:
+    """The agent callable a row names (`extra_info.agent`, or `agent` at the top of the extras)."""
+    info = extras.get("extra_info") if isinstance(extras.get("extra_info"), dict) else {}
+    return extras.get("agent") or info.get("agent")
+
+
+def load_agents(rows_extras: list[dict[str, Any]], where: str = "data") -> dict[str, Callable]:
+    """Every agent the rows name, imported now, so a typo fails at start-up naming the row, not mid-run."""
+    agents: dict[str, Callable] = {}
+    for i, extras in enumerate(rows_extras):
+        path = agent_path(extras)
+        if path is None or path in agents:
+            continue
+        if not isinstance(path, str):
+            raise EnvPluginError(f"{where} row {i}: extra_info.agent must be 'pkg.module:function', got {path!r}")
+        agents[path] = import_object(path, f"{where} row {i} extra_info.agent")
+    return agents
+
+
+def check_agent_rows(rows_extras: list[dict[str, Any]], where: str = "data") -> None:
+    """With gateway.enabled every row runs an agent program: a row naming none, or an agent that cannot be
+    imported, fails at start-up naming the row."""
+    missing = [i for i, x in enumerate(rows_extras) if agent_path(x) is None]
+    if missing:
+        raise EnvPluginError(f"{where}: gateway.enabled=true but rows {missing[:5]} name no agent "
+                             "(extra_info.agent: 'pkg.module:function')")
+    load_agents(rows_extras, where)
+
+
+class AgentProgramGenerator:
+    """The generator's `generate()` for rows that name agents: one session per trajectory on `gateway`, served at
+    `server_url`; the result is the GeneratorOutput the trainer consumes, built by the generator's own functions."""
+
+    def __init__(self, gateway: Gateway, server_url: str, env_registry: EnvRegistry | None = None) -> None:
+        self.gateway, self.server_url = gateway, server_url.rstrip("/")
+        self.env_registry = env_registry
+        self.cfg = gateway.cfg
+
+    async def generate(self, prompts: list[list[Message]], env_classes: list[str], env_extras: list[dict[str, Any]],
+                       trajectory_ids: list[TrajectoryID]) -> GeneratorOutput:
+        """Run every row's agent concurrently; each trajectory is what its session sampled, exactly."""
+        agents = load_agents(env_extras)
+        missing = [i for i, x in enumerate(env_extras) if agent_path(x) is None]
+        if missing:
+            raise ValueError(f"rows {missing[:5]} name no agent (extra_info.agent): AgentProgramGenerator runs "
+                             "agent programs only")
+        results = await asyncio.gather(*[
+            self._run(agents[agent_path(x)], p, c, x, t)
+            for p, c, x, t in zip(prompts, env_classes, env_extras, trajectory_ids)])
+        output = steps_to_output(results)
+        output.rollout_metrics.update(trajectory_metrics(results))
+        output.rollout_metrics.update(self.gateway.metrics())
+        if not self.cfg.step_wise_trajectories or self.cfg.merge_stepwise_output:
+            output = merge_stepwise_output(output)
+        output.rollout_metrics.update(sample_metrics(output))
+        output.validate()
+        return output
+
+    async def _run(self, agent: Callable, prompt: list[Message], env_class: str, extras: dict[str, Any],
+                   trajectory_id: TrajectoryID):
+        gateway = self.gateway
+        sid = gateway.open_session(trajectory_id)
+        task = AgentTask(f"{self.server_url}/s/{sid}/v1", gateway.gateway.api_key, gateway.model_names[0], sid,
+                         f"{self.server_url}/s/{sid}/reward", list(prompt), dict(extras))
+        session = gateway.sessions[sid]
+        try:
+            value = await asyncio.wait_for(_call(agent, task), gateway.gateway.agent_timeout_s)
+            reward, metrics = _outcome(value)
+            if reward is not None:
+                gateway.post_reward(sid, reward, metrics)
+            elif session.reward is None and self.env_registry is not None and session.calls:
+                session.reward = await self._score(env_class, prompt, extras, session)
+        except asyncio.TimeoutError:
+            session.fail("agent_timeout", f"the agent ran longer than gateway.agent_timeout_s="
+                                          f"{gateway.gateway.agent_timeout_s}")
+        except _BadReturn as e:
+            session.fail("agent_bad_return", str(e))
+        except Exception as e:  # noqa: BLE001 - the agent's own failure ends its trajectory only
+            logger.warning("agent for %s failed: %r", trajectory_id.key(), e)
+            session.fail("agent_error", repr(e))
+        return gateway.close_session(sid)
+
+    async def _score(self, env_class: str, prompt: list[Message], extras: dict[str, Any], session) -> float:
+        """The row's env scores the agent's final answer (the last reply's text), as it scores our own loop's."""
+        env = self.env_registry.make(env_class)
+        await env.reset(prompt, extras)
+        final = session.calls[-1].reply.get("content") or ""
+        return float((await env.step(final)).reward)
+
+
+class _BadReturn(ValueError):
+    pass
+
+
+async def _call(agent: Callable, task: AgentTask) -> Any:
+    """A coroutine function awaited; a plain function in a thread (its blocking client must not stall the loop)."""
+    if inspect.iscoroutinefunction(agent):
+        return await agent(task)
+    value = await asyncio.to_thread(agent, task)
+    return await value if inspect.isawaitable(value) else value
+
+
+def _outcome(value: Any) -> tuple[float | None, dict[str, float]]:
+    """A float, {"reward": float, "metrics": {...}}, or None (posted, or scored by the env)."""
+    if value is None:
+        return None, {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise _BadReturn(f"the agent returned a dict without 'reward': {sorted(value)}")
+        return _number(value["reward"]), {k: _number(v) for k, v in (value.get("metrics") or {}).items()}
+    return _number(value), {}
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise _BadReturn(f"the agent returned {value!r}; a reward must be a finite number")
+    return float(value)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (gateway.port=0)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class AgentServer:
+    """The endpoint served by uvicorn in this event loop (so agents in threads or subprocesses can reach it);
+    `async with AgentServer(gateway) as url:`."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.host = gateway.gateway.host
+        self.port = gateway.gateway.port or free_port(self.host)
+        self._server = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def __aenter__(self) -> str:
+        import uvicorn
+
+        from skyrl_stepwise.gateway.app import create_app
+
+        config = uvicorn.Config(create_app(self.gateway), host=self.host, port=self.port, log_level="warning",
+                                lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.ensure_future(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start (port taken, ...)
+            await asyncio.sleep(0.01)
+        return self.url
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.should_exit = True
+        await self._task

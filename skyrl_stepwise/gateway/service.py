@@ -1,0 +1,293 @@
+"""The endpoint's core, without HTTP: sessions, one sampled call per request, replay of echoed history.
+
+`complete(session, body)` turns a chat-completions body into one engine call whose prompt is exactly the ids a
+continuation of the session's earlier calls needs (matching.py finds which; the renderer's `next_prompt` bridges
+only the new messages, as the agent loop does), records it as a step sample, and answers in OpenAI shape with the
+turn parsed by the family's own parser. A changed history starts a new chain from the template's rendering,
+counted by reason under `gateway/chain_breaks/*`; a template that rewrites history is counted under
+`gateway/bridge_fallbacks/*`. A sampled turn is never re-encoded from the client's text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+import zlib
+from typing import Any
+
+from skyrl_stepwise.chat import ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer
+from skyrl_stepwise.gateway.config import GatewayConfig
+from skyrl_stepwise.gateway.matching import Key, assistant_echoes, break_reason, find_match, message_key
+from skyrl_stepwise.gateway.reasoning import split_reasoning
+from skyrl_stepwise.gateway.protocol import ChatRequest, GatewayError, parse_request
+from skyrl_stepwise.gateway.session import SampledCall, Session
+from skyrl_stepwise.generator.agent_loop import StepSample, TrajectoryResult
+from skyrl_stepwise.generator.config import GeneratorConfig
+from skyrl_stepwise.generator.output import TrajectoryID
+from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Gateway:
+    """Sessions over one engine and one renderer; every call an exact step sample of its session's trajectory."""
+
+    def __init__(self, tokenizer, engine: InferenceEngine, cfg: GeneratorConfig,
+                 gateway: GatewayConfig | None = None, renderer: ChatRenderer | None = None) -> None:
+        if not cfg.use_conversation_multi_turn or cfg.history != "exact":
+            raise ValueError("the agent endpoint serves chat turns with exact history: it needs "
+                             "generator.use_conversation_multi_turn=true and generator.history=exact")
+        self.cfg, self.engine = cfg, engine
+        self.gateway = gateway or GatewayConfig()
+        self.renderer = renderer or create_renderer(tokenizer, cfg.renderer, dict(cfg.chat_template_kwargs),
+                                                    cfg.thinking_retention, cfg.tool_parser)
+        self.model_names = list(self.gateway.model_names) or [tokenizer.name_or_path, "policy"]
+        self.sessions: dict[str, Session] = {}
+        self.counters: dict[str, float] = {}
+
+    # sessions -------------------------------------------------------------------------------------------------
+    def open_session(self, trajectory_id: TrajectoryID, session_id: str | None = None) -> str:
+        """A session for one trajectory; its id goes in the agent's base URL (`/s/{id}/v1`)."""
+        sid = session_id or f"{trajectory_id.key()}-{uuid.uuid4().hex[:8]}"
+        if sid in self.sessions:
+            raise ValueError(f"session {sid!r} is already open")
+        self.sessions[sid] = Session(sid, trajectory_id)
+        return sid
+
+    def session(self, session_id: str) -> Session:
+        """The open session, or the OpenAI-style 404 an agent with a wrong URL gets."""
+        session = self.sessions.get(session_id)
+        if session is None or session.closed:
+            self.count("refused/unknown_session")
+            raise GatewayError(404, f"unknown session {session_id!r}: open one per trajectory (its id is the path "
+                                    f"segment /s/{{session}}/v1)", "session", "session_not_found")
+        return session
+
+    def post_reward(self, session_id: str, reward: Any, metrics: dict | None = None) -> None:
+        """The agent (or its harness) reports the trajectory's reward instead of returning it."""
+        session = self.session(session_id)
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or reward != reward:
+            raise GatewayError(400, f"reward must be a finite number, got {reward!r}", "reward")
+        session.reward = float(reward)
+        session.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
+
+    def close_session(self, session_id: str) -> TrajectoryResult:
+        """The trajectory of the session (failed ones carry their cause and no samples); the engine route is
+        released."""
+        session = self.sessions.pop(session_id)
+        session.closed = True
+        end_session = getattr(self.engine, "end_session", None)
+        if end_session is not None:
+            end_session(session.trajectory_id.key())
+        result = session.result(self.renderer.stop_ids, self.renderer.close_id)
+        if result.failure is not None:
+            self.count(f"failed_trajectories/{result.failure}")
+        return result
+
+    def count(self, name: str, by: float = 1) -> None:
+        """A `gateway/*` counter."""
+        key = f"gateway/{name}"
+        self.counters[key] = self.counters.get(key, 0) + by
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """The `gateway/*` counters since the last reset (one generate() call)."""
+        out = dict(self.counters)
+        if reset:
+            self.counters = {}
+        return out
+
+    # one call -------------------------------------------------------------------------------------------------
+    async def complete(self, session_id: str, body: Any) -> tuple[ChatRequest, dict[str, Any]]:
+        """One chat completion: the validated request and the OpenAI response body. Refusals raise GatewayError
+        and leave the session as it was; engine and renderer failures fail the session's trajectory only."""
+        session = self.session(session_id)
+        try:
+            request = parse_request(body, self.cfg.sampling, self.model_names)
+        except GatewayError as e:
+            self.count(f"refused/{e.code or 'invalid'}")
+            raise
+        async with session.lock:
+            if session.failure is not None:
+                raise GatewayError(409, f"session {session_id!r} has failed ({session.failure}); its trajectory is "
+                                        "not trained", "session", "session_failed")
+            prompt_ids, history = self._prompt(session, request)
+            if len(prompt_ids) > self.cfg.max_input_length:
+                self.count("refused/context_length_exceeded")
+                raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens, more than the run's "
+                                        f"generator.max_input_length={self.cfg.max_input_length}", "messages",
+                                   "context_length_exceeded")
+            call = await self._sample(session, request, prompt_ids, history)
+        self.count("calls")
+        return request, self._response(session, request, call)
+
+    def _prompt(self, session: Session, request: ChatRequest) -> tuple[list[int], list[Message]]:
+        """The engine input: the earlier call's ids extended by the new messages where the request continues one,
+        else the template's rendering (a new chain, counted by reason)."""
+        chat, tools_key = self.renderer, _tools_key(request.tools)
+        calls = [(c.request_keys, c.reply, c.tools_key) for c in session.calls]
+        if calls:
+            match = find_match(request.messages, calls, tools_key)
+            if match is not None:
+                call = session.calls[match.index]
+                if match.index != len(calls) - 1:
+                    self.count("branches")  # continues an earlier call (a retry or a fork): still exact
+                if match.repeated:
+                    self.count("repeated_prompts")
+                    return list(call.prompt_ids), list(call.history)
+                new = self._template_messages(match.new, call.parsed)
+                turn = conversation_turn(call.parsed, new, chat.roles)
+                session.stats.observation_role_fallbacks += turn.role_fallbacks
+                history = call.history + [turn.assistant] + turn.observations
+                nxt = self._render(session, chat.next_prompt, call.prompt_ids, call.response_ids, history,
+                                   turn.observations, request.tools, call.parsed.malformed)
+                if nxt.extended:
+                    self.count("extended")
+                else:  # the template rewrites history (Qwen3 drops past reasoning): what the agent loop does too
+                    self.count(f"bridge_fallbacks/{nxt.reason}")
+                    session.stats.bridge_fallbacks += 1
+                    session.stats.fallback_reasons[nxt.reason] = session.stats.fallback_reasons.get(nxt.reason, 0) + 1
+                return nxt.ids, history
+            reason = break_reason(request.messages, calls, tools_key)
+            self.count("chain_breaks")
+            self.count(f"chain_breaks/{reason}")
+            session.stats.chain_breaks += 1
+            logger.info("session %s: the client changed its history (%s); a new chain starts", session.id, reason)
+        else:
+            self.count("chain_starts")
+        history = self._client_history(request.messages, session)
+        return self._render(session, chat.prompt_ids, history, request.tools), history
+
+    async def _sample(self, session: Session, request: ChatRequest, prompt_ids: list[int],
+                      history: list[Message]) -> SampledCall:
+        """Sample one turn on the run's own settings and record it as a step sample."""
+        chat, s = self.renderer, self.cfg.sampling
+        index = len(session.calls)
+        sampling = SamplingParams(max_tokens=min(request.max_tokens or s.max_generate_length, s.max_generate_length),
+                                  temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  stop=(*s.stop, *request.stop), logprobs=s.logprobs,
+                                  seed=None if s.seed is None else
+                                  zlib.crc32(f"{s.seed}:{session.trajectory_id.key()}:{index}".encode()) & 0x7FFFFFFF,
+                                  stop_token_ids=tuple(sorted(chat.stop_ids)))
+        t0 = time.perf_counter()
+        try:
+            result = await self.engine.generate(prompt_ids, sampling, session_id=session.trajectory_id.key())
+        except Exception as e:
+            session.fail("engine_error", repr(e))
+            raise GatewayError(502, f"the engine failed: {e!r}", None, "engine_error", "server_error") from e
+        session.stats.engine_seconds += time.perf_counter() - t0
+        if result.finish_reason == "abort":  # a half-sampled turn is neither answered nor trained
+            session.fail("engine_abort", f"request aborted after {len(result.token_ids)} tokens")
+            raise GatewayError(502, "the engine aborted the request", None, "engine_abort", "server_error")
+        sampled = list(result.token_ids)
+        logprobs = list(result.logprobs) if result.logprobs is not None else None
+        response, mask = list(sampled), [1] * len(sampled)
+        model_closed = bool(sampled) and sampled[-1] in chat.stop_ids
+        if not model_closed and (result.finish_reason != "stop" or self.cfg.append_eos_after_stop_str):
+            response.append(chat.close_id)  # ours, so the next turn can follow: never a training target
+            mask.append(0)
+            if logprobs is not None:
+                logprobs.append(0.0)
+        parsed = self._render(session, chat.parse, sampled, prompt_ids, request.tools)
+        reply = reply_message(parsed, request.tool_choice)
+        session.steps.append(StepSample(list(prompt_ids), list(response), mask, logprobs, 0.0, result.finish_reason))
+        session.stats.sampled_tokens += len(sampled)
+        call = SampledCall([message_key(m) for m in request.messages], reply, _tools_key(request.tools),
+                           list(prompt_ids), response, history, parsed)
+        session.calls.append(call)
+        return call
+
+    def _render(self, session: Session, fn, *args):
+        """A renderer call; the template refusing the client's conversation is the client's 400, anything else
+        fails the session (cause `render`)."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - templates raise what they like
+            self.count("refused/render")
+            raise GatewayError(400, f"the chat template cannot render this conversation: {type(e).__name__}: {e}",
+                               "messages", "render_error") from e
+
+    def _response(self, session: Session, request: ChatRequest, call: SampledCall) -> dict[str, Any]:
+        """The OpenAI chat.completion body of a call."""
+        step = session.steps[-1]
+        finish = "length" if step.stop_reason == "length" else "tool_calls" if call.reply.get("tool_calls") \
+            else "stop"
+        completion = sum(step.loss_mask)
+        return {"id": f"chatcmpl-{session.id}-{len(session.calls)}", "object": "chat.completion",
+                "created": int(time.time()), "model": request.model,
+                "choices": [{"index": 0, "message": call.reply, "finish_reason": finish, "logprobs": None}],
+                "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion,
+                          "total_tokens": len(call.prompt_ids) + completion}}
+
+    # messages -------------------------------------------------------------------------------------------------
+    def _template_messages(self, messages: list[Message], answered: ParsedTurn | None) -> list[Message]:
+        """Client messages in the shape the renderer takes: `developer` as `system`, tool results named after the
+        call they answer, arguments as the template wants them (dict, or JSON text for DeepSeek R1)."""
+        names = {i: c.name for c, i in zip(answered.tool_calls, answered.call_ids())} if answered else {}
+        out = []
+        for m in messages:
+            role = "system" if m["role"] == "developer" else m["role"]
+            msg: Message = {"role": role, "content": m.get("content") or ""}
+            if role == "tool":
+                if m.get("tool_call_id"):
+                    msg["tool_call_id"] = m["tool_call_id"]
+                name = m.get("name") or names.get(m.get("tool_call_id"))
+                if name:
+                    msg["name"] = name
+            elif role == "assistant" and m.get("tool_calls"):
+                msg["tool_calls"] = [self._template_call(c) for c in m["tool_calls"]]
+                if getattr(self.renderer, "string_arguments", False) and not m.get("content"):
+                    msg["content"] = None
+            out.append(msg)
+        return out
+
+    def _template_call(self, call: dict) -> dict:
+        fn = call["function"]
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str) and not getattr(self.renderer, "string_arguments", False):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        return {"type": "function", "id": call.get("id") or "", "function": {"name": fn["name"],
+                                                                            "arguments": arguments}}
+
+    def _client_history(self, messages: list[Message], session: Session) -> list[Message]:
+        """A new chain's messages: the client's, except that an assistant turn this server sampled is rendered from
+        its parsed ids (as the agent loop's history holds it), not from the client's re-serialised echo."""
+        out: list[Message] = []
+        last_turn: ParsedTurn | None = None
+        for m in messages:
+            if m["role"] == "assistant":
+                call = next((c for c in reversed(session.calls) if assistant_echoes(m, c.reply)), None)
+                if call is not None:
+                    out.append(conversation_turn(call.parsed, [], self.renderer.roles).assistant)
+                    last_turn = call.parsed
+                    continue
+                last_turn = None
+            out.extend(self._template_messages([m], last_turn))
+        return out
+
+
+def reply_message(parsed: ParsedTurn, tool_choice: str) -> Message:
+    """The assistant message the client gets: content, reasoning_content and the calls the family's parser read.
+    A malformed call has no OpenAI form: the turn's sampled call text stays in the content, so the client sees
+    what the model wrote; with tool_choice=none no call is offered for execution either."""
+    calls = [(c, i) for c, i in zip(parsed.tool_calls, parsed.call_ids()) if c.error is None]
+    reasoning, content = (parsed.reasoning, parsed.content) if parsed.reasoning else split_reasoning(parsed.content)
+    if parsed.tool_calls and (tool_choice == "none" or not calls):
+        content, calls = content + parsed.calls_text, []
+    message: Message = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"id": i, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments if isinstance(c.arguments, str)
+                          else json.dumps(c.arguments, ensure_ascii=False)}} for c, i in calls]
+    return message
+
+
+def _tools_key(tools: list[dict] | None) -> Key:
+    return (json.dumps(tools, sort_keys=True),) if tools else ()

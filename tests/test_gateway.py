@@ -1,0 +1,360 @@
+"""The agent endpoint (skyrl_stepwise/gateway/): an OpenAI-client agent loop over a scripted engine, in each family's
+call format, whose echoed (re-serialised, whitespace-stripped) history is matched back to the sampled ids; every call
+an exact step sample the trainer's merge and tree take unchanged; bad requests refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from family_tokenizers import FAMILIES, family_tokenizer
+from test_tool_call_formats import _sampled_call_turn
+
+from skyrl_stepwise.chat.template import TemplateRenderer
+from skyrl_stepwise.gateway import Gateway, GatewayConfig
+from skyrl_stepwise.gateway.app import create_app
+from skyrl_stepwise.generator import GeneratorConfig
+from skyrl_stepwise.generator.generator import steps_to_output
+from skyrl_stepwise.generator.merge import merge_stepwise_output
+from skyrl_stepwise.generator.output import TrajectoryID
+from skyrl_stepwise.inference.scripted import ScriptedEngine
+from skyrl_stepwise.trainer.tree import build_trie
+
+openai = pytest.importorskip("openai")
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+_UNRENDERED = {"hermes": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
+               "granite": '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]'}
+
+
+FINAL_TEXT = {"gpt-oss": "<|channel|>final<|message|>The answer is 5."}  # harmony's answer channel
+
+
+def _call_ids(family: str, chat: TemplateRenderer) -> list[int]:
+    """A calculator call as a model of this family samples it."""
+    if chat.renders_tool_calls:
+        return _sampled_call_turn(family, chat, [("calculator", {"expression": "2+3"})])
+    tok = family_tokenizer(family)
+    return tok(_UNRENDERED[chat.tool_parser.name], add_special_tokens=False)["input_ids"] + [chat.close_id]
+
+
+def _setup(family: str, retention: str, script_turns, **cfg_overrides):
+    """A gateway over a scripted engine that samples `script_turns[i]` (ids) on the i-th call of a session."""
+    tok = family_tokenizer(family)
+    chat = TemplateRenderer(tok, dict(FAMILIES[family].render_kwargs), retention)
+    turns = script_turns(chat, tok) if callable(script_turns) else script_turns
+    engine = ScriptedEngine(lambda prompt, session, i: turns[min(i, len(turns) - 1)], tok)
+    cfg = GeneratorConfig(thinking_retention=retention, **cfg_overrides)
+    gateway = Gateway(tok, engine, cfg, GatewayConfig(), renderer=chat)
+    return gateway, engine, chat
+
+
+def _client(gateway: Gateway, session: str | None):
+    base = f"http://gateway/s/{session}/v1" if session else "http://gateway/v1"
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)))
+    return openai.AsyncOpenAI(base_url=base, api_key="skyrl", http_client=http, max_retries=0)
+
+
+def _mangled_echo(message) -> dict:
+    """The assistant turn as a careless client echoes it: arguments re-serialised (other spacing, sorted keys),
+    content stripped or None, reasoning dropped."""
+    echo = {"role": "assistant", "content": (message.content or "").strip() or None}
+    if message.tool_calls:
+        echo["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": json.dumps(json.loads(c.function.arguments), indent=2,
+                                                             sort_keys=True)}} for c in message.tool_calls]
+    return echo
+
+
+async def _tool_loop(client, first_messages: list[dict], echo=_mangled_echo, max_calls: int = 4) -> list:
+    """A plain openai-client tool loop: call, run the calculator, send the result back, until no call is made."""
+    messages, replies = list(first_messages), []
+    for _ in range(max_calls):
+        r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+        message = r.choices[0].message
+        replies.append(r)
+        messages.append(echo(message))
+        if not message.tool_calls:
+            return replies
+        for call in message.tool_calls:
+            expression = json.loads(call.function.arguments)["expression"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})
+    return replies
+
+
+def _assert_exact(result, engine: ScriptedEngine) -> None:
+    """Trained ids are the sampled ids and each prompt is exactly what the engine got."""
+    assert [s.prompt_ids for s in result.steps] == [p for _, p in engine.calls]
+    for step, sampled in zip(result.steps, engine.sampled):
+        assert [t for t, m in zip(step.response_ids, step.loss_mask) if m] == sampled
+        assert step.response_ids[:len(sampled)] == sampled
+
+
+@pytest.mark.parametrize("retention", ["template", "all"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+async def test_an_openai_client_loop_is_replayed_exactly(family, retention):
+    """Every family's call format, both retentions: the mangled echo is matched (0 chain breaks) and the second
+    prompt extends the first call's ids, unless the template rewrites history (a counted bridge fallback)."""
+    def turns(chat, tok):
+        final = FINAL_TEXT.get(family, "The answer is 5.")
+        return [_call_ids(family, chat), tok(final, add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup(family, retention, turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    replies = await _tool_loop(_client(gateway, sid), [{"role": "user", "content": "What is 2+3?"}])
+    call = replies[0].choices[0]
+    assert call.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in call.message.tool_calls] == \
+        [("calculator", {"expression": "2+3"})]
+    assert replies[1].choices[0].message.content.strip() == "The answer is 5."
+    metrics = gateway.metrics()
+    assert metrics.get("gateway/chain_breaks", 0) == 0, metrics
+    assert metrics["gateway/calls"] == 2
+    chain = engine.calls[0][1] + gateway.sessions[sid].steps[0].response_ids
+    extended = engine.calls[1][1][:len(chain)] == chain
+    assert extended == (metrics.get("gateway/extended", 0) == 1)
+    if retention == "all":
+        assert extended, metrics
+    assert "5" in chat.decode(engine.calls[1][1][len(chain):] if extended else engine.calls[1][1])
+    gateway.post_reward(sid, 1.0)
+    result = gateway.close_session(sid)
+    assert result.failure is None
+    _assert_exact(result, engine)
+
+
+QWEN3_THINK_CALL = ("<think>\nI should   add.\n</think>\n\n<tool_call>\n{\"name\": \"calculator\", \"arguments\": "
+                    "{\"expression\": \"2+3\"}}\n</tool_call>")
+
+
+@pytest.mark.parametrize("retention", ["template", "all"])
+async def test_qwen3_canonicalised_echo_still_extends_the_sampled_ids(retention):
+    """rLLM PR 516's break: Qwen3's template re-renders a tool-call turn with other whitespace than sampled. The
+    echo (reasoning dropped, arguments re-spelled) is matched, and the next prompt holds the sampled ids, not a
+    re-rendering of the echo."""
+    def turns(chat, tok):
+        return [tok(QWEN3_THINK_CALL, add_special_tokens=False)["input_ids"] + [chat.close_id],
+                tok("<think>\nDone.\n</think>\n\n5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup("qwen3", retention, turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    replies = await _tool_loop(_client(gateway, sid), [{"role": "user", "content": "What is 2+3?"}])
+    first = replies[0].choices[0].message
+    assert first.model_extra.get("reasoning_content", "").strip() == "I should   add."
+    chain = engine.calls[0][1] + engine.sampled[0]
+    assert engine.calls[1][1][:len(chain)] == chain  # the sampled ids, whitespace and all
+    metrics = gateway.metrics()
+    assert metrics.get("gateway/chain_breaks", 0) == 0 and metrics["gateway/extended"] == 1, metrics
+
+
+async def test_a_dropped_message_is_exactly_one_counted_break():
+    def turns(chat, tok):
+        return [_call_ids("smollm2", chat), _call_ids("smollm2", chat),
+                tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("smollm2", "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    for _ in range(2):
+        r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+        messages.append(_mangled_echo(r.choices[0].message))
+        messages.append({"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": "5"})
+    del messages[0]  # the client drops its system prompt
+    await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    metrics = gateway.metrics()
+    assert metrics["gateway/chain_breaks"] == 1 and metrics["gateway/chain_breaks/dropped_message"] == 1, metrics
+    assert metrics["gateway/extended"] == 1
+    gateway.post_reward(sid, 0.5)
+    result = gateway.close_session(sid)
+    _assert_exact(result, engine)
+    assert result.stats.chain_breaks == 1
+    # the trainer's path, unchanged: two chains (the break), trained ids = sampled ids, the tree takes them
+    out = steps_to_output([result])
+    out.validate()
+    merged = merge_stepwise_output(out)
+    assert len(merged) == 2
+    assert sum(merged.trajectory_rewards()) == pytest.approx(0.5)
+    trained = [t for resp, mask in zip(merged.response_ids, merged.loss_masks) for t, m in zip(resp, mask) if m]
+    assert trained == [t for s in engine.sampled for t in s]
+    trie = build_trie([p + r for p, r in zip(merged.prompt_token_ids, merged.response_ids)])
+    assert len(trie.sample_nodes) == 2
+
+
+async def test_an_edited_assistant_turn_starts_a_new_chain_rendered_from_the_template():
+    def turns(chat, tok):
+        return [_call_ids("qwen2.5", chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("qwen2.5", "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+
+    def edited(message):
+        echo = _mangled_echo(message)
+        if message.tool_calls:
+            echo["tool_calls"][0]["function"]["arguments"] = '{"expression": "3+2"}'
+        return echo
+
+    await _tool_loop(_client(gateway, sid), [{"role": "user", "content": "What is 2+3?"}], echo=edited)
+    metrics = gateway.metrics()
+    assert metrics["gateway/chain_breaks/assistant_turn_edited"] == 1, metrics
+    assert "3+2" in gateway.renderer.decode(engine.calls[1][1])  # the client's history, rendered, not trained
+
+
+async def test_one_session_trains_as_one_merged_chain_and_a_retry_reuses_the_prompt():
+    def turns(chat, tok):
+        return [_call_ids("llama-3.1", chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("llama-3.1", "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    await client.chat.completions.create(model="policy", messages=question, tools=[CALC])
+    gateway.sessions[sid].steps.pop()  # (a retry: the client re-sends the same request)
+    gateway.sessions[sid].calls.pop()
+    engine.sampled.pop()
+    engine.calls.pop()
+    engine._per_session.clear()
+    await _tool_loop(client, question)
+    metrics = gateway.metrics()
+    assert metrics.get("gateway/chain_breaks", 0) == 0 and metrics["gateway/extended"] == 1, metrics
+    gateway.post_reward(sid, 1.0, {"solved": 1})
+    result = gateway.close_session(sid)
+    merged = merge_stepwise_output(steps_to_output([result]))
+    assert len(merged) == 1 and merged.is_last_step == [True]
+    trained = [t for t, m in zip(merged.response_ids[0], merged.loss_masks[0]) if m]
+    assert trained == engine.sampled[0] + engine.sampled[1]
+    assert result.stats.env_metrics == {"solved": 1.0}
+
+
+async def test_repeating_a_request_samples_the_same_prompt_again():
+    gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    question = [{"role": "user", "content": "What is 2+3?"}]
+    for _ in range(2):
+        await client.chat.completions.create(model="policy", messages=question, tools=[CALC])
+    assert engine.calls[0][1] == engine.calls[1][1]
+    assert gateway.metrics()["gateway/repeated_prompts"] == 1
+
+
+def _error(excinfo) -> dict:
+    return excinfo.value.body if isinstance(excinfo.value.body, dict) and "param" in excinfo.value.body \
+        else excinfo.value.body["error"]
+
+
+@pytest.mark.parametrize(("kwargs", "status", "param", "code"), [
+    ({"temperature": 0.7}, 400, "temperature", "sampling_not_trainable"),
+    ({"top_p": 0.9}, 400, "top_p", "sampling_not_trainable"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty", "sampling_not_trainable"),
+    ({"logit_bias": {"5": 10}}, 400, "logit_bias", "sampling_not_trainable"),
+    ({"tool_choice": "required"}, 400, "tool_choice", "sampling_not_trainable"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format", "sampling_not_trainable"),
+    ({"n": 2}, 400, "n", "invalid_value"),
+    ({"model": "gpt-4o"}, 404, "model", "model_not_found"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools[0].function.name",
+     "invalid_value"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "invalid_value"),
+])
+async def test_bad_requests_get_an_openai_error_naming_the_field(kwargs, status, param, code):
+    gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    request = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "tools": [CALC], **kwargs}
+    with pytest.raises(openai.APIStatusError) as excinfo:
+        await _client(gateway, sid).chat.completions.create(**request)
+    assert excinfo.value.status_code == status
+    error = _error(excinfo)
+    assert (error["param"], error["code"]) == (param, code), error
+    assert engine.calls == [] and gateway.sessions[sid].failure is None  # refused before sampling, session intact
+    # the run's own settings restated are fine
+    ok = await _client(gateway, sid).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                             temperature=1.0, top_p=1.0, max_tokens=8)
+    assert ok.usage.completion_tokens <= 8
+
+
+async def test_unknown_session_is_a_404_and_a_session_header_works():
+    gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)])
+    with pytest.raises(openai.NotFoundError) as excinfo:
+        await _client(gateway, "nope").chat.completions.create(model="policy",
+                                                               messages=[{"role": "user", "content": "hi"}])
+    assert _error(excinfo)["code"] == "session_not_found"
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, None)
+    r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                             tools=[CALC], extra_headers={"X-Session-Id": sid})
+    assert r.choices[0].message.tool_calls
+
+
+async def test_streaming_carries_the_same_turn():
+    gateway, engine, _ = _setup("hermes-3", "all", lambda chat, tok: [_call_ids("hermes-3", chat)])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    stream = await _client(gateway, sid).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC], stream=True)
+    chunks = [c async for c in stream]
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [("calculator", {"expression": "2+3"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_a_session_without_calls_or_reward_fails_its_trajectory_only():
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)])
+    silent = gateway.open_session(TrajectoryID("a", 0))
+    result = gateway.close_session(silent)
+    assert result.failure == "agent_no_calls" and result.steps == []
+    assert gateway.metrics()["gateway/failed_trajectories/agent_no_calls"] == 1
+
+
+def _raising_agent(task):
+    raise RuntimeError("the agent crashed")
+
+
+async def _silent_agent(task):
+    return 1.0
+
+
+async def test_agent_programs_as_rollouts_over_a_real_server():
+    """The example agent (sync openai client, in a thread) against the endpoint served by uvicorn; a crashing and a
+    silent agent fail their own trajectories only, counted; the batch trains exactly what was sampled."""
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    def turns(chat, tok):
+        return [_call_ids("smollm2", chat), tok("It is 5.", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("smollm2", "all", turns)
+    rows = [("examples.agent_program.agent:run", "q0"), (f"{__name__}:_raising_agent", "q1"),
+            (f"{__name__}:_silent_agent", "q2")]
+    extras = [{"reward_spec": {"ground_truth": "5"}, "extra_info": {"agent": a}} for a, _ in rows]
+    ids = [TrajectoryID(q, 0) for _, q in rows]
+    async with AgentServer(gateway) as url:
+        out = await AgentProgramGenerator(gateway, url).generate(
+            [[{"role": "user", "content": "What is 2+3?"}]] * 3, ["keyword"] * 3, extras, ids)
+    assert [t.instance_id for t in out.trajectory_ids] == ["q0", "q0"]
+    assert sorted(t.instance_id for t in out.failed_trajectory_ids) == ["q1", "q2"]
+    m = out.rollout_metrics
+    assert m["gateway/failed_trajectories/agent_error"] == 1 and m["gateway/failed_trajectories/agent_no_calls"] == 1
+    assert m.get("gateway/chain_breaks", 0) == 0 and m["gateway/extended"] == 1, m
+    assert out.trajectory_rewards() == [0.0, 1.0] and m["environment/tool_calls"] == 1
+    trained = [t for resp, mask in zip(out.response_ids, out.loss_masks) for t, k in zip(resp, mask) if k]
+    assert trained == [t for s in engine.sampled for t in s]
+
+
+def test_an_agent_that_cannot_be_imported_fails_at_start_up():
+    from skyrl_stepwise.envs.builtin import EnvPluginError
+    from skyrl_stepwise.gateway.rollout import load_agents
+
+    with pytest.raises(EnvPluginError, match="row 1 extra_info.agent"):
+        load_agents([{"extra_info": {"agent": "examples.agent_program.agent:run"}},
+                     {"extra_info": {"agent": "examples.agent_program.agent:nope"}}])
+
+
+def test_gateway_rows_are_checked_at_start_up_and_the_key_composes():
+    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.envs.builtin import EnvPluginError
+    from skyrl_stepwise.gateway.rollout import check_agent_rows
+
+    assert load_config(["gateway.enabled=true"]).gateway.enabled
+    with pytest.raises(ValueError, match="gateway.agent_timeout_s"):
+        load_config(["gateway.agent_timeout_s=0"])
+    with pytest.raises(EnvPluginError, match=r"rows \[1\] name no agent"):
+        check_agent_rows([{"extra_info": {"agent": "examples.agent_program.agent:run"}}, {"extra_info": {}}])
