@@ -30,7 +30,7 @@ def test_cfg_job_prints_the_composed_config_as_yaml():
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = yaml.safe_load(out.stdout)
     assert cfg["generator"]["step_wise_trajectories"] is True
-    assert cfg["generator"]["max_turns"] == 2 and cfg["total_steps"] == 3  # override, then the recipe
+    assert cfg["generator"]["max_turns"] == 2 and cfg["total_steps"] == 6  # override, then the recipe
     assert cfg["logging"]["output_dir"] == "${hydra:runtime.output_dir}"
     assert cfg["trainer"]["ckpt_dir"] == "${logging.output_dir}/ckpts"
 
@@ -271,15 +271,15 @@ def test_the_tiny_recipe_sizes_its_kv_cache_to_what_it_keeps_in_flight(model_pat
     cfg = load_config(["experiment=search_r1_tiny"])
     cfg.engine.model_path = str(model_path)
     assert cfg.engine.cpu_kvcache_gib is None
-    # 32 eval prompts at once (more than 4 prompts x 4 samples) x (1536 prompt + 128 generated) tokens
-    assert cfg.kv_cache_tokens() == 32 * 1664
+    # 128 eval prompts at once (more than 4 prompts x 4 samples) x (1536 prompt + 128 generated) tokens
+    assert cfg.kv_cache_tokens() == 128 * 1664
     size_kv_cache(cfg)
-    # SmolLM2: 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes (bf16) = 23,040 bytes a token -> 1.14 GiB
-    assert cfg.engine.cpu_kvcache_gib == 1.1875 and cfg.engine.kv_cache_bytes() == int(1.1875 * 2**30)
+    # SmolLM2: 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes (bf16) = 23,040 bytes a token -> 4.57 GiB
+    assert cfg.engine.cpu_kvcache_gib == 4.625 and cfg.engine.kv_cache_bytes() == int(4.625 * 2**30)
     cfg.engine.num_engines = 2  # each engine holds half
     cfg.engine.cpu_kvcache_gib = None
     size_kv_cache(cfg)
-    assert cfg.engine.cpu_kvcache_gib == 0.625
+    assert cfg.engine.cpu_kvcache_gib == 2.3125
 
 
 @pytest.mark.parametrize("native", [True, False])
