@@ -153,3 +153,34 @@ def test_selfcheck_passes_on_exact_packing_with_probes_longer_than_the_window(mo
     check = check_packing(model, layout, resolve_packing("auto", layout), torch.device("cpu"))
     assert check.passed and check.max_abs_error < 1e-5, check.describe()
     assert check.longest_sample > (layout.max_window or 0)
+
+
+def test_masks_keep_samples_apart_and_windows_in_depth():
+    """The mask rule itself: rows are block-diagonal, a window counts depth (positions), layer types with different
+    windows get a mask each, a single sample needs none, and a varlen kernel refuses a tree row."""
+    from skyrl_stepwise.trainer.packing.layout import AttentionLayout
+    from skyrl_stepwise.trainer.packing.masks import allowed_mask, row_model_inputs
+
+    # rows: two samples of 3 and 2 tokens
+    end, depth = torch.tensor([3, 3, 3, 5, 5]), torch.tensor([0, 1, 2, 0, 1])
+    full = allowed_mask(end, depth)
+    assert full.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+    windowed = allowed_mask(end, depth, window=2)  # q - k < 2 in positions
+    assert windowed[2].int().tolist() == [0, 1, 1, 0, 0] and windowed[4].int().tolist() == [0, 0, 0, 1, 1]
+    # a tree: root 0 -> 1 -> 2 and 0 -> 3; the window counts depth, not the row index
+    tree_end, tree_depth = torch.tensor([4, 3, 3, 4]), torch.tensor([0, 1, 2, 1])
+    assert allowed_mask(tree_end, tree_depth, window=2)[3].int().tolist() == [1, 0, 0, 1]
+    ids, pos = torch.arange(5)[None], depth[None]
+    mixed = AttentionLayout("m", "sdpa", {"full_attention": None, "sliding_attention": 2})
+    masks = row_model_inputs(ids, pos, end, mixed)["attention_mask"]
+    assert set(masks) == {"full_attention", "sliding_attention"}
+    assert torch.equal(masks["sliding_attention"][0, 0], windowed) and torch.equal(masks["full_attention"][0, 0], full)
+    one = row_model_inputs(torch.arange(3)[None], torch.arange(3)[None], torch.tensor([3, 3, 3]), mixed)
+    assert "attention_mask" not in one  # a single sample: the model builds its own masks, exactly as alone
+    varlen = AttentionLayout("m", "flash_attention_2", {"full_attention": None})
+    assert "attention_mask" not in row_model_inputs(ids, pos, end, varlen)  # boundaries from position ids
+    with pytest.raises(ValueError, match="cannot take a prefix-tree row"):
+        row_model_inputs(torch.arange(4)[None], tree_depth[None], tree_end, varlen)
+    recurrent = AttentionLayout("m", "sdpa", {"full_attention": None}, stateful_layers=("mamba",))
+    with pytest.raises(ValueError, match="one sample per row"):
+        row_model_inputs(ids, pos, end, recurrent)

@@ -63,7 +63,7 @@ def row_model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, subtre
         raise ValueError(f"a packed row holds several samples, but {layout.describe()} carries state along the row: "
                          f"one sample per row is the only exact packing (the scheduler should have done that)")
     if attn in VARLEN_ATTENTIONS:  # varlen kernels take the sample boundaries from the position ids
-        if int((subtree_end[1:] > subtree_end[:-1]).sum()) != int((position_ids[0, 1:] == 0).sum()):
+        if not bool((subtree_end[1:] >= subtree_end[:-1]).all()):  # a branch ends before its parent: a tree
             raise ValueError(f"trainer.attn_implementation={attn} cannot take a prefix-tree row (trainer.packing=tree)")
         return inputs
     depths = position_ids[0]
