@@ -1,7 +1,8 @@
 """The environments a run can name in its rows' `env_class`: the built-ins, the run's own, and installed plugins.
 
 Three sources, one registry (envs/base.py), checked against the data at start-up (before any engine starts):
-- built-in: `search` (Search-R1 tags), `tool` (function calling), `keyword` and `key_door` (toys);
+- built-in: `search` (Search-R1 tags), `tool` (function calling), `keyword` and `key_door` (toys),
+  `reasoning_gym` (a reasoning-gym task's own scorer, rows from data/reasoning_gym.py);
 - the run's config: `environment.env_classes: {guess: my_pkg.guess:GuessEnv}` (or `my_pkg.guess.GuessEnv`);
 - installed packages: the entry-point group `skyrl_stepwise.envs` (pyproject:
   `[project.entry-points."skyrl_stepwise.envs"] guess = "my_pkg.guess:GuessEnv"`).
@@ -17,7 +18,7 @@ from typing import Callable
 
 from skyrl_stepwise.envs.base import EnvRegistry
 
-BUILTIN_ENVS = ("search", "tool", "keyword", "key_door")
+BUILTIN_ENVS = ("search", "tool", "keyword", "key_door", "reasoning_gym")
 ENTRY_POINT_GROUP = "skyrl_stepwise.envs"
 HOW_TO_ADD = ("add one with `+environment.env_classes.NAME=my_pkg.module:MyEnv` (or `environment.env_classes: "
               "{NAME: my_pkg.module:MyEnv}` in a recipe; the module must be importable, e.g. on PYTHONPATH), or "
@@ -84,6 +85,7 @@ def check_env_classes(used: list[str], environment, where: str = "data") -> None
 def build_env_registry(environment) -> EnvRegistry:
     """The built-ins (one shared retrieval client / tool set each) and every plugin env of the run."""
     from skyrl_stepwise.envs.key_door import KeyDoorEnv
+    from skyrl_stepwise.envs.reasoning_gym import ReasoningGymEnv
     from skyrl_stepwise.envs.search import register_search_env
     from skyrl_stepwise.envs.tool import register_tool_env
     from skyrl_stepwise.envs.toy import KeywordEnv
@@ -93,6 +95,7 @@ def build_env_registry(environment) -> EnvRegistry:
     register_tool_env(registry, environment.tool, environment.search.search_url)
     registry.register("keyword", KeywordEnv)
     registry.register("key_door", KeyDoorEnv)
+    registry.register("reasoning_gym", ReasoningGymEnv)
     for name, (_, factory) in plugin_envs(getattr(environment, "env_classes", None)).items():
         registry.register(name, factory)
     return registry
