@@ -30,6 +30,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from skyrl_stepwise.envs.builtin import build_env_registry
+    from skyrl_stepwise.envs.openenv_local import stop_local_servers
     from skyrl_stepwise.generator import StepwiseGenerator
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
@@ -123,6 +124,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             getattr(engine, "shutdown", lambda: None)()
         if placement_group is not None:
             ray.util.remove_placement_group(placement_group)
+        stop_local_servers()  # OpenEnv servers the run started (openenv:local://...)
         if owns_ray:
             ray.shutdown()
 

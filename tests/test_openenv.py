@@ -116,3 +116,41 @@ async def test_a_wrong_url_and_a_dying_server_fail_only_their_trajectories(token
     finally:
         process.kill()
         process.wait(10)
+
+
+def test_local_server_specs_are_checked_without_starting_anything():
+    from skyrl_stepwise.envs.openenv_local import running_local_servers
+
+    cfg = parse_openenv_spec("openenv-mcp:local://my_env.server:app/mcp?message_timeout_s=5", "k")
+    assert (cfg.base_url, cfg.mcp, cfg.message_timeout_s) == ("local://my_env.server:app/mcp", True, 5.0)
+    with pytest.raises(EnvPluginError, match=r"environment.env_classes.e: 'local://my-env': expected local://MODULE:APP"):
+        check_env_classes(["e"], EnvironmentConfig(env_classes={"e": "openenv:local://my-env"}))
+    check_env_classes(["e"], EnvironmentConfig(env_classes={"e": "openenv:local://no_such_module:app"}))
+    assert not running_local_servers()  # checking a config starts no server
+
+
+@pytest.mark.integration
+async def test_a_local_server_is_started_per_run_and_stopped_with_it(tokenizer, monkeypatch):
+    """`openenv:local://MODULE:APP/PATH`: the run serves the app itself (one server shared by both env classes, one
+    session per trajectory) and stops it at the end; a module that cannot be imported fails naming the key."""
+    from skyrl_stepwise.envs.openenv_local import LocalServerError, local_server_url, running_local_servers, \
+        stop_local_servers
+
+    monkeypatch.setenv("PYTHONPATH", f"{SERVER.parent}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    eos = tokenizer.eos_token_id
+    turns = [canonical(tokenizer, "red") + [eos], canonical(tokenizer, "blue") + [eos]]
+    app = "local://tiny_openenv_server:app"
+    try:
+        gen = _generator(tokenizer, {"guess": f"openenv:{app}/text?observation_field=prompt",
+                                     "guess2": f"openenv:{app}/text"}, lambda p, s, i: turns[i])
+        prompts = [[{"role": "user", "content": "Play."}]] * 2
+        out = await gen.generate(prompts, ["guess", "guess2"], [{}, {}], [TrajectoryID("g", 0), TrajectoryID("h", 0)])
+        assert out.rollout_metrics["generate/failed_trajectories"] == 0
+        assert out.trajectory_rewards() == [1.0, 1.0]
+        servers = running_local_servers()
+        assert list(servers) == ["tiny_openenv_server:app"]  # one server for both env classes
+        with pytest.raises(LocalServerError, match=r"env_classes.bad: .*uvicorn no_such_module:app.* exited"):
+            local_server_url("no_such_module:app", "environment.env_classes.bad")
+    finally:
+        stop_local_servers()
+    assert servers["tiny_openenv_server:app"].poll() is not None and not running_local_servers()

@@ -7,6 +7,7 @@ Plugged in through `environment.env_classes` with a server address instead of an
       echo: "openenv:http://127.0.0.1:8000"                         # a text env: the sampled turn is the action
       calc: "openenv-mcp:http://127.0.0.1:8001"                      # an MCP env: its tools, called by the model
       game: "openenv:http://host:8000?action_field=guess&observation_field=prompt"
+      mine: "openenv:local://my_env.server:app/text"                 # a server the run starts and stops
 
 Text envs: our sampled turn becomes `{action_field: text}`, the observation's text a user message, reward and done
 come from the server. MCP envs: `ListToolsAction` at reset gives the tool schemas shown in the model's own
@@ -19,11 +20,13 @@ trajectory ends.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from skyrl_stepwise.envs.base import Message, StepResult
+from skyrl_stepwise.envs.openenv_local import (LOCAL_SCHEME, is_local_url, is_running, local_server_url,
+                                               parse_local_url)
 
 TEXT_SCHEME, MCP_SCHEME = "openenv:", "openenv-mcp:"
 _QUIET_FIELDS = {"reward", "done", "metadata"}
@@ -56,8 +59,11 @@ def parse_openenv_spec(value: str, key: str) -> OpenEnvConfig:
     mcp = value.startswith(MCP_SCHEME)
     url = value[len(MCP_SCHEME if mcp else TEXT_SCHEME):]
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https", "ws", "wss") or not parts.netloc:
-        raise ValueError(f"{key}: {value!r}: expected openenv:http://HOST:PORT (or openenv-mcp:...)")
+    if parts.scheme == LOCAL_SCHEME:
+        parse_local_url(urlunsplit(parts._replace(query="")), key)  # malformed: fails now, naming the key
+    elif parts.scheme not in ("http", "https", "ws", "wss") or not parts.netloc:
+        raise ValueError(f"{key}: {value!r}: expected openenv:http://HOST:PORT or openenv:local://MODULE:APP[/PATH] "
+                         "(or openenv-mcp:...)")
     options = dict(parse_qsl(parts.query))
     allowed = {"action_field", "observation_field", "connect_timeout_s", "message_timeout_s"}
     unknown = sorted(set(options) - allowed)
@@ -236,4 +242,15 @@ def openenv_factory(value: str, key: str):
     """The env factory for an env_classes value naming an OpenEnv server (one env, one session, per trajectory)."""
     cfg = parse_openenv_spec(value, key)
     cls = OpenEnvMCPEnv if cfg.mcp else OpenEnvTextEnv
-    return lambda: cls(cfg)
+    if not is_local_url(cfg.base_url):
+        return lambda: cls(cfg)
+    app, path = parse_local_url(cfg.base_url, key)
+    served: list[OpenEnvConfig] = []
+
+    def local_factory():
+        """Starts the local server on the first trajectory (not when a config is only checked; envs/openenv_local.py)."""
+        if not served or not is_running(app):
+            served[:] = [replace(cfg, base_url=local_server_url(app, key) + path)]
+        return cls(served[0])
+
+    return local_factory

@@ -1,6 +1,7 @@
 """A tiny OpenEnv server for tests/test_openenv.py, written with openenv-core's own server helpers: a text env at
 /text (guess the color; "crash" kills the server mid-episode) and an MCP env at /mcp (an `add` tool), on
-127.0.0.1:PORT (argv[1])."""
+127.0.0.1:PORT (argv[1]), or
+served by a run itself as `local://tiny_openenv_server:app` (module-level `app`)."""
 import os, sys
 import uvicorn
 from fastmcp import FastMCP
@@ -67,10 +68,11 @@ class CalcEnv(MCPEnvironment):
         return State(step_count=0)
 
 
-if __name__ == "__main__":
-    from fastapi import FastAPI
+from fastapi import FastAPI
 
-    app = FastAPI()
-    app.mount("/text", create_fastapi_app(GuessEnv, GuessAction, Observation, max_concurrent_envs=8))
-    app.mount("/mcp", create_fastapi_app(CalcEnv, Action, Observation, max_concurrent_envs=8))
+app = FastAPI()  # module level, so a run can serve it itself: openenv:local://tiny_openenv_server:app/text
+app.mount("/text", create_fastapi_app(GuessEnv, GuessAction, Observation, max_concurrent_envs=8))
+app.mount("/mcp", create_fastapi_app(CalcEnv, Action, Observation, max_concurrent_envs=8))
+
+if __name__ == "__main__":
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
