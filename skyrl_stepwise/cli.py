@@ -12,6 +12,8 @@ COMMANDS = {
     ("demo",): ("skyrl_stepwise.inference.demo", "generate for a few chat prompts with the vLLM engine"),
     ("train",): ("skyrl_stepwise.train", "step-wise RL training (a Hydra app: `train --help`)"),
     ("sft",): ("skyrl_stepwise.sft", "supervised warm start on demonstrations (cached model folder)"),
+    ("data", "reasoning-gym"): ("skyrl_stepwise.data.reasoning_gym",
+                                "build train/validation parquet from a reasoning-gym task"),
     ("data", "demos"): ("skyrl_stepwise.data.demonstrations", "build the Search-R1 SFT demonstrations"),
     ("show",): ("skyrl_stepwise.show", "print a run's decoded rollout samples (`show <run dir> [--step N]`)"),
     ("ablate",): ("skyrl_stepwise.ablate", "step-wise vs merged vs whole-trajectory ablation (a Hydra app)"),

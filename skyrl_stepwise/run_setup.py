@@ -28,6 +28,12 @@ def _datasets(cfg):
         built = build_embedded_search_r1()
         train = built.train if train == "embedded" else train
         val = built.validation if val == "embedded" else val
+    from skyrl_stepwise.data.reasoning_gym import SPEC_PREFIX, cached_task_file, parse_spec
+
+    if str(train).startswith(SPEC_PREFIX):  # data.train_path=reasoning_gym:NAME[:SIZE[:SEED]]
+        train = cached_task_file(parse_spec(train, "data.train_path"))
+    if val and str(val).startswith(SPEC_PREFIX):
+        val = cached_task_file(parse_spec(val, "data.val_path"))
     rows = load_prompt_dataset(train), (load_prompt_dataset(val) if val else [])
     if cfg.data.env_class:
         rows = tuple([dataclasses.replace(r, env_class=cfg.data.env_class) for r in part] for part in rows)

@@ -30,6 +30,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from skyrl_stepwise.envs.builtin import build_env_registry
+    from skyrl_stepwise.envs.openenv_local import stop_local_servers
     from skyrl_stepwise.generator import StepwiseGenerator
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
@@ -37,6 +38,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.run_record import save_record
     from skyrl_stepwise.run_report import fsdp_backend
     from skyrl_stepwise.trainer.warm_start import sft_model
+    from skyrl_stepwise.chat.adaptation import describe_chat_adaptation
     from skyrl_stepwise.trainer.evaluation import eval_subset
     from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
     from skyrl_stepwise.tools.base import configured_tool_schemas
@@ -62,6 +64,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
+        logger.info(describe_chat_adaptation(eval_generator.loop.renderer))
         rollout_log = RolloutLog(cfg.logging.output_dir, eval_generator.loop.renderer, cfg.logging.num_rollout_samples,
                                  tools=configured_tool_schemas(cfg.environment.tool.tools_path))
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
@@ -133,6 +136,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             getattr(engine, "shutdown", lambda: None)()
         if placement_group is not None:
             ray.util.remove_placement_group(placement_group)
+        stop_local_servers()  # OpenEnv servers the run started (openenv:local://...)
         if owns_ray:
             ray.shutdown()
 

@@ -44,7 +44,7 @@ def test_an_unknown_env_class_fails_naming_the_registry_and_how_to_add_one():
                           "data (train.parquet)")
     message = str(info.value)
     assert "data (train.parquet): unknown env_class 'gues'" in message
-    assert "['guess', 'key_door', 'keyword', 'search', 'tool']" in message and "environment.env_classes" in message
+    assert "['guess', 'key_door', 'keyword', 'reasoning_gym', 'search', 'tool']" in message and "environment.env_classes" in message
 
 
 @pytest.mark.parametrize("path, expected", [("no_such_pkg.envs:GuessEnv", "cannot import module 'no_such_pkg.envs'"),
@@ -88,7 +88,7 @@ def test_train_fails_in_seconds_on_an_unknown_env_class_and_says_why_in_the_run_
                     "logging.wandb_mode=disabled"])
     assert time.perf_counter() - start < 30
     err = capsys.readouterr().err
-    assert "unknown env_class 'gues'; registered: ['guess', 'key_door', 'keyword', 'search', 'tool']" in err
+    assert "unknown env_class 'gues'; registered: ['guess', 'key_door', 'keyword', 'reasoning_gym', 'search', 'tool']" in err
     assert "Traceback" not in err
     report = (tmp_path / "run" / "report.md").read_text()
     assert "before step 1" in report and "unknown env_class 'gues'" in report

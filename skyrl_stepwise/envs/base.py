@@ -22,7 +22,8 @@ class StepResult:
 
 
 class Env(Protocol):
-    """One episode's state; a fresh instance per trajectory."""
+    """One episode's state; a fresh instance per trajectory. An env holding a connection (envs/openenv.py) may also
+    define `async def aclose(self)`: the generator calls it when the trajectory ends, however it ends."""
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
         """Start an episode from the dataset row's prompt and `extra_info`; returns the messages the first prompt

@@ -1,8 +1,10 @@
 """The environments a run can name in its rows' `env_class`: the built-ins, the run's own, and installed plugins.
 
 Three sources, one registry (envs/base.py), checked against the data at start-up (before any engine starts):
-- built-in: `search` (Search-R1 tags), `tool` (function calling), `keyword` and `key_door` (toys);
-- the run's config: `environment.env_classes: {guess: my_pkg.guess:GuessEnv}` (or `my_pkg.guess.GuessEnv`);
+- built-in: `search` (Search-R1 tags), `tool` (function calling), `keyword` and `key_door` (toys),
+  `reasoning_gym` (a reasoning-gym task's own scorer, rows from data/reasoning_gym.py);
+- the run's config: `environment.env_classes: {guess: my_pkg.guess:GuessEnv}` (or `my_pkg.guess.GuessEnv`), or an
+  OpenEnv server: `{echo: "openenv:http://127.0.0.1:8000"}` (`openenv-mcp:` for an MCP env; envs/openenv.py);
 - installed packages: the entry-point group `skyrl_stepwise.envs` (pyproject:
   `[project.entry-points."skyrl_stepwise.envs"] guess = "my_pkg.guess:GuessEnv"`).
 A plugin is a class (or a no-argument factory) whose instances implement `Env` or `TurnEnv`; one instance per
@@ -16,8 +18,9 @@ from importlib.metadata import entry_points
 from typing import Callable
 
 from skyrl_stepwise.envs.base import EnvRegistry
+from skyrl_stepwise.envs.openenv import is_openenv_spec, openenv_factory
 
-BUILTIN_ENVS = ("search", "tool", "keyword", "key_door")
+BUILTIN_ENVS = ("search", "tool", "keyword", "key_door", "reasoning_gym")
 ENTRY_POINT_GROUP = "skyrl_stepwise.envs"
 HOW_TO_ADD = ("add one with `+environment.env_classes.NAME=my_pkg.module:MyEnv` (or `environment.env_classes: "
               "{NAME: my_pkg.module:MyEnv}` in a recipe; the module must be importable, e.g. on PYTHONPATH), or "
@@ -57,7 +60,14 @@ def plugin_envs(env_classes: dict[str, str] | None) -> dict[str, tuple[str, Call
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found[ep.name] = (f"entry point {ep.name} = {ep.value}", import_object(ep.value, f"entry point {ep.name!r}"))
     for name, path in (env_classes or {}).items():  # the run's config wins over an installed package's name
-        found[name] = (f"environment.env_classes.{name}", import_object(str(path), f"environment.env_classes.{name}"))
+        key = f"environment.env_classes.{name}"
+        if is_openenv_spec(str(path)):  # an OpenEnv server: openenv[-mcp]:http://host:port (envs/openenv.py)
+            try:
+                found[name] = (key, openenv_factory(str(path), key))
+            except ValueError as e:
+                raise EnvPluginError(str(e)) from None
+            continue
+        found[name] = (key, import_object(str(path), key))
     clash = sorted(set(found) & set(BUILTIN_ENVS))
     if clash:
         raise EnvPluginError(f"{found[clash[0]][0]}: {clash[0]!r} is a built-in env class; pick another name "
@@ -84,6 +94,7 @@ def check_env_classes(used: list[str], environment, where: str = "data") -> None
 def build_env_registry(environment) -> EnvRegistry:
     """The built-ins (one shared retrieval client / tool set each) and every plugin env of the run."""
     from skyrl_stepwise.envs.key_door import KeyDoorEnv
+    from skyrl_stepwise.envs.reasoning_gym import ReasoningGymEnv
     from skyrl_stepwise.envs.search import register_search_env
     from skyrl_stepwise.envs.tool import register_tool_env
     from skyrl_stepwise.envs.toy import KeywordEnv
@@ -93,6 +104,7 @@ def build_env_registry(environment) -> EnvRegistry:
     register_tool_env(registry, environment.tool, environment.search.search_url)
     registry.register("keyword", KeywordEnv)
     registry.register("key_door", KeyDoorEnv)
+    registry.register("reasoning_gym", ReasoningGymEnv)
     for name, (_, factory) in plugin_envs(getattr(environment, "env_classes", None)).items():
         registry.register(name, factory)
     return registry

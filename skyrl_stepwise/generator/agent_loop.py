@@ -143,6 +143,12 @@ class AgentLoop:
             end_session = getattr(self.engine, "end_session", None)  # a pool forgets the sticky route
             if end_session is not None:
                 end_session(trajectory_id.key())
+            close = getattr(env, "aclose", None)  # an env holding a session (OpenEnv) releases it, however it ended
+            if close is not None:
+                try:
+                    await close()
+                except Exception as e:  # noqa: BLE001 - the trajectory's outcome stands; the leak is reported
+                    logger.warning("closing the env of trajectory %s failed: %r", trajectory_id.key(), e)
         return TrajectoryResult(trajectory_id, steps, stats)
 
     async def _rollout(self, env: Env, prompt_messages: list[Message], extras: dict, trajectory_id: TrajectoryID,

@@ -31,6 +31,12 @@ class FailedCall(str):
     model's own arguments, and the tool env's retrieval reward must not pay for them."""
 
 
+class ToolUnavailable(Exception):
+    """The service behind a tool is gone (an MCP server whose connection closed, one that cannot be reached): not
+    the call's fault, so the executor does not answer the model with it; it ends the trajectory as an
+    infrastructure failure (counted, not trained) instead of teaching the model from an error it did not cause."""
+
+
 def is_retrieval_tool(tool: ToolLike | None) -> bool:
     """Whether a tool's successful results are retrieved text (class attribute `retrieval = True`, e.g. search):
     only those may earn the tool env's intermediate reward, since the answer in them came from outside the model."""

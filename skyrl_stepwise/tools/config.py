@@ -6,6 +6,7 @@
         tool_schema:                           # the OpenAI function schema the model is shown
           type: function
           function: {name: calculator, description: ..., parameters: {type: object, properties: ...}}
+      - mcp_server: {command: [python, my_server.py]}   # every tool an MCP server lists (tools/mcp.py)
 
 Everything is checked at load time, before a single rollout, so a typo in a schema fails with the file, the
 tool index and the key instead of a model that silently never gets its arguments validated.
@@ -139,6 +140,18 @@ def parse_tool_specs(data: Any, source: str = "<dict>") -> list[ToolSpecConfig]:
         if not isinstance(entry, dict):
             raise ToolConfigError(f"{where}: must be a mapping with class_name/config/tool_schema, "
                                   f"got {type(entry).__name__}")
+        if "mcp_server" in entry:  # tools listed by an MCP server (tools/mcp.py)
+            if set(entry) != {"mcp_server"}:
+                raise ToolConfigError(f"{where}: an mcp_server entry takes no other key, got {sorted(set(entry))}")
+            from skyrl_stepwise.tools.mcp import mcp_tool_specs
+
+            for spec in mcp_tool_specs(entry["mcp_server"], where, source):
+                if spec.name in seen:
+                    raise ToolConfigError(f"{where}.mcp_server: tool name {spec.name!r} clashes with tools"
+                                          f"[{seen[spec.name]}]; set mcp_server.prefix or mcp_server.tools")
+                seen[spec.name] = i
+                specs.append(spec)
+            continue
         unknown = sorted(set(entry) - SPEC_KEYS)
         if unknown:
             raise ToolConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {sorted(SPEC_KEYS)})")

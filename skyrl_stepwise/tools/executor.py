@@ -19,7 +19,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from skyrl_stepwise.chat.base import Message, ParsedTurn, ToolCallRequest
-from skyrl_stepwise.tools.base import FailedCall, ToolLike
+from skyrl_stepwise.tools.base import FailedCall, ToolLike, ToolUnavailable
 
 # What the model is told about each parser error kind (ToolCallRequest.error).
 PARSE_HINTS = {
@@ -169,6 +169,8 @@ class ToolExecutor:
         t0 = time.perf_counter()
         try:
             content = await run_with_timeout(tool.call(arguments), self.timeout_s)
+        except ToolUnavailable:  # the tool's server is gone: this trajectory fails, the model is not answered
+            raise
         except ToolTimeout:
             return ToolResult(call_id, name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.",
                               ok=False, error_kind="timeout", seconds=time.perf_counter() - t0)

@@ -1,0 +1,138 @@
+"""MCP tool servers as tools: a real stdio server written with the `mcp` SDK, listed at load, called through the
+SDK's client; server errors and timeouts answer the call as tool errors, a dead server fails the trajectory."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import yaml
+from test_generator import canonical
+
+from skyrl_stepwise.chat.base import ToolCallRequest
+from skyrl_stepwise.envs.base import EnvRegistry
+from skyrl_stepwise.envs.tool import ToolEnvConfig, register_tool_env
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+from skyrl_stepwise.inference.scripted import ScriptedEngine
+from skyrl_stepwise.tools import ToolExecutor, load_tools
+from skyrl_stepwise.tools.base import ToolUnavailable, close_tools
+from skyrl_stepwise.tools.config import ToolConfigError
+
+SERVER = textwrap.dedent('''
+    import os, time
+    from mcp.server.mcpserver import MCPServer
+
+    app = MCPServer("tiny")
+
+    @app.tool()
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @app.tool()
+    def fail(msg: str) -> str:
+        """Always raises."""
+        raise ValueError(msg)
+
+    @app.tool()
+    def slow(seconds: float) -> str:
+        """Sleeps, then answers."""
+        time.sleep(seconds)
+        return "done"
+
+    @app.tool()
+    def die() -> str:
+        """Kills the server."""
+        os._exit(3)
+
+    if __name__ == "__main__":
+        app.run()
+''')
+
+
+@pytest.fixture(scope="module")
+def server_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mcp") / "tiny_server.py"
+    path.write_text(SERVER)
+    return path
+
+
+def _tools_file(tmp_path, *entries) -> str:
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump({"tools": list(entries)}))
+    return str(path)
+
+
+def _server(server_path, **extra) -> dict:
+    return {"mcp_server": {"command": [sys.executable, str(server_path)], **extra}}
+
+
+def _call(name: str, **arguments) -> ToolCallRequest:
+    return ToolCallRequest(name=name, arguments=arguments)
+
+
+async def test_listed_tools_are_called_and_server_errors_are_tool_errors(server_path, tmp_path):
+    tools = load_tools(_tools_file(tmp_path, _server(server_path, tools=["add", "fail", "slow"])))
+    try:
+        assert sorted(tools) == ["add", "fail", "slow"]
+        assert tools["add"].schema["function"]["parameters"]["required"] == ["a", "b"]
+        assert tools["add"].schema["function"]["description"] == "Add two integers."
+        assert (await ToolExecutor(tools, timeout_s=60).execute([_call("add", a=0, b=0)]))[0].content == "0"  # connect
+        executor = ToolExecutor(tools, timeout_s=60)
+        add, fail, bad = await executor.execute([_call("add", a=2, b=3), _call("fail", msg="boom"),
+                                                 _call("add", a="x", b=1)])
+        slow, = await ToolExecutor(tools, timeout_s=0.5).execute([_call("slow", seconds=3)])
+        assert (add.ok, add.content) == (True, "5")
+        assert not fail.ok and fail.error_kind == "tool_error" and "fail" in fail.content  # never a result
+        assert not slow.ok and slow.error_kind == "timeout"
+        assert not bad.ok and bad.error_kind == "invalid_arguments"  # our schema check, before the server
+        again = await ToolExecutor(tools, timeout_s=60).execute([_call("add", a=1, b=1)])
+        assert again[0].content == "2"  # the session survives an error and a timeout
+    finally:
+        await close_tools(tools)
+
+
+@pytest.mark.integration  # two more server start-ups (a few seconds each on a loaded machine)
+async def test_a_dead_server_raises_and_the_next_call_reconnects(server_path, tmp_path):
+    tools = load_tools(_tools_file(tmp_path, _server(server_path, tools=["add", "die"])))
+    try:
+        executor = ToolExecutor(tools, timeout_s=10.0)
+        with pytest.raises(ToolUnavailable, match="closed the connection"):
+            await executor.execute([_call("die")])
+        assert (await executor.execute([_call("add", a=20, b=22)]))[0].content == "42"
+    finally:
+        await close_tools(tools)
+
+
+def test_start_up_errors_name_the_file_and_entry(server_path, tmp_path):
+    clash = {"class_name": "calculator", "tool_schema": {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}}
+    with pytest.raises(ToolConfigError, match=r"tools\[1\]\.mcp_server: tool name 'add' clashes with tools\[0\]"):
+        load_tools(_tools_file(tmp_path, clash, _server(server_path, tools=["add"])))
+    assert sorted(load_tools(_tools_file(tmp_path, clash, _server(server_path, tools=["add"], prefix="mcp_")))) \
+        == ["add", "mcp_add"]
+    with pytest.raises(ToolConfigError, match=r"mcp_server.tools: \['nope'\] not listed.*'add'"):
+        load_tools(_tools_file(tmp_path, _server(server_path, tools=["nope"])))
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp_server: cannot list the tools of MCP server"):
+        load_tools(_tools_file(tmp_path, {"mcp_server": {"command": [sys.executable, "-c", "pass"],
+                                                         "connect_timeout_s": 10}}))
+    with pytest.raises(ToolConfigError, match=r"mcp_server: unknown config key 'comand'"):
+        load_tools(_tools_file(tmp_path, {"mcp_server": {"comand": ["x"]}}))
+
+
+async def test_a_trajectory_whose_server_dies_is_dropped_and_counted(server_path, tmp_path, tokenizer):
+    eos = tokenizer.eos_token_id
+    die = canonical(tokenizer, '<tool_call>{"name": "die", "arguments": {}}</tool_call>') + [eos]
+    answer = canonical(tokenizer, "<answer> x </answer>") + [eos]
+    engine = ScriptedEngine(lambda p, s, i: die if "Stop" in tokenizer.decode(p) else answer, tokenizer)
+    registry = EnvRegistry()
+    register_tool_env(registry, ToolEnvConfig(tools_path=_tools_file(tmp_path, _server(server_path, tools=["die"]))))
+    cfg = GeneratorConfig(max_turns=3, max_input_length=4096, show_progress=False, merge_stepwise_output=True,
+                          sampling=GeneratorSamplingConfig(max_generate_length=64))
+    extras = {"reward_spec": {"ground_truth": {"target": ["x"]}}}
+    out = await StepwiseGenerator(tokenizer, engine, registry, cfg).generate(
+        [[{"role": "user", "content": "Stop the server."}], [{"role": "user", "content": "Answer x."}]],
+        ["tool", "tool"], [extras, extras], [TrajectoryID("q", 0), TrajectoryID("r", 0)])
+    assert out.rollout_metrics["generate/failed_trajectories"] == 1
+    assert out.trajectory_rewards() == [1.0]  # only the healthy trajectory is trained; none scored 0 for the crash

