@@ -17,11 +17,12 @@ import torch
 from skyrl_stepwise.trainer.packing.layout import AttentionLayout
 
 # Largest |packed - alone| logprob accepted. fp32 differs by summation order only (SmolLM2-135M: 1e-5); bf16 compute
-# (FSDP mixed precision) rounds every layer and takes other kernels for masked rows: 0.15 on SmolLM2. What the check
-# must catch is far larger on a trained model: on SmolLM2 a row whose samples see each other scores 2.7-5.2 nats
-# away, a window the model does not have 10.6, in fp32 and bf16 alike.
+# (FSDP mixed precision) rounds every layer and takes other kernels for masked rows: 0.15 on SmolLM2 loaded in bf16,
+# 0.21 under FSDP2 mixed precision in `make run`. What the check must catch is far larger on a trained model: on
+# SmolLM2 a row whose samples see each other scores 2.7-5.2 nats away, a window the model does not have 10.6, in
+# fp32 and bf16 alike. 1.0 sits ~5x above that noise and ~3x below the smallest leak measured.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
-HALF_TOLERANCE = 0.5
+HALF_TOLERANCE = 1.0
 
 
 @dataclass(frozen=True)
