@@ -2,9 +2,10 @@
 
 A tool is anything with a `name`, an OpenAI `schema` (`{"type": "function", "function": {...}}`) and
 `async def call(self, arguments: dict) -> str`. The executor has already validated `arguments` against the
-schema's `parameters`, so a tool only checks what a JSON schema cannot express. Tools run on the rollout's
-event loop: one that blocks (CPU work, sync I/O) must hand off with `asyncio.to_thread`, or it stalls every
-trajectory of the batch and no timeout can interrupt it.
+schema's `parameters`, so a tool only checks what a JSON schema cannot express. Each tool runs on its own
+event loop, off the rollout's (tools/offloop.py): one that blocks (CPU work, sync I/O) is named in a warning and
+then given a thread per call, so it stalls no other trajectory and its timeout holds; it should still hand off
+with `asyncio.to_thread`.
 """
 
 from __future__ import annotations
