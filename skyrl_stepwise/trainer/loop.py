@@ -22,6 +22,7 @@ from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
 from skyrl_stepwise.trainer.advantages import loss_weights, signal_groups, trajectory_scores
+from skyrl_stepwise.trainer.agreement import SyncRecord, check_agreement
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.credit import compute_credit
@@ -101,7 +102,10 @@ def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, f
     out: dict[str, float] = defaultdict(float)
     for metrics in per_mini_batch:
         for k, v in metrics.items():
-            out[k] += v if k in SUMMED_TRAIN_KEYS else v / n
+            if k.endswith("_max"):  # a maximum stays one (e.g. agreement/logprob_abs_diff_max)
+                out[k] = max(out[k], v) if k in out else v
+            else:
+                out[k] += v if k in SUMMED_TRAIN_KEYS else v / n
     if out.get("train/real_tokens"):
         out["train/pad_ratio"] = out["train/packed_tokens"] / out["train/real_tokens"]
         out["train/padded_batch_pad_ratio"] = out["train/padded_batch_tokens"] / out["train/real_tokens"]
@@ -166,6 +170,8 @@ class RLTrainer:
         self.lineage: list[dict] = []
         self.last_prompts: list[str] = []  # instance ids the last step drew, for the metrics log
         self.ahead: RolloutAhead | None = None  # trainer.max_staleness > 0: the rollouts of the next steps
+        self.last_sync = SyncRecord(0, "initial weights")  # where the engines' weights came from (agreement alarm)
+        self.step_sync = self.last_sync  # ... as of this step's rollouts
 
     async def fit(self) -> dict[str, float]:
         """Resume if asked, then train to total_steps; returns the last step's metrics."""
@@ -182,6 +188,7 @@ class RLTrainer:
             if self.rollout_log is not None:
                 self.rollout_log.rewind(self.step)
             await self.weight_sync.sync()
+            self.last_sync = SyncRecord(self.step, "resume")
         if self.cfg.trainer.max_staleness > 0:
             self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness)
         metrics: dict[str, float] = {}
@@ -193,6 +200,7 @@ class RLTrainer:
                         self.step == self.cfg.total_steps:
                     metrics.update(await self.evaluate())
                 self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
+                check_agreement(metrics, self.cfg.trainer.agreement_alarm_mean_diff, self.step, self.step_sync)
                 ckpt = self.cfg.trainer.ckpt_interval
                 if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
                     await self.save_checkpoint()
@@ -268,6 +276,7 @@ class RLTrainer:
         weight sync and its probe; returns the step's metrics (the loop logs and checkpoints them)."""
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
+        self.step_sync = self.last_sync  # the rollouts below were sampled with weights from this sync (or older)
         offload = cfg.trainer.fsdp.offload_during_rollout  # GPU: the engines get the trainer's memory meanwhile
         if offload:
             offloaded_bytes = self.policy.call("offload_to_host")
@@ -338,6 +347,7 @@ class RLTrainer:
         timer["timing/weight_sync_s"] -= probe_s
         timer["timing/weight_sync_probe_s"] = probe_s
         bar.close()
+        self.last_sync = SyncRecord(self.step + 1, "weight sync", probe.max_abs_diff)
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
                         "sync/probe_logprob_mean_diff": probe.mean_abs_diff,
                         "sync/probe_tokens": float(probe.num_tokens)})
