@@ -540,10 +540,11 @@ class PolicyWorker:
             group.close()
         self._weight_group = None
 
-    def save_checkpoint(self, step: int, trainer_state: dict | None = None) -> Path:
-        """Atomic checkpoint of model, optimizer, scheduler, RNG and trainer_state (see checkpoint.py)."""
+    def save_checkpoint(self, step: int, trainer_state: dict | None = None,
+                        files: dict[str, bytes] | None = None) -> Path:
+        """Atomic checkpoint of model, optimizer, scheduler, RNG, trainer_state and the driver's `files`."""
         path = checkpoint.save_checkpoint(self.cfg.ckpt_dir, step, self.model, self.optimizer, self.scheduler,
-                                          trainer_state, self.cfg.max_ckpts_to_keep)
+                                          trainer_state, self.cfg.max_ckpts_to_keep, files)
         release_host_memory(self.device)
         return path
 

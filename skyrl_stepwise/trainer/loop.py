@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
+from skyrl_stepwise.trainer import driver_state
 from skyrl_stepwise.trainer.advantages import loss_weights, signal_groups, trajectory_scores
 from skyrl_stepwise.trainer.agreement import SyncRecord, check_agreement
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
@@ -179,10 +180,14 @@ class RLTrainer:
         if t.ckpt_interval:
             check_fresh_start(t.ckpt_dir, t.resume, t.overwrite_ckpt_dir)
         resume_from = resolve_resume(t.resume, t.ckpt_dir)
+        saved = None
         if resume_from is not None:
             state = self.policy.call("load_checkpoint", str(resume_from))
             self.step = int(state["step"])
             self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
+            saved = driver_state.load(resume_from)
+            if saved is not None:
+                driver_state.restore_rng(saved.rng)
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
             self.tracker.rewind(self.step)
             if self.rollout_log is not None:
@@ -190,7 +195,9 @@ class RLTrainer:
             await self.weight_sync.sync()
             self.last_sync = SyncRecord(self.step, "resume")
         if self.cfg.trainer.max_staleness > 0:
-            self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness)
+            ready = saved.rollouts_ahead if saved is not None else []  # sampled by weights older than ours
+            self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness,
+                                      ready=[r for r in ready if r.step < self.cfg.total_steps])
         metrics: dict[str, float] = {}
         try:
             while self.step < self.cfg.total_steps:
@@ -214,8 +221,9 @@ class RLTrainer:
         """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs').
         Off the event loop (a save takes seconds to minutes): rollouts running ahead, and their tool calls,
         keep going meanwhile."""
+        files = {driver_state.DRIVER_STATE: driver_state.dump(self.ahead.pending() if self.ahead else [])}
         await self._call(self.policy, "save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
-                                                                     "lineage": self.lineage})
+                                                                     "lineage": self.lineage}, files)
         self.lineage = await asyncio.to_thread(prune_lineage, self.cfg.trainer.ckpt_dir,
                                                self.lineage + [lineage_entry(self.step, self.run_id)],
                                                self.cfg.trainer.max_ckpts_to_keep)
@@ -342,7 +350,7 @@ class RLTrainer:
                 probe_start = time.perf_counter()
                 probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                              temperature=cfg.trainer.temperature, top_k=cfg.trainer.top_k,
-                                             top_p=cfg.trainer.top_p)
+                                             top_p=cfg.trainer.top_p, seed=cfg.generator.sampling.seed)
                 probe_s = time.perf_counter() - probe_start
         timer["timing/weight_sync_s"] -= probe_s
         timer["timing/weight_sync_probe_s"] = probe_s
