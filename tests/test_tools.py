@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
-from skyrl_stepwise.tools import (Tool, ToolConfigError, ToolExecutor, ToolResult, build_tools, load_tools,
-                                  load_tools_yaml, parse_tool_specs, to_messages, tool_schemas)
+from skyrl_stepwise.tools import (Tool, ToolConfigError, ToolExecutor, ToolResult, ToolUnavailable, build_tools,
+                                  load_tools, load_tools_yaml, parse_tool_specs, to_messages, tool_schemas)
 from skyrl_stepwise.tools.base import check_tool_spec
 from skyrl_stepwise.tools.builtin import CalculatorError, CalculatorTool, SearchTool, safe_eval
 
@@ -313,9 +313,34 @@ def test_search_tool_formats_docs_like_search_r1(monkeypatch):
 ])
 def test_search_tool_turns_retriever_errors_into_text(monkeypatch, response, expected):
     mock_retriever(monkeypatch, lambda request: response)
-    tool = SearchTool({"max_retries": 0, "backoff_s": 0.0})
+    tool = SearchTool({"max_retries": 0, "backoff_s": 0.0, "retriever_down": "observe"})
     text = asyncio.run(tool.call({"query": "q"}))
     assert text.startswith(expected) and tool.failures == 1
+
+
+async def test_a_dead_retriever_is_retried_with_backoff_then_fails_the_trajectory_not_the_model(monkeypatch):
+    """Connection refused on every try: 1 + max_retries tries, spaced by the backoff, then ToolUnavailable leaves
+    the executor (the agent loop fails that trajectory only) instead of a 'Search failed' text trained on."""
+    times, calls = [], []
+
+    def handler(request):
+        times.append(time.perf_counter())
+        if len(times) <= 3:  # down for the first call's three tries
+            raise httpx.ConnectError("connection refused", request=request)
+        calls.append(1)  # then restarting: 503 twice, then up
+        if len(calls) < 3:
+            return httpx.Response(503, text="restarting")
+        return httpx.Response(200, json={"result": [[{"document": {"contents": '"T"\nbody'}}]]})
+
+    mock_retriever(monkeypatch, handler)
+    ex = ToolExecutor({"search": SearchTool({"max_retries": 2, "backoff_s": 0.05})})
+    with pytest.raises(ToolUnavailable, match="failed after 3 tries: ConnectError"):
+        await ex.execute([ToolCallRequest("search", {"query": "q"})])
+    assert len(times) == 3 and times[1] - times[0] >= 0.05 and times[2] - times[1] >= 0.1  # exponential backoff
+    assert ex.counts["search/unavailable"] == 1
+    # a server that comes back within the retries is a plain success
+    [ok] = await ex.execute([ToolCallRequest("search", {"query": "q"})])
+    assert ok.ok and "body" in ok.content and len(calls) == 3
 
 
 def test_search_tool_empty_result_and_empty_query(monkeypatch):

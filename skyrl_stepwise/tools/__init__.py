@@ -7,11 +7,11 @@ executor that answers every parsed call of a turn, concurrently, without ever ra
     history += to_messages(results)
 """
 
-from skyrl_stepwise.tools.base import (BUILTIN_TOOLS, Tool, ToolLike, build_tool, build_tools, close_tools,
-                                       load_tools, resolve_tool_class, tool_schemas)
+from skyrl_stepwise.tools.base import (BUILTIN_TOOLS, Tool, ToolLike, ToolUnavailable, build_tool, build_tools,
+                                       close_tools, load_tools, resolve_tool_class, tool_schemas)
 from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_tools_yaml, parse_tool_specs
 from skyrl_stepwise.tools.executor import ToolExecutor, ToolResult, to_messages
 
-__all__ = ["BUILTIN_TOOLS", "Tool", "ToolConfigError", "ToolExecutor", "ToolLike", "ToolResult", "ToolSpecConfig",
+__all__ = ["BUILTIN_TOOLS", "Tool", "ToolConfigError", "ToolExecutor", "ToolLike", "ToolResult", "ToolSpecConfig", "ToolUnavailable",
            "build_tool", "build_tools", "close_tools", "load_tools", "load_tools_yaml", "parse_tool_specs",
            "resolve_tool_class", "to_messages", "tool_schemas"]

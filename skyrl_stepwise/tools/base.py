@@ -25,6 +25,12 @@ BUILTIN_TOOLS: dict[str, str] = {
 }
 
 
+class ToolUnavailable(RuntimeError):
+    """Raised by a tool whose backing service is down (after its own retries): unlike any other exception, which
+    the model reads as a tool error, this fails the trajectory (dropped and counted, never trained on): the model
+    did nothing wrong, and an observation no working system would give must not reach the loss."""
+
+
 @runtime_checkable
 class ToolLike(Protocol):
     """What the executor needs; `Tool` below is the convenient base class implementing it."""

@@ -22,7 +22,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 
 from skyrl_stepwise.chat.base import Message, ParsedTurn, ToolCallRequest
-from skyrl_stepwise.tools.base import ToolLike
+from skyrl_stepwise.tools.base import ToolLike, ToolUnavailable
 from skyrl_stepwise.tools.offloop import RUNNER, OffLoopRunner
 
 # What the model is told about each parser error kind (ToolCallRequest.error).
@@ -174,6 +174,9 @@ class ToolExecutor:
         t0 = time.perf_counter()
         try:
             content = await run_with_timeout(self.runner.start(tool, name, arguments), self.timeout_s)
+        except ToolUnavailable:
+            self.counts[f"{name}/unavailable"] += 1
+            raise  # the trajectory fails (see ToolUnavailable); the env and agent loop count it
         except ToolTimeout:
             self._count_block(tool, name)
             return ToolResult(call_id, name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.",
