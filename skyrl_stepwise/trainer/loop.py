@@ -27,6 +27,7 @@ from skyrl_stepwise.trainer.agreement import SyncRecord, check_agreement
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.credit import compute_credit
+from skyrl_stepwise.trainer.engine_recovery import recover_engines
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
 from skyrl_stepwise.trainer.weight_sync import WeightSync, probe_logprobs
@@ -173,6 +174,7 @@ class RLTrainer:
         self.ahead: RolloutAhead | None = None  # trainer.max_staleness > 0: the rollouts of the next steps
         self.last_sync = SyncRecord(0, "initial weights")  # where the engines' weights came from (agreement alarm)
         self.step_sync = self.last_sync  # ... as of this step's rollouts
+        self.recovery: dict[str, float] = {}  # this step's engine restarts and retried rollouts
 
     async def fit(self) -> dict[str, float]:
         """Resume if asked, then train to total_steps; returns the last step's metrics."""
@@ -285,12 +287,13 @@ class RLTrainer:
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
         self.step_sync = self.last_sync  # the rollouts below were sampled with weights from this sync (or older)
+        self.recovery = {"recovery/engine_restarts": 0.0, "recovery/step_retries": 0.0}
         offload = cfg.trainer.fsdp.offload_during_rollout  # GPU: the engines get the trainer's memory meanwhile
         if offload:
             offloaded_bytes = self.policy.call("offload_to_host")
         with timer.phase("generate"):
             if self.ahead is None:
-                output, batch, signal, self.last_prompts = await self.sample()
+                output, batch, signal, self.last_prompts = await self._sample_with_recovery()
             else:
                 rollout = await self.ahead.next()
                 if rollout.step != self.step:
@@ -299,6 +302,7 @@ class RLTrainer:
         if self.rollout_log is not None:
             self.rollout_log.record(output, self.step + 1, "train")
         metrics = dict(output.rollout_metrics)
+        metrics.update(self.recovery)
         if self.ahead is not None:  # the wait is what overlap did not hide; generate_s is the batch's own time
             timer["timing/rollout_wait_s"] = timer.pop("timing/generate_s")
             timer["timing/generate_s"] = rollout.seconds
@@ -368,6 +372,39 @@ class RLTrainer:
                         "throughput/train_tokens_per_s": train.get("train/real_tokens", 0.0)
                         / max(timer.get("timing/train_s", 0.0), 1e-9)})
         return metrics
+
+    async def _recover_engines(self) -> bool:
+        """Restart dead engines with the current weights, verified by the probe (trainer/engine_recovery.py);
+        False when every engine is alive."""
+        cfg = self.cfg.trainer
+        recovery = await recover_engines(
+            self.engine, self.weight_sync,
+            lambda: probe_logprobs(self.policy, self.engine, self.probe_ids, temperature=cfg.temperature,
+                                   top_k=cfg.top_k, top_p=cfg.top_p, seed=self.cfg.generator.sampling.seed),
+            cfg.agreement_alarm_mean_diff or 0.1)
+        if recovery is None:
+            return False
+        self.recovery["recovery/engine_restarts"] += len(recovery.restarted)
+        self.last_sync = self.step_sync = SyncRecord(self.step, f"engine restart {recovery.restarted} + weight sync",
+                                                     recovery.probe.max_abs_diff)
+        return True
+
+    async def _sample_with_recovery(self):
+        """This step's rollouts (synchronous loop). An engine found dead, before the rollouts or by their failing,
+        is restarted with the current weights and the step's rollouts are drawn again, whole: they are a function
+        of the step and the weights, so the retried step is the step a fault-free run trains."""
+        await self._recover_engines()
+        try:
+            result = await self.sample()
+        except Exception:
+            if not await self._recover_engines():
+                raise
+            self.recovery["recovery/step_retries"] += 1
+            return await self.sample()
+        if result[0].failed_trajectory_ids and await self._recover_engines():
+            self.recovery["recovery/step_retries"] += 1
+            return await self.sample()
+        return result
 
     async def _call(self, group, method: str, *args):
         """A policy or reference call. Ray's blocking get would stall the event loop, and with it the rollouts

@@ -124,6 +124,13 @@ class WeightSync:
         self._manifest: list | None = None
         self._warned_fallback = False
 
+    def engines_restarted(self) -> None:
+        """An engine was restarted: a broadcast group that held its old actor is closed and formed again on the
+        next sync (the file and driver methods hold nothing per engine)."""
+        if self._manifest is not None:
+            self.group.call("close_weight_broadcast")
+            self._manifest = None
+
     async def sync(self) -> int:
         """Load the trainer's current weights into every engine; returns the number of parameters sent."""
         if self.method == "file":
