@@ -345,7 +345,7 @@ def run(out: Path, model: Path, plan: dict, rng: random.Random | None, max_launc
             "resumed_launches": resumed_launches}
 
 
-def summarise(base: dict, chaos: dict, out: Path, plan: dict) -> str:
+def summarise(base: dict, chaos: dict, out: Path, plan: dict, rerun: dict | None = None) -> str:
     """The table: faults per kind (injected = witnessed firing, recovered = the recovery's own evidence)."""
     events = witnessed(out)
     recs = chaos["records"]
@@ -385,7 +385,8 @@ def summarise(base: dict, chaos: dict, out: Path, plan: dict) -> str:
               f"{chaos['launches']} ({chaos['resumed']} resumed)",
               f"trajectories dropped: {int(sum_metric('generate/failed_trajectories'))}; engine restarts: "
               f"{int(sum_metric('recovery/engine_restarts'))}; step retries: {int(sum_metric('recovery/step_retries'))}",
-              "", "| metric (mean over steps) | fault-free | chaos | delta |", "|---|---|---|---|"]
+              "", "| metric (mean over steps) | fault-free | chaos | delta | fault-free rerun - fault-free (noise) |",
+              "|---|---|---|---|---|"]
     for key in ("reward/mean", "policy/loss", "train/grad_norm", "agreement/logprob_abs_diff_mean"):
         b = [r[key] for r in base["records"].values() if key in r]
         c = [r[key] for r in recs.values() if key in r]
@@ -394,7 +395,9 @@ def summarise(base: dict, chaos: dict, out: Path, plan: dict) -> str:
             tolerance = TOLERANCE.get(key)
             verdict = "" if tolerance is None else (" (within noise)" if abs(mc - mb) <= tolerance
                                                     else f" (PAST +-{tolerance})")
-            lines.append(f"| {key} | {mb:.4g} | {mc:.4g} | {mc - mb:+.3g}{verdict} |")
+            r = [x[key] for x in (rerun or {}).get("records", {}).values() if key in x]
+            noise = f"{sum(r) / len(r) - mb:+.3g}" if r else "-"
+            lines.append(f"| {key} | {mb:.4g} | {mc:.4g} | {mc - mb:+.3g}{verdict} | {noise} |")
     ckpts = sorted(p.name for p in (out / "ckpts").iterdir() if (p / "COMPLETE").exists())
     lines.append(f"\nlatest complete checkpoint: {ckpts[-1] if ckpts else None}; last step logged: fault-free "
                  f"{last_b.get('step')}, chaos {last_c.get('step')}")
@@ -409,6 +412,9 @@ def main() -> None:
     parser.add_argument("--process-faults-only", action="store_true",
                         help="only the faults that kill the process or the engine: the run must equal the fault-free "
                              "one exactly (every metric delta 0)")
+    parser.add_argument("--noise-run", action="store_true",
+                        help="run the fault-free run twice: how far two runs without faults differ (the transformers "
+                             "engine batches requests as they arrive, and padding changes float sums)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--retriever", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -434,8 +440,9 @@ def main() -> None:
                      retriever_url=f"http://127.0.0.1:{free_port()}/retrieve")
     t0 = time.perf_counter()
     base = run(args.out / "fault_free", model, base_plan, None)
+    rerun = run(args.out / "fault_free_rerun", model, base_plan, None) if args.noise_run else None
     chaos = run(args.out / "chaos", model, chaos_plan, rng)
-    table = summarise(base, chaos, args.out / "chaos", chaos_plan)
+    table = summarise(base, chaos, args.out / "chaos", chaos_plan, rerun)
     print(f"chaos run: seed {args.seed}, {args.steps} steps, plan {chaos_plan['once']}, "
           f"{time.perf_counter() - t0:.0f} s\n\n{table}")
     (args.out / "summary.md").write_text(table + "\n")

@@ -16,6 +16,8 @@ def test_check_agreement_stops_past_the_threshold_only():
     check_agreement({"agreement/logprob_abs_diff_mean": 0.02}, 0.1, 4, sync)  # bf16 noise: fine
     check_agreement({}, 0.1, 4, sync)  # no engine logprobs: nothing to check
     check_agreement({"agreement/logprob_abs_diff_mean": 5.0}, None, 4, sync)  # off
+    # rollouts one update old: the gap is the policy's own drift (what TIS corrects), logged but not judged
+    check_agreement({"agreement/logprob_abs_diff_mean": 0.6, "async/staleness": 1.0}, 0.1, 4, sync)
     with pytest.raises(AgreementAlarm, match=r"step 4: .* 0\.201 .*weight sync after step 3 \(probe max diff 2e-06\)"):
         check_agreement({"agreement/logprob_abs_diff_mean": 0.201, "agreement/logprob_abs_diff_max": 3.0}, 0.1, 4,
                         sync)

@@ -124,3 +124,48 @@ async def test_a_dead_engine_that_cannot_restart_is_named():
 
     with pytest.raises(EngineDeadError, match="engine 0 \\(Dead\\) is dead and cannot be restarted"):
         await restart_dead_engines(Dead())
+
+
+@pytest.mark.integration
+async def test_a_killed_vllm_actor_is_restarted_and_takes_the_trainers_weights(model_path, tokenizer, tmp_path):
+    """The real thing: a vLLM actor SIGKILLed by Ray is dead (health false), `restart` brings up a fresh actor with
+    the checkpoint's weights (the probe sees the trained trainer differ), and the first sync makes it agree."""
+    import ray
+
+    from skyrl_stepwise.inference import EngineConfig, VLLMEngine
+    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.trainer.engine_recovery import recover_engines
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.trainer.weight_sync import WeightSync, WeightSyncConfig, probe_logprobs
+
+    class Group:
+        def __init__(self, worker):
+            self.worker = worker
+
+        def call(self, method, *args):
+            return getattr(self.worker, method)(*args)
+
+    engine = VLLMEngine(EngineConfig(backend="vllm", model_path=str(model_path), dtype="float32", max_model_len=512,
+                                     seed=0))
+    try:
+        cfg = TrainerConfig(model_path=str(model_path), ckpt_dir=str(tmp_path / "ckpts"))
+        cfg.fsdp.mixed_precision, cfg.optim.lr = False, 1e-3
+        group = Group(PolicyWorker(cfg))
+        probe_ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+        target = tokenizer.encode(" Lyon, of course.", add_special_tokens=False)
+        group.call("train_step", TrainBatch(prompt_ids=[probe_ids], response_ids=[target],
+                                            loss_masks=[[1] * len(target)], instance_ids=["sft"]), "sft")
+        sync = WeightSync(WeightSyncConfig(), group, engine)
+        await sync.sync()
+        assert (await probe_logprobs(group, engine, probe_ids)).max_abs_diff < 1e-3
+        assert await recover_engines(engine, sync, lambda: probe_logprobs(group, engine, probe_ids), 0.1) is None
+
+        ray.kill(engine.actor, no_restart=True)
+        assert not await engine.health()
+        probe = lambda: probe_logprobs(group, engine, probe_ids)  # noqa: E731
+        recovery = await recover_engines(engine, sync, probe, 1e-3)
+        assert recovery is not None and recovery.restarted == [0] and recovery.probe.max_abs_diff < 1e-3
+        assert await engine.health()
+    finally:
+        engine.shutdown()

@@ -177,9 +177,10 @@ class TrainerConfig:
     # trains, with weights at most this many updates old; truncated IS corrects the staleness. 0: synchronous.
     max_staleness: int = 0
     # The agreement alarm (trainer/agreement.py): stop the run when the mean |trainer - engine| logprob on the
-    # tokens just trained exceeds this. Healthy runs sit near 1e-6 (fp32 on CPU) to ~0.015 (bf16 engines, TRL
-    # #5312); a sync that never reached the engine read 0.201 there. 0.1 leaves room for bf16 noise plus the
-    # drift of max_staleness updates (each PPO-clipped), and stops a broken sync within one step. null: off.
+    # tokens just trained exceeds this. Healthy runs sit near 1e-6 (fp32 on CPU) to 0.015 (bf16 engines, TRL
+    # #5312) and 0.04 (SmolLM2-135M, bf16 engine vs this trainer, measured on CPU); a sync that never reached the
+    # engine read 0.201 in TRL #5312. 0.1 leaves room for bf16 noise and stops such a sync within one step. Steps trained on rollouts of older weights (max_staleness > 0) are
+    # logged, not judged: their gap is the policy's own drift. null: off.
     agreement_alarm_mean_diff: float | None = 0.1
     # The sampling temperature, top-k and top-p (conf/config.yaml copies them from generator.sampling): the
     # trainer scores the truncated distribution the engines drew from, so on-policy TIS weights are exactly 1.
