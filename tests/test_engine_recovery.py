@@ -127,12 +127,13 @@ async def test_a_dead_engine_that_cannot_restart_is_named():
 
 
 @pytest.mark.integration
-async def test_a_killed_vllm_actor_is_restarted_and_takes_the_trainers_weights(model_path, tokenizer, tmp_path):
-    """The real thing: a vLLM actor SIGKILLed by Ray is dead (health false), `restart` brings up a fresh actor with
-    the checkpoint's weights (the probe sees the trained trainer differ), and the first sync makes it agree."""
+async def test_a_killed_vllm_actor_is_restarted_and_takes_the_trainers_weights(vllm_engine, model_path, tokenizer,
+                                                                               tmp_path):
+    """The real thing, on the session's engine: a vLLM actor killed by Ray is dead (health false); recovery starts a
+    fresh actor (the checkpoint's weights) and the first sync must make it score like the trainer, trained one step
+    at lr 1e-3, to 1e-3 (a checkpoint-weights engine differs from it by > 1e-2: test_weight_sync)."""
     import ray
 
-    from skyrl_stepwise.inference import EngineConfig, VLLMEngine
     from skyrl_stepwise.trainer.batching import TrainBatch
     from skyrl_stepwise.trainer.config import TrainerConfig
     from skyrl_stepwise.trainer.engine_recovery import recover_engines
@@ -146,26 +147,24 @@ async def test_a_killed_vllm_actor_is_restarted_and_takes_the_trainers_weights(m
         def call(self, method, *args):
             return getattr(self.worker, method)(*args)
 
-    engine = VLLMEngine(EngineConfig(backend="vllm", model_path=str(model_path), dtype="float32", max_model_len=512,
-                                     seed=0))
+    engine = vllm_engine
+    cfg = TrainerConfig(model_path=str(model_path), ckpt_dir=str(tmp_path / "ckpts"))
+    cfg.fsdp.mixed_precision, cfg.optim.lr = False, 1e-3
+    group = Group(PolicyWorker(cfg))
+    original = tmp_path / "original.safetensors"
+    group.call("export_weights", str(original), "float32")
+    probe_ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    target = tokenizer.encode(" Lyon, of course.", add_special_tokens=False)
+    group.call("train_step", TrainBatch(prompt_ids=[probe_ids], response_ids=[target],
+                                        loss_masks=[[1] * len(target)], instance_ids=["sft"]), "sft")
+    sync = WeightSync(WeightSyncConfig(), group, engine)
+    probe = lambda: probe_logprobs(group, engine, probe_ids)  # noqa: E731
     try:
-        cfg = TrainerConfig(model_path=str(model_path), ckpt_dir=str(tmp_path / "ckpts"))
-        cfg.fsdp.mixed_precision, cfg.optim.lr = False, 1e-3
-        group = Group(PolicyWorker(cfg))
-        probe_ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
-        target = tokenizer.encode(" Lyon, of course.", add_special_tokens=False)
-        group.call("train_step", TrainBatch(prompt_ids=[probe_ids], response_ids=[target],
-                                            loss_masks=[[1] * len(target)], instance_ids=["sft"]), "sft")
-        sync = WeightSync(WeightSyncConfig(), group, engine)
-        await sync.sync()
-        assert (await probe_logprobs(group, engine, probe_ids)).max_abs_diff < 1e-3
-        assert await recover_engines(engine, sync, lambda: probe_logprobs(group, engine, probe_ids), 0.1) is None
-
+        assert await recover_engines(engine, sync, probe, 1e-3) is None  # alive: nothing to do
         ray.kill(engine.actor, no_restart=True)
         assert not await engine.health()
-        probe = lambda: probe_logprobs(group, engine, probe_ids)  # noqa: E731
         recovery = await recover_engines(engine, sync, probe, 1e-3)
         assert recovery is not None and recovery.restarted == [0] and recovery.probe.max_abs_diff < 1e-3
         assert await engine.health()
-    finally:
-        engine.shutdown()
+    finally:  # the session engine is shared: give it back the base model
+        await engine.update_weights_from_file(str(original))
