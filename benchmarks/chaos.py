@@ -372,7 +372,7 @@ def summarise(base: dict, chaos: dict, out: Path, plan: dict, rerun: dict | None
            "tool_blocking": "timeout held off the rollout loop",
            "env_exception": "dropped and counted in the logged steps (a firing in an attempt killed before its "
                             "metrics were logged fired again when the step was re-run)",
-           "retriever_killed": "server restarted; searches in the outage failed their trajectory only",
+           "retriever_killed": "server restarted; a search in the outage fails only its trajectory (retried first)",
            "engine_killed": "restarted, synced, probed, step retried",
            "sigkill_mid_update": "resumed from the latest checkpoint",
            "sigkill_during_save": "resumed from the previous complete checkpoint",
