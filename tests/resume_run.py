@@ -78,8 +78,10 @@ def main(out: Path, model_dir: Path, total_steps: int, max_staleness: int, kill_
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     registry = EnvRegistry()
     registry.register("one", OneTurn)
+    # one request per forward: the engine's dynamic batching groups requests as they arrive, and a different left
+    # padding changes float sums (~1e-8, benchmarks/chaos.py --noise-run), so under load two runs could differ
     engine = HFEngine(EngineConfig(backend="transformers", model_path=str(model_dir), dtype="float32",
-                                   max_model_len=256, seed=0))
+                                   max_model_len=256, seed=0, max_batch_size=1))
     policy = Policy(PolicyWorker(cfg.trainer), out, kill_in_step)
     rows = [PromptRow(prompt=[{"role": "user", "content": f"Say something ({i})."}], env_class="one",
                       reward_spec={}, data_source="toy", instance_id=f"r{i}") for i in range(4)]

