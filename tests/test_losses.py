@@ -142,3 +142,15 @@ def test_trajectory_mean_weighs_every_trajectory_once_however_it_is_cut():
 def test_an_unknown_loss_reduction_names_the_choices():
     with pytest.raises(ValueError, match=r"trainer.algorithm.loss_reduction: 'seq_mean' is not one of"):
         AlgorithmConfig(loss_reduction="seq_mean").validate()
+
+
+def test_agreement_gap_is_measured_on_loss_masked_tokens_before_the_update():
+    """The alarm's evidence: |trainer - engine| logprob of the tokens trained, the trainer's being the pre-update
+    (old) ones; a masked placeholder (0.0 vs -500) must not count, and TIS on or off does not matter."""
+    for cfg in (PLAIN, AlgorithmConfig(use_kl_loss=False, tis_ratio_clip_high=2.0)):
+        _, _, m = _loss([-1.0, -2.0, -1.0], [-1.0, -2.0, 0.0], [1.0, 1.0, 1.0], [1, 1, 0], cfg=cfg,
+                        rollout_logprobs=[-1.1, -2.4, -500.0])
+        assert m["agreement/logprob_abs_diff_mean"] == pytest.approx((0.1 + 0.4) / 2)
+        assert m["agreement/logprob_abs_diff_max"] == pytest.approx(0.4)
+    _, _, m = _loss([-1.0], [-1.0], [1.0], [1])
+    assert "agreement/logprob_abs_diff_mean" not in m  # no engine logprobs: nothing measured, nothing made up

@@ -140,7 +140,7 @@ def test_bad_template_is_rejected_at_config_time():
 @pytest.mark.integration
 async def test_retriever_killed_mid_episode(retriever):
     srv = BackgroundServer(create_app(retriever)).start()
-    env = SearchEnv(fast_cfg(srv.url, timeout_s=2.0))
+    env = SearchEnv(fast_cfg(srv.url, timeout_s=2.0, retriever_down="observe"))
     await env.reset(PROMPT, {**EXTRAS, "max_turns": 4})
     ok = await env.step("<search>Asia</search>")
     assert ok.metrics["search_failures"] == 0
@@ -190,7 +190,8 @@ def broken_server():
 async def test_misbehaving_retriever_is_a_counted_failure(broken_server, route, needle):
     srv, hits = broken_server
     before = hits["error"]
-    env = SearchEnv(SearchEnvConfig(search_url=f"{srv.url}/{route}", timeout_s=0.2, max_retries=2, backoff_s=0.01))
+    env = SearchEnv(SearchEnvConfig(search_url=f"{srv.url}/{route}", timeout_s=0.2, max_retries=2, backoff_s=0.01,
+                                    retriever_down="observe"))
     await env.reset(PROMPT, {**EXTRAS, "max_turns": 3})
     step = await env.step("<search>anything</search>")
     assert not step.done and step.metrics["search_failures"] == 1
@@ -257,3 +258,33 @@ async def test_search_step_earns_the_intermediate_reward_on_its_own_step(server)
         assert first.reward == bonus and again.reward == 0.0 and final.reward == 1.0
         assert first.metrics["answer_retrieved"] == again.metrics["answer_retrieved"] == 1.0
         assert first.metrics["intermediate_reward"] == bonus
+
+
+async def test_a_dead_retriever_fails_only_the_trajectories_that_searched(tokenizer):
+    """Nothing listens on the retriever's port: the sample that searches is retried (1 + max_retries tries) then
+    fails, dropped and counted as an env failure; its sibling that answered directly is trained as usual. No
+    'Search failed' observation reaches a trained sample."""
+    import socket
+
+    from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+    from skyrl_stepwise.inference.scripted import ScriptedEngine
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def script(prompt, session, i):
+        action = "<search> x </search>" if session.endswith("_0") else "<answer> Asia </answer>"
+        return tokenizer.encode(action, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+    registry = EnvRegistry()
+    register_search_env(registry, SearchEnvConfig(search_url=f"http://127.0.0.1:{port}/retrieve", max_retries=2,
+                                                  backoff_s=0.01))
+    cfg = GeneratorConfig(max_turns=3, max_input_length=4096, n_samples_per_prompt=2, show_progress=False,
+                          sampling=GeneratorSamplingConfig(max_generate_length=16, stop=["</search>", "</answer>"]))
+    out = await StepwiseGenerator(tokenizer, ScriptedEngine(script, tokenizer), registry, cfg).generate(
+        [PROMPT] * 2, ["search"] * 2, [EXTRAS] * 2, [TrajectoryID("q0", 0), TrajectoryID("q0", 1)])
+    assert out.failed_trajectory_ids == [TrajectoryID("q0", 0)]
+    assert set(out.trajectory_ids) == {TrajectoryID("q0", 1)}
+    assert out.rollout_metrics["generate/failed_trajectories/env_step"] == 1
+    assert not any("Search failed" in tokenizer.decode(p) for p in out.prompt_token_ids)

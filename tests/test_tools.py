@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
-from skyrl_stepwise.tools import (Tool, ToolConfigError, ToolExecutor, ToolResult, build_tools, load_tools,
-                                  load_tools_yaml, parse_tool_specs, to_messages, tool_schemas)
+from skyrl_stepwise.tools import (Tool, ToolConfigError, ToolExecutor, ToolResult, ToolUnavailable, build_tools,
+                                  load_tools, load_tools_yaml, parse_tool_specs, to_messages, tool_schemas)
 from skyrl_stepwise.tools.base import check_tool_spec
 from skyrl_stepwise.tools.builtin import CalculatorError, CalculatorTool, SearchTool, safe_eval
 
@@ -313,9 +313,34 @@ def test_search_tool_formats_docs_like_search_r1(monkeypatch):
 ])
 def test_search_tool_turns_retriever_errors_into_text(monkeypatch, response, expected):
     mock_retriever(monkeypatch, lambda request: response)
-    tool = SearchTool({"max_retries": 0, "backoff_s": 0.0})
+    tool = SearchTool({"max_retries": 0, "backoff_s": 0.0, "retriever_down": "observe"})
     text = asyncio.run(tool.call({"query": "q"}))
     assert text.startswith(expected) and tool.failures == 1
+
+
+async def test_a_dead_retriever_is_retried_with_backoff_then_fails_the_trajectory_not_the_model(monkeypatch):
+    """Connection refused on every try: 1 + max_retries tries, spaced by the backoff, then ToolUnavailable leaves
+    the executor (the agent loop fails that trajectory only) instead of a 'Search failed' text trained on."""
+    times, calls = [], []
+
+    def handler(request):
+        times.append(time.perf_counter())
+        if len(times) <= 3:  # down for the first call's three tries
+            raise httpx.ConnectError("connection refused", request=request)
+        calls.append(1)  # then restarting: 503 twice, then up
+        if len(calls) < 3:
+            return httpx.Response(503, text="restarting")
+        return httpx.Response(200, json={"result": [[{"document": {"contents": '"T"\nbody'}}]]})
+
+    mock_retriever(monkeypatch, handler)
+    ex = ToolExecutor({"search": SearchTool({"max_retries": 2, "backoff_s": 0.05})})
+    with pytest.raises(ToolUnavailable, match="failed after 3 tries: ConnectError"):
+        await ex.execute([ToolCallRequest("search", {"query": "q"})])
+    assert len(times) == 3 and times[1] - times[0] >= 0.05 and times[2] - times[1] >= 0.1  # exponential backoff
+    assert ex.counts["search/unavailable"] == 1
+    # a server that comes back within the retries is a plain success
+    [ok] = await ex.execute([ToolCallRequest("search", {"query": "q"})])
+    assert ok.ok and "body" in ok.content and len(calls) == 3
 
 
 def test_search_tool_empty_result_and_empty_query(monkeypatch):
@@ -542,3 +567,71 @@ def test_yaml_syntax_errors_name_line_and_column(tmp_path):
         load_tools_yaml(path)
     first = str(info.value).splitlines()[0]
     assert re.match(rf"{re.escape(str(path))}:\d+:\d+: invalid YAML: ", first), first
+
+
+# ----------------------------------------------------------------------------------------------- blocking tools
+
+class BlockingTool(Tool):
+    """The tool a new user writes first: synchronous code inside `async def call` (here `time.sleep`), or a call
+    that never returns (waits on `release`, set by the test so no thread outlives it)."""
+
+    def __init__(self, delay: float, name: str = "block"):
+        super().__init__({}, schema(name))
+        self.delay, self.release = delay, __import__("threading").Event()
+
+    async def call(self, arguments):
+        if self.delay < 0:
+            self.release.wait()  # "forever"
+        else:
+            time.sleep(self.delay)  # noqa: ASYNC251 - the point of the test
+        return "woke"
+
+
+async def test_a_blocking_tool_stalls_nothing_its_timeout_holds_and_it_is_named(caplog):
+    """`time.sleep` inside `call` with a 0.5 s timeout: the call times out at ~0.5 s (on the rollout's loop it
+    blocked the loop, no timeout fired and every other trajectory waited), the rollout loop keeps ticking, another
+    tool's call is answered meanwhile, and the tool is named in a warning and counted as blocked."""
+    from skyrl_stepwise.tools.offloop import OffLoopRunner
+    runner = OffLoopRunner()
+    blocking = BlockingTool(2.0)
+    ex = ToolExecutor({"block": blocking, "calculator": CalculatorTool()}, timeout_s=0.5, runner=runner)
+    gaps, last = [], time.perf_counter()
+
+    async def ticker():
+        nonlocal last
+        while True:
+            await asyncio.sleep(0.02)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING"):
+        blocked, other = await asyncio.gather(ex.execute([ToolCallRequest("block", {})]),
+                                              ex.execute([ToolCallRequest("calculator", {"expression": "2+2"})]))
+    elapsed = time.perf_counter() - t0
+    tick.cancel()
+    assert elapsed < 1.2, elapsed  # the timeout held (it used to wait the full sleep, then answer "woke")
+    assert max(gaps) < 0.3, max(gaps)  # the rollout loop never stalled
+    assert blocked[0].error_kind == "timeout" and other[0].content == "4"
+    assert ex.counts["block/blocked_loop"] == 1 and ex.counts["block/timeout"] == 1
+    assert any("tool 'block' blocked its event loop" in r.getMessage() for r in caplog.records)
+    # later calls each get their own thread: three 0.3 s blocking calls finish together, not one after another
+    blocking.delay = 0.3
+    t0 = time.perf_counter()
+    results = await ex.execute([ToolCallRequest("block", {})] * 3)
+    assert [r.content for r in results] == ["woke"] * 3 and time.perf_counter() - t0 < 0.8
+
+
+async def test_a_tool_that_never_returns_does_not_hang_the_rollout():
+    from skyrl_stepwise.tools.offloop import OffLoopRunner
+    forever = BlockingTool(-1)
+    ex = ToolExecutor({"block": forever}, timeout_s=0.3, runner=OffLoopRunner())
+    try:
+        for _ in range(2):  # the second call is not queued behind the first (stuck) one
+            t0 = time.perf_counter()
+            (result,) = await ex.execute([ToolCallRequest("block", {})])
+            assert result.error_kind == "timeout" and time.perf_counter() - t0 < 0.8
+    finally:
+        forever.release.set()

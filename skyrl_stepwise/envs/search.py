@@ -10,8 +10,11 @@ Each action is parsed like Search-R1 does: the FIRST `<search>...</search>` or `
 `\\n\\n<information>Doc 1(Title: "T") text\\nDoc 2(...)...</information>\\n\\n`, returned as one
 `{"role": "user"}` message. In conversation mode the generator appends it as a user turn; in
 single-message mode it concatenates the message contents raw after the action, which reproduces
-Search-R1's token stream exactly. A retriever that is down, slow or returns garbage never raises:
-the observation says the search failed, `search_failures` counts it, and the episode goes on.
+Search-R1's token stream exactly. A retriever that returns garbage or refuses the query never raises: the
+observation says the search failed, `search_failures` counts it, and the episode goes on. One that stays down
+through every retry (with backoff) fails this trajectory only (`retriever_down=fail`, the default: it is dropped
+and counted, never trained on an observation no working retriever would give); `retriever_down=observe` shows
+the model the failure instead.
 
 The reward is exact match (SR1 normalization) of the answer the model gave in its actions; the
 prompt's own `<answer> Beijing </answer>` example is never seen here, so one match is enough.
@@ -28,7 +31,8 @@ import httpx
 
 from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
 from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check
-from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalError, RetrieverEndpointConfig
+from skyrl_stepwise.retrieval.client import (RetrievalClient, RetrievalError, RetrievalUnavailable,
+                                             RetrieverEndpointConfig)
 from skyrl_stepwise.retrieval.index import Document, split_contents
 
 ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
@@ -54,6 +58,7 @@ class SearchEnvConfig(RetrieverEndpointConfig):
 
     def __post_init__(self) -> None:
         """Fail at config time, not mid-rollout, on a template that uses unknown fields."""
+        super().__post_init__()
         checks = (("observation_template", self.observation_template, {"results": ""}),
                   ("doc_template", self.doc_template, {"index": 1, "title": "", "text": ""}),
                   ("failure_template", self.failure_template, {"error": ""}))
@@ -145,7 +150,9 @@ class SearchEnv:
                 text = self.cfg.observation_template.format(results=documents)
                 reward = intermediate_retrieval_reward(documents, self.targets, self.cfg.intermediate_reward, self,
                                                        metrics)
-            except (RetrievalError, httpx.HTTPError) as e:  # a broken retriever must not end the episode
+            except (RetrievalError, httpx.HTTPError) as e:  # a broken answer must not end the episode
+                if isinstance(e, RetrievalUnavailable) and self.cfg.retriever_down == "fail":
+                    raise  # the retriever is down: this trajectory fails (dropped, counted), the batch goes on
                 metrics["search_failures"] = 1.0
                 text = self.cfg.failure_template.format(error=(str(e) or type(e).__name__)[:300])
             metrics["retrieval_seconds"] = time.perf_counter() - t0

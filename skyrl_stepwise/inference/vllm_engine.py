@@ -288,8 +288,21 @@ class VLLMEngine:
             "OMP_NUM_THREADS": str(cfg.threads()),  # Ray's default for a num_cpus=0 actor is 1 thread
         }
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
-        self.actor = actor_cls.options(**(actor_options or {})).remote(cfg, self.model_path)
+        self._start = lambda: actor_cls.options(**(actor_options or {})).remote(cfg, self.model_path)
+        self.actor = self._start()
         self.node_id = ray.get(self.actor.ready.remote())  # startup errors surface here, not on the first generate
+
+    async def restart(self) -> None:
+        """Replace a dead actor by a fresh one (same config and placement), holding the checkpoint's weights:
+        the caller syncs the trainer's in and probes them before sampling (inference/recovery.py)."""
+        import ray
+
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.actor = self._start()
+        self.node_id = await asyncio.to_thread(ray.get, self.actor.ready.remote())
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        session_id: str | None = None) -> GenerationResult:

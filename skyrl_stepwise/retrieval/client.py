@@ -23,6 +23,16 @@ class RetrievalError(RuntimeError):
     """The retriever could not answer (down, too slow, 4xx/5xx, or a malformed response)."""
 
 
+class RetrievalUnavailable(RetrievalError):
+    """The retriever stayed unreachable (refused, reset, timed out, 5xx, 429) through every retry: the server is
+    down, which says nothing about the query. Callers fail the trajectory (retriever_down=fail) rather than let the
+    model be trained on an observation no working system would have shown it."""
+
+    def __init__(self, message: str, tries: int) -> None:
+        super().__init__(message)
+        self.tries = tries
+
+
 @dataclass
 class RetrievalClientConfig:
     """Where the retriever is and how long to wait for it; retries only cover transient failures."""
@@ -45,6 +55,14 @@ class RetrieverEndpointConfig:
     timeout_s: float = 30.0
     max_retries: int = 3
     backoff_s: float = 0.5
+    # When the retriever stays down through every retry: fail (the trajectory fails: dropped and counted, never
+    # trained on) or observe (the model reads "Search failed: ..." and the episode goes on, as before).
+    retriever_down: str = "fail"
+
+    def __post_init__(self) -> None:
+        """Name the key of a misspelt mode when the config loads."""
+        if self.retriever_down not in ("fail", "observe"):
+            raise ValueError(f"retriever_down must be 'fail' or 'observe', got {self.retriever_down!r}")
 
     def client_config(self) -> RetrievalClientConfig:
         """The timeout/retry part of this config, in the retrieval client's terms."""
@@ -148,7 +166,8 @@ class RetrievalClient:
             except ValueError:
                 raise RetrievalError(f"retriever returned non-JSON: {response.text[:200]!r}") from None
             return parse_response(body, len(queries))
-        raise RetrievalError(f"retriever at {self.cfg.url} failed after {self.cfg.max_retries + 1} tries: {last_error}")
+        raise RetrievalUnavailable(f"retriever at {self.cfg.url} failed after {self.cfg.max_retries + 1} tries: "
+                                   f"{last_error}", self.cfg.max_retries + 1)
 
     async def aclose(self) -> None:
         """Close the pooled connections (only meaningful on the loop that opened them)."""

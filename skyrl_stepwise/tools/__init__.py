@@ -7,11 +7,12 @@ executor that answers every parsed call of a turn, concurrently, without ever ra
     history += to_messages(results)
 """
 
-from skyrl_stepwise.tools.base import (BUILTIN_TOOLS, FailedCall, Tool, ToolLike, build_tool, build_tools,
-                                       close_tools, is_retrieval_tool, load_tools, resolve_tool_class, tool_schemas)
+from skyrl_stepwise.tools.base import (BUILTIN_TOOLS, FailedCall, Tool, ToolLike, ToolUnavailable, build_tool,
+                                       build_tools, close_tools, is_retrieval_tool, load_tools, resolve_tool_class,
+                                       tool_schemas)
 from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_tools_yaml, parse_tool_specs
 from skyrl_stepwise.tools.executor import ToolExecutor, ToolResult, to_messages
 
 __all__ = ["BUILTIN_TOOLS", "FailedCall", "Tool", "ToolConfigError", "ToolExecutor", "ToolLike", "ToolResult",
-           "ToolSpecConfig", "build_tool", "build_tools", "close_tools", "is_retrieval_tool", "load_tools",
-           "load_tools_yaml", "parse_tool_specs", "resolve_tool_class", "to_messages", "tool_schemas"]
+           "ToolSpecConfig", "ToolUnavailable", "build_tool", "build_tools", "close_tools", "is_retrieval_tool",
+           "load_tools", "load_tools_yaml", "parse_tool_specs", "resolve_tool_class", "to_messages", "tool_schemas"]

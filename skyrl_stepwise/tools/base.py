@@ -2,9 +2,10 @@
 
 A tool is anything with a `name`, an OpenAI `schema` (`{"type": "function", "function": {...}}`) and
 `async def call(self, arguments: dict) -> str`. The executor has already validated `arguments` against the
-schema's `parameters`, so a tool only checks what a JSON schema cannot express. Tools run on the rollout's
-event loop: one that blocks (CPU work, sync I/O) must hand off with `asyncio.to_thread`, or it stalls every
-trajectory of the batch and no timeout can interrupt it.
+schema's `parameters`, so a tool only checks what a JSON schema cannot express. Each tool runs on its own
+event loop, off the rollout's (tools/offloop.py): one that blocks (CPU work, sync I/O) is named in a warning and
+then given a thread per call, so it stalls no other trajectory and its timeout holds; it should still hand off
+with `asyncio.to_thread`.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ class FailedCall(str):
     model's own arguments, and the tool env's retrieval reward must not pay for them."""
 
 
-class ToolUnavailable(Exception):
-    """The service behind a tool is gone (an MCP server whose connection closed, one that cannot be reached): not
-    the call's fault, so the executor does not answer the model with it; it ends the trajectory as an
-    infrastructure failure (counted, not trained) instead of teaching the model from an error it did not cause."""
+class ToolUnavailable(RuntimeError):
+    """The service behind a tool is gone after its own retries (an MCP server whose connection closed, a retriever
+    that stays down): not the call's fault, so the executor does not answer the model with it; it ends the
+    trajectory as an infrastructure failure (dropped and counted, never trained on) instead of teaching the model
+    from an observation no working system would give."""
 
 
 def is_retrieval_tool(tool: ToolLike | None) -> bool:

@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 
 from skyrl_stepwise.envs.search import format_documents
-from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalError, RetrieverEndpointConfig
-from skyrl_stepwise.tools.base import FailedCall, Tool
+from skyrl_stepwise.retrieval.client import (RetrievalClient, RetrievalError, RetrievalUnavailable,
+                                             RetrieverEndpointConfig)
+from skyrl_stepwise.tools.base import FailedCall, Tool, ToolUnavailable
 from skyrl_stepwise.tools.config import ToolConfigError
 
 
@@ -162,6 +163,7 @@ class SearchToolConfig(RetrieverEndpointConfig):
 
     def __post_init__(self) -> None:
         """Fail when the tools file loads, not mid-rollout, on a bad template or topk."""
+        super().__post_init__()
         if self.topk < 1:
             raise ToolConfigError(f"search config 'topk' must be >= 1, got {self.topk}")
         for key, fields in (("doc_template", {"index": 1, "title": "", "text": ""}),
@@ -207,6 +209,11 @@ class SearchTool(Tool):
             return FailedCall("Search failed: the query is empty.")
         try:
             docs = (await self.client.search([query], self.cfg.topk))[0]
+        except RetrievalUnavailable as e:
+            if self.cfg.retriever_down == "fail":  # down through every retry: the trajectory fails, not the model
+                raise ToolUnavailable(f"search: {e}") from e
+            self.failures += 1
+            return FailedCall(self.cfg.failure_template.format(error=(str(e) or type(e).__name__)[:300]))
         except (RetrievalError, httpx.HTTPError) as e:  # a broken retriever must not end the episode
             self.failures += 1
             return FailedCall(self.cfg.failure_template.format(error=(str(e) or type(e).__name__)[:300]))

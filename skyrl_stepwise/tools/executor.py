@@ -5,6 +5,9 @@ malformed call becomes an error message with a kind (the parser's own kind, `unk
 `invalid_arguments`, `too_many_calls`, `timeout`, `tool_error`) instead of an exception that would kill the
 trajectory. Kinds are also counted per tool (`executor.counts`) so an env can report them as metrics: a
 policy that learns to call tools badly shows up as a rising `calculator/invalid_arguments`.
+
+Calls run off the rollout's event loop (tools/offloop.py): a tool that blocks inside `call` (`time.sleep(90)`)
+stalls neither the batch nor its own timeout; it is named in a warning and counted as `<tool>/blocked_loop`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from jsonschema import Draft202012Validator
 
 from skyrl_stepwise.chat.base import Message, ParsedTurn, ToolCallRequest
 from skyrl_stepwise.tools.base import FailedCall, ToolLike, ToolUnavailable
+from skyrl_stepwise.tools.offloop import RUNNER, OffLoopRunner
 
 # What the model is told about each parser error kind (ToolCallRequest.error).
 PARSE_HINTS = {
@@ -92,7 +96,7 @@ class ToolExecutor:
     """Executes parsed tool calls against named tools; one instance may serve many trajectories at once."""
 
     def __init__(self, tools: dict[str, ToolLike], timeout_s: float = 30.0, max_calls_per_turn: int = 8,
-                 max_result_chars: int | None = None) -> None:
+                 max_result_chars: int | None = None, runner: OffLoopRunner | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"ToolExecutor timeout_s must be > 0, got {timeout_s}")
         if max_calls_per_turn < 1:
@@ -102,6 +106,7 @@ class ToolExecutor:
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
         self.counts: Counter[str] = Counter()
+        self.runner = runner or RUNNER
         # Compiled once: validating the same schema on every call is the hot path of a tool-heavy rollout.
         self._validators = {name: Draft202012Validator(tool.schema["function"].get(
             "parameters", {"type": "object", "properties": {}})) for name, tool in self.tools.items()}
@@ -168,14 +173,18 @@ class ToolExecutor:
         propagates, so cancelling a rollout cancels its tools)."""
         t0 = time.perf_counter()
         try:
-            content = await run_with_timeout(tool.call(arguments), self.timeout_s)
-        except ToolUnavailable:  # the tool's server is gone: this trajectory fails, the model is not answered
-            raise
+            content = await run_with_timeout(self.runner.start(tool, name, arguments), self.timeout_s)
+        except ToolUnavailable:
+            self.counts[f"{name}/unavailable"] += 1
+            raise  # the trajectory fails (see ToolUnavailable); the env and agent loop count it
         except ToolTimeout:
+            self._count_block(tool, name)
             return ToolResult(call_id, name, f"Error: tool {name!r} timed out after {self.timeout_s:g} s.",
                               ok=False, error_kind="timeout", seconds=time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - any tool failure is the model's observation, not a crash
+            self._count_block(tool, name)
             return self._tool_error(call_id, name, e, time.perf_counter() - t0)  # its own TimeoutError too
+        self._count_block(tool, name)
         seconds = time.perf_counter() - t0
         if isinstance(content, FailedCall):  # the tool's own failure text, shown as written but not a result
             return ToolResult(call_id, name, str(content), ok=False, error_kind="tool_error", seconds=seconds)
@@ -186,6 +195,12 @@ class ToolExecutor:
             content = (content[:self.max_result_chars]
                        + f"\n[truncated: {len(content) - self.max_result_chars} more characters]")
         return ToolResult(call_id, name, content, ok=True, seconds=seconds)
+
+    def _count_block(self, tool: ToolLike, name: str) -> None:
+        """Count `<tool>/blocked_loop` when this call held its tool's loop (half the timeout, at most 1 s), so a
+        blocking tool shows in the step's metrics, not only in one warning."""
+        if self.runner.check_blocked(tool, name, min(self.runner.block_s, self.timeout_s / 2)) is not None:
+            self.counts[f"{name}/blocked_loop"] += 1
 
     @staticmethod
     def _tool_error(call_id: str, name: str, error: BaseException, seconds: float) -> ToolResult:

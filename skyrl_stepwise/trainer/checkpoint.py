@@ -5,6 +5,7 @@ Layout of `<ckpt_dir>/step_<N>/`:
   scheduler.pt         LR scheduler state (rank 0)
   trainer_state.json   step, world size and the caller's state (data loader position, epoch, ...)
   rng_rank<r>.pt       python / numpy / torch (/ cuda) RNG states of rank r
+  driver_state.pkl     the driver's own state (its RNG, rollouts generated ahead): what a bitwise resume needs
   COMPLETE             written last
 
 Everything is written into `step_<N>.tmp`, renamed to `step_<N>` and only then marked COMPLETE, so a save
@@ -145,13 +146,15 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, scheduler=None,
-                    trainer_state: dict | None = None, max_to_keep: int = -1) -> Path:
+                    trainer_state: dict | None = None, max_to_keep: int = -1,
+                    files: dict[str, bytes] | None = None) -> Path:
     """Save on every rank (collective) and return the complete step folder.
 
     trainer_state must be JSON-serialisable (e.g. {"epoch": 1, "consumed_prompts": 512}); `step` and
     `world_size` are added. With max_to_keep > 0 and trainer_state carrying `run_id` and `lineage` (the
     entries of this run's earlier checkpoints, oldest first), the lineage's checkpoints beyond the newest
-    max_to_keep are deleted; nothing outside the lineage ever is.
+    max_to_keep are deleted; nothing outside the lineage ever is. `files`: more files for the step folder (name ->
+    bytes, written by rank 0 before the COMPLETE marker), e.g. the driver's state.
     """
     final = step_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -174,6 +177,10 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
         state = dict(trainer_state or {}, step=step,
                      world_size=dist.get_world_size() if dist.is_initialized() else 1)
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        for name, data in (files or {}).items():
+            if "/" in name or name.startswith("."):
+                raise ValueError(f"checkpoint file name {name!r} must be a plain file name")
+            (tmp / name).write_bytes(data)
     _barrier()
 
     if rank == 0:

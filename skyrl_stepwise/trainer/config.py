@@ -179,6 +179,12 @@ class TrainerConfig:
     # Async rollouts (trainer/rollout_ahead.py): the engines generate the next steps' rollouts while this step
     # trains, with weights at most this many updates old; truncated IS corrects the staleness. 0: synchronous.
     max_staleness: int = 0
+    # The agreement alarm (trainer/agreement.py): stop the run when the mean |trainer - engine| logprob on the
+    # tokens just trained exceeds this. Healthy runs sit near 1e-6 (fp32 on CPU) to 0.015 (bf16 engines, TRL
+    # #5312) and 0.04 (SmolLM2-135M, bf16 engine vs this trainer, measured on CPU); a sync that never reached the
+    # engine read 0.201 in TRL #5312. 0.1 leaves room for bf16 noise and stops such a sync within one step. Steps trained on rollouts of older weights (max_staleness > 0) are
+    # logged, not judged: their gap is the policy's own drift. null: off.
+    agreement_alarm_mean_diff: float | None = 0.1
     # The sampling temperature, top-k and top-p (conf/config.yaml copies them from generator.sampling): the
     # trainer scores the truncated distribution the engines drew from, so on-policy TIS weights are exactly 1.
     temperature: float = 1.0
@@ -202,6 +208,9 @@ class TrainerConfig:
         self.algorithm.validate(f"{prefix}.algorithm")
         self.optim.validate(f"{prefix}.optim")
         self.fsdp.validate(f"{prefix}.fsdp")
+        if self.agreement_alarm_mean_diff is not None and self.agreement_alarm_mean_diff <= 0:
+            raise ValueError(f"{prefix}.agreement_alarm_mean_diff must be > 0 (or null: off), "
+                             f"got {self.agreement_alarm_mean_diff}")
         if self.max_staleness < 0:
             raise ValueError(f"{prefix}.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
         for key in ("policy_mini_batch_size", "micro_batch_tokens"):

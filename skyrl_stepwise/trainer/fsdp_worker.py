@@ -324,8 +324,8 @@ class PolicyWorker:
                 loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, denominator,
                                                  self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
             (loss * self.world_size).backward()
-            for k, v in metrics.items():
-                totals[k] += v
+            for k, v in metrics.items():  # `*_max` metrics are maxima (over micro-batches, then ranks)
+                totals[k] = max(totals[k], v) if k.endswith("_max") else totals[k] + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
@@ -338,10 +338,15 @@ class PolicyWorker:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        keys = sorted(totals)
+        keys = sorted(k for k in totals if not k.endswith("_max"))
         summed = torch.tensor([totals[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(summed)
         out = dict(zip(keys, summed.tolist()))
+        max_keys = sorted(k for k in totals if k.endswith("_max"))
+        if max_keys:
+            maxed = torch.tensor([totals[k] for k in max_keys], dtype=torch.float64)
+            dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+            out.update(zip(max_keys, maxed.tolist()))
         out.update(packing_stats(batch, [mb for m in per_rank for mb in m], self.cfg.packing,
                                  self.cfg.micro_batch_tokens))
         out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skipped),
@@ -558,10 +563,11 @@ class PolicyWorker:
             group.close()
         self._weight_group = None
 
-    def save_checkpoint(self, step: int, trainer_state: dict | None = None) -> Path:
-        """Atomic checkpoint of model, optimizer, scheduler, RNG and trainer_state (see checkpoint.py)."""
+    def save_checkpoint(self, step: int, trainer_state: dict | None = None,
+                        files: dict[str, bytes] | None = None) -> Path:
+        """Atomic checkpoint of model, optimizer, scheduler, RNG, trainer_state and the driver's `files`."""
         path = checkpoint.save_checkpoint(self.cfg.ckpt_dir, step, self.model, self.optimizer, self.scheduler,
-                                          trainer_state, self.cfg.max_ckpts_to_keep)
+                                          trainer_state, self.cfg.max_ckpts_to_keep, files)
         release_host_memory(self.device)
         return path
 

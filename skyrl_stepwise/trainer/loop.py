@@ -21,10 +21,13 @@ from tqdm.auto import tqdm
 from skyrl_stepwise.data.dataset import PromptRow
 from skyrl_stepwise.generator import GeneratorOutput, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine
+from skyrl_stepwise.trainer import driver_state
 from skyrl_stepwise.trainer.advantages import loss_weights, signal_groups, trajectory_scores
+from skyrl_stepwise.trainer.agreement import SyncRecord, check_agreement
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.credit import compute_credit
+from skyrl_stepwise.trainer.engine_recovery import recover_engines
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
 from skyrl_stepwise.trainer.weight_sync import WeightSync, probe_logprobs
@@ -101,7 +104,10 @@ def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, f
     out: dict[str, float] = defaultdict(float)
     for metrics in per_mini_batch:
         for k, v in metrics.items():
-            out[k] += v if k in SUMMED_TRAIN_KEYS else v / n
+            if k.endswith("_max"):  # a maximum stays one (e.g. agreement/logprob_abs_diff_max)
+                out[k] = max(out[k], v) if k in out else v
+            else:
+                out[k] += v if k in SUMMED_TRAIN_KEYS else v / n
     if out.get("train/real_tokens"):
         out["train/pad_ratio"] = out["train/packed_tokens"] / out["train/real_tokens"]
         out["train/padded_batch_pad_ratio"] = out["train/padded_batch_tokens"] / out["train/real_tokens"]
@@ -166,6 +172,9 @@ class RLTrainer:
         self.lineage: list[dict] = []
         self.last_prompts: list[str] = []  # instance ids the last step drew, for the metrics log
         self.ahead: RolloutAhead | None = None  # trainer.max_staleness > 0: the rollouts of the next steps
+        self.last_sync = SyncRecord(0, "initial weights")  # where the engines' weights came from (agreement alarm)
+        self.step_sync = self.last_sync  # ... as of this step's rollouts
+        self.recovery: dict[str, float] = {}  # this step's engine restarts and retried rollouts
 
     async def fit(self) -> dict[str, float]:
         """Resume if asked, then train to total_steps; returns the last step's metrics."""
@@ -173,17 +182,24 @@ class RLTrainer:
         if t.ckpt_interval:
             check_fresh_start(t.ckpt_dir, t.resume, t.overwrite_ckpt_dir)
         resume_from = resolve_resume(t.resume, t.ckpt_dir)
+        saved = None
         if resume_from is not None:
             state = self.policy.call("load_checkpoint", str(resume_from))
             self.step = int(state["step"])
             self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
+            saved = driver_state.load(resume_from)
+            if saved is not None:
+                driver_state.restore_rng(saved.rng)
             print(f"resumed from {resume_from} at step {self.step}", flush=True)
             self.tracker.rewind(self.step)
             if self.rollout_log is not None:
                 self.rollout_log.rewind(self.step)
             await self.weight_sync.sync()
+            self.last_sync = SyncRecord(self.step, "resume")
         if self.cfg.trainer.max_staleness > 0:
-            self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness)
+            ready = saved.rollouts_ahead if saved is not None else []  # sampled by weights older than ours
+            self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness,
+                                      ready=[r for r in ready if r.step < self.cfg.total_steps])
         metrics: dict[str, float] = {}
         try:
             while self.step < self.cfg.total_steps:
@@ -193,6 +209,7 @@ class RLTrainer:
                         self.step == self.cfg.total_steps:
                     metrics.update(await self.evaluate())
                 self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
+                check_agreement(metrics, self.cfg.trainer.agreement_alarm_mean_diff, self.step, self.step_sync)
                 ckpt = self.cfg.trainer.ckpt_interval
                 if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
                     await self.save_checkpoint()
@@ -206,8 +223,10 @@ class RLTrainer:
         """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs').
         Off the event loop (a save takes seconds to minutes): rollouts running ahead, and their tool calls,
         keep going meanwhile."""
+        pending = self.ahead.pending() if self.ahead else []  # snapshot on the loop, pickled off it
+        files = {driver_state.DRIVER_STATE: await asyncio.to_thread(driver_state.dump, pending)}
         await self._call(self.policy, "save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
-                                                                     "lineage": self.lineage})
+                                                                     "lineage": self.lineage}, files)
         self.lineage = await asyncio.to_thread(prune_lineage, self.cfg.trainer.ckpt_dir,
                                                self.lineage + [lineage_entry(self.step, self.run_id)],
                                                self.cfg.trainer.max_ckpts_to_keep)
@@ -269,12 +288,14 @@ class RLTrainer:
         weight sync and its probe; returns the step's metrics (the loop logs and checkpoints them)."""
         cfg, timer = self.cfg, Timer()
         start = time.perf_counter()
+        self.step_sync = self.last_sync  # the rollouts below were sampled with weights from this sync (or older)
+        self.recovery = {"recovery/engine_restarts": 0.0, "recovery/step_retries": 0.0}
         offload = cfg.trainer.fsdp.offload_during_rollout  # GPU: the engines get the trainer's memory meanwhile
         if offload:
             offloaded_bytes = self.policy.call("offload_to_host")
         with timer.phase("generate"):
             if self.ahead is None:
-                output, batch, signal, self.last_prompts = await self.sample()
+                output, batch, signal, self.last_prompts = await self._sample_with_recovery()
             else:
                 rollout = await self.ahead.next()
                 if rollout.step != self.step:
@@ -283,6 +304,7 @@ class RLTrainer:
         if self.rollout_log is not None:
             self.rollout_log.record(output, self.step + 1, "train")
         metrics = dict(output.rollout_metrics)
+        metrics.update(self.recovery)
         if self.ahead is not None:  # the wait is what overlap did not hide; generate_s is the batch's own time
             timer["timing/rollout_wait_s"] = timer.pop("timing/generate_s")
             timer["timing/generate_s"] = rollout.seconds
@@ -334,11 +356,12 @@ class RLTrainer:
                 probe_start = time.perf_counter()
                 probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                              temperature=cfg.trainer.temperature, top_k=cfg.trainer.top_k,
-                                             top_p=cfg.trainer.top_p)
+                                             top_p=cfg.trainer.top_p, seed=cfg.generator.sampling.seed)
                 probe_s = time.perf_counter() - probe_start
         timer["timing/weight_sync_s"] -= probe_s
         timer["timing/weight_sync_probe_s"] = probe_s
         bar.close()
+        self.last_sync = SyncRecord(self.step + 1, "weight sync", probe.max_abs_diff)
         metrics.update({"sync/probe_logprob_max_diff": probe.max_abs_diff,
                         "sync/probe_logprob_mean_diff": probe.mean_abs_diff,
                         "sync/probe_tokens": float(probe.num_tokens)})
@@ -351,6 +374,39 @@ class RLTrainer:
                         "throughput/train_tokens_per_s": train.get("train/real_tokens", 0.0)
                         / max(timer.get("timing/train_s", 0.0), 1e-9)})
         return metrics
+
+    async def _recover_engines(self) -> bool:
+        """Restart dead engines with the current weights, verified by the probe (trainer/engine_recovery.py);
+        False when every engine is alive."""
+        cfg = self.cfg.trainer
+        recovery = await recover_engines(
+            self.engine, self.weight_sync,
+            lambda: probe_logprobs(self.policy, self.engine, self.probe_ids, temperature=cfg.temperature,
+                                   top_k=cfg.top_k, top_p=cfg.top_p, seed=self.cfg.generator.sampling.seed),
+            cfg.agreement_alarm_mean_diff or 0.1)
+        if recovery is None:
+            return False
+        self.recovery["recovery/engine_restarts"] += len(recovery.restarted)
+        self.last_sync = self.step_sync = SyncRecord(self.step, f"engine restart {recovery.restarted} + weight sync",
+                                                     recovery.probe.max_abs_diff)
+        return True
+
+    async def _sample_with_recovery(self):
+        """This step's rollouts (synchronous loop). An engine found dead, before the rollouts or by their failing,
+        is restarted with the current weights and the step's rollouts are drawn again, whole: they are a function
+        of the step and the weights, so the retried step is the step a fault-free run trains."""
+        await self._recover_engines()
+        try:
+            result = await self.sample()
+        except Exception:
+            if not await self._recover_engines():
+                raise
+            self.recovery["recovery/step_retries"] += 1
+            return await self.sample()
+        if result[0].failed_trajectory_ids and await self._recover_engines():
+            self.recovery["recovery/step_retries"] += 1
+            return await self.sample()
+        return result
 
     async def _call(self, group, method: str, *args):
         """A policy or reference call. Ray's blocking get would stall the event loop, and with it the rollouts

@@ -67,6 +67,10 @@ def policy_loss(
         pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * cfg.dual_clip_c), pg)
 
     metrics: dict[str, float] = {}
+    if rollout_logprobs is not None:  # the agreement alarm's evidence (trainer/agreement.py): trainer vs engine
+        gap = torch.where(live, (old_logprobs - rollout_logprobs).abs(), torch.zeros_like(logprobs)).detach()
+        metrics["agreement/logprob_abs_diff_mean"] = (gap * mask).sum().item() / denom
+        metrics["agreement/logprob_abs_diff_max"] = gap.max().item() if gap.numel() else 0.0
     if cfg.use_tis:
         if rollout_logprobs is None:
             raise ValueError("algorithm.tis_ratio_clip_high is set but the batch has no rollout_logprobs; "

@@ -37,7 +37,9 @@ class RolloutAhead:
     are those of its step)."""
 
     def __init__(self, sample: Callable[[int], Awaitable[Any]], first_step: int, total_steps: int,
-                 max_staleness: int) -> None:
+                 max_staleness: int, ready: list[Rollout] | None = None) -> None:
+        """`ready`: rollouts of steps first_step, first_step+1, ... already generated (a resumed run's, from its
+        checkpoint: sampled by weights older than the checkpoint's); generation continues after them."""
         if max_staleness < 1:
             raise ValueError(f"trainer.max_staleness must be >= 1 for rollouts ahead, got {max_staleness}")
         self.sample, self.max_staleness = sample, max_staleness
@@ -46,10 +48,16 @@ class RolloutAhead:
         self._engine_weights = asyncio.Lock()  # held by one batch's generation, or by one weight sync
         self._version_changed = asyncio.Condition()
         self._ready: asyncio.Queue[Rollout] = asyncio.Queue()
+        ready = list(ready or [])
+        if [r.step for r in ready] != list(range(first_step, first_step + len(ready))):
+            raise ValueError(f"rollouts ahead of steps {[r.step for r in ready]} do not continue step {first_step}")
+        for rollout in ready:
+            self._ready.put_nowait(rollout)
+        self._next_to_generate = first_step + len(ready)
         self._task = asyncio.create_task(self._produce(), name="rollout-ahead")
 
     async def _produce(self) -> None:
-        for step in range(self.first_step, self.total_steps):
+        for step in range(self._next_to_generate, self.total_steps):
             async with self._version_changed:
                 await self._version_changed.wait_for(lambda: step - self.weights_version <= self.max_staleness)
             async with self._engine_weights:
@@ -77,6 +85,11 @@ class RolloutAhead:
             async with self._version_changed:
                 self.weights_version += 1
                 self._version_changed.notify_all()
+
+    def pending(self) -> list[Rollout]:
+        """The rollouts generated and not yet trained on, oldest first (for a checkpoint). Right after a weight
+        sync every one sampled by older weights is among them: a sync waits for the generation in progress."""
+        return list(self._ready._queue)  # noqa: SLF001 - a snapshot; asyncio.Queue has no public peek
 
     async def close(self) -> None:
         """Stop generating (the run ended or failed); rollouts of steps never trained are dropped."""

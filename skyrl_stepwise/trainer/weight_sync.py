@@ -124,6 +124,13 @@ class WeightSync:
         self._manifest: list | None = None
         self._warned_fallback = False
 
+    def engines_restarted(self) -> None:
+        """An engine was restarted: a broadcast group that held its old actor is closed and formed again on the
+        next sync (the file and driver methods hold nothing per engine)."""
+        if self._manifest is not None:
+            self.group.call("close_weight_broadcast")
+            self._manifest = None
+
     async def sync(self) -> int:
         """Load the trainer's current weights into every engine; returns the number of parameters sent."""
         if self.method == "file":
@@ -198,18 +205,20 @@ def weight_sync_probe_ids(tokenizer, sliding_window: int | None, max_model_len: 
 
 
 async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], max_tokens: int = 16,
-                         temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> ProbeResult:
+                         temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                         seed: int | None = None) -> ProbeResult:
     """Sample from the engine and rescore the same ids with the trainer: the two must agree.
 
     `temperature`, `top_k` and `top_p` must be the run's (the trainer's = the rollout's): the engine returns
     logprobs of the truncated distribution it sampled from and the trainer scores the same truncation, so
     probing with other values would hide a mismatch the rollouts have (or report one they do not; greedy,
-    which vLLM scores at T=1, is refused).
+    which vLLM scores at T=1, is refused). `seed` (the run's generator.sampling.seed): the probe's tokens are then
+    a function of the weights alone, so a resumed run probes exactly what the uninterrupted one did.
     """
     if temperature <= 0:
         raise ValueError(f"probe_logprobs: temperature must be > 0 (the trainer's temperature), got {temperature}")
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              logprobs=True)
+                              logprobs=True, seed=seed)
     try:
         result = await engine.generate(probe_ids, sampling, session_id=PROBE_SESSION)
     finally:
