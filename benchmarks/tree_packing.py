@@ -86,7 +86,7 @@ def main() -> None:
     from skyrl_stepwise.generator.merge import merge_stepwise_output
     from skyrl_stepwise.models import resolve_model_path
     from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
-    from skyrl_stepwise.trainer.advantages import compute_advantages
+    from skyrl_stepwise.trainer.credit import compute_advantages
     from skyrl_stepwise.trainer.batching import TrainBatch
 
     path = resolve_model_path("smollm2")

@@ -96,7 +96,8 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
     growth, thread pools, kernels) that would otherwise be charged to whichever mode happens to run first.
     """
     from skyrl_stepwise.ablation.modes import SampleCost, build_samples, packing_of
-    from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights
+    from skyrl_stepwise.trainer.advantages import loss_weights
+    from skyrl_stepwise.trainer.credit import compute_advantages
     from skyrl_stepwise.trainer.batching import TrainBatch
 
     if algorithm.use_kl_loss and reference is None:

@@ -29,6 +29,10 @@ class DataConfig:
     train_batch_size: int = 4  # prompts per RL step (each sampled generator.n_samples_per_prompt times)
     eval_batch_size: int = 8
     max_eval_prompts: int = 16
+    # The base model's eval before SFT uses only the first N of those prompts (None: all): it shows the warm start is
+    # needed (SmolLM2 scores 0 there) while the paired RL - SFT comparison gets every prompt, and the base model, which
+    # rarely stops early, is the slowest to evaluate.
+    max_base_eval_prompts: int | None = None
     shuffle: bool = True
     seed: int = 0
     env_class: str | None = None  # overrides every row's env_class (e.g. `tool`: Search-R1 rows as function calls)
@@ -123,6 +127,9 @@ class RunConfig:
                              "README \"Your own task\" shows the format)")
         if self.data.train_batch_size <= 0:
             raise ValueError(f"data.train_batch_size must be > 0, got {self.data.train_batch_size}")
+        if self.data.max_base_eval_prompts is not None and self.data.max_base_eval_prompts < 0:
+            raise ValueError(f"data.max_base_eval_prompts must be >= 0 (or null: all of data.max_eval_prompts), "
+                             f"got {self.data.max_base_eval_prompts}")
         if self.logging.num_rollout_samples < 0:
             raise ValueError(f"logging.num_rollout_samples must be >= 0 (0: none), got {self.logging.num_rollout_samples}")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):

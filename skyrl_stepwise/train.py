@@ -70,7 +70,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
                            rollout_log)
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
-            await evals.run("before SFT")
+            await evals.run("before SFT", limit=cfg.data.max_base_eval_prompts)
             if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
                 await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
             cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
@@ -149,11 +149,13 @@ class EvalStages:
         self.cfg, self.eval_generator, self.rows, self.rollout_log = cfg, eval_generator, rows, rollout_log
         self.results = []
 
-    async def run(self, stage: str) -> None:
+    async def run(self, stage: str, limit: int | None = None) -> None:
+        """Evaluate the subset (its first `limit` prompts when given) and record the stage."""
         from skyrl_stepwise.trainer.loop import evaluate_prompts
 
-        if self.rows:
-            self.add(await evaluate_prompts(self.eval_generator, self.rows, stage, self.rollout_log))
+        rows = self.rows[:limit] if limit is not None else self.rows
+        if rows:
+            self.add(await evaluate_prompts(self.eval_generator, rows, stage, self.rollout_log))
 
     def add(self, result) -> None:
         from skyrl_stepwise.trainer.evaluation import save_evals

@@ -9,7 +9,8 @@ import pytest
 
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
-from skyrl_stepwise.trainer.advantages import compute_advantages, group_advantages, loss_weights, trajectory_scores
+from skyrl_stepwise.trainer.advantages import group_advantages, loss_weights, trajectory_scores
+from skyrl_stepwise.trainer.credit import compute_advantages
 from skyrl_stepwise.trainer.config import AlgorithmConfig
 from skyrl_stepwise.trainer.credit import compute_credit
 

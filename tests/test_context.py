@@ -177,7 +177,8 @@ async def test_plugin_error_fails_only_its_trajectory(tokenizer):
 
 
 async def test_a_trajectory_weighs_the_same_however_it_was_cut(tokenizer):
-    from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights
+    from skyrl_stepwise.trainer.advantages import loss_weights
+    from skyrl_stepwise.trainer.credit import compute_advantages
     from skyrl_stepwise.trainer.config import AlgorithmConfig
 
     first = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True))

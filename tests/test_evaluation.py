@@ -114,3 +114,29 @@ def test_the_summary_prints_rl_minus_sft_paired_over_the_same_prompts():
     assert rl_minus_sft(stages[:2]) is None  # no RL stage yet
     with pytest.raises(ValueError, match="same prompts"):
         paired_bootstrap(rl[:50], sft)
+
+
+def test_the_base_model_eval_can_use_the_first_prompts_of_the_fixed_subset(monkeypatch):
+    """data.max_base_eval_prompts: the base model's eval takes the first N prompts of the same fixed subset (the later
+    stages every prompt), and a negative value is refused naming the key."""
+    import asyncio
+
+    from skyrl_stepwise.train import EvalStages, load_config
+
+    cfg = load_config(["experiment=search_r1_tiny", "logging.output_dir=/tmp/unused"])
+    assert cfg.data.max_eval_prompts == 128 and cfg.data.max_base_eval_prompts == 32
+    seen = []
+
+    async def fake_evaluate(generator, rows, stage, rollout_log):
+        seen.append((stage, list(rows)))
+        return None
+
+    monkeypatch.setattr("skyrl_stepwise.trainer.loop.evaluate_prompts", fake_evaluate)
+    stages = EvalStages(cfg, None, list(range(10)))
+    stages.add = lambda result: None
+    asyncio.run(stages.run("before SFT", limit=3))
+    asyncio.run(stages.run("after SFT"))
+    assert seen == [("before SFT", [0, 1, 2]), ("after SFT", list(range(10)))]
+    cfg.data.max_base_eval_prompts = -1
+    with pytest.raises(ValueError, match="data.max_base_eval_prompts"):
+        cfg.validate()

@@ -16,7 +16,8 @@ from test_advantages import Traj, stepwise_output
 
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
-from skyrl_stepwise.trainer.advantages import compute_advantages, loss_weights
+from skyrl_stepwise.trainer.advantages import loss_weights
+from skyrl_stepwise.trainer.credit import compute_advantages
 from skyrl_stepwise.trainer.batching import TrainBatch, pack_indices, pack_micro_batch
 from skyrl_stepwise.trainer.config import AlgorithmConfig, TrainerConfig
 from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss

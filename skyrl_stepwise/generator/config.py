@@ -60,8 +60,6 @@ class ContextConfig:
             if ":" not in self.policy:
                 raise ValueError(f"{where}.policy={self.policy!r} is not one of {list(CONTEXT_POLICIES)} nor a "
                                  "plugin 'pkg.module:Class'")
-            from skyrl_stepwise.generator.context import load_plugin
-
             load_plugin(self.policy, f"{where}.policy")
         if self.policy != "none" and not conversation:
             raise ValueError(f"{where}.policy={self.policy!r} edits chat turns: it needs "
@@ -141,3 +139,18 @@ class GeneratorConfig:
             if value <= 0:
                 raise ValueError(f"{key} must be > 0, got {value}")
         self.context.validate(self.max_input_length, self.use_conversation_multi_turn)
+
+
+def load_plugin(path: str, where: str) -> type:
+    """Import a `pkg.module:Class` context policy now, so a broken plugin fails at start-up naming the key (here,
+    beside the config that names it: generator/context.py builds on this module, not the other way round)."""
+    from skyrl_stepwise.envs.builtin import EnvPluginError, import_object
+
+    try:
+        cls = import_object(path, where)
+    except EnvPluginError as e:
+        raise ValueError(str(e)) from None
+    if not callable(getattr(cls, "between_turns", None)):
+        raise ValueError(f"{where}: {path!r} has no between_turns(view) method; a context policy offers "
+                         "between_turns(view) -> ContextEdit | None and optionally observe(observations, tokens)")
+    return cls

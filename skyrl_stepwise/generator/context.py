@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from skyrl_stepwise.envs.base import Message
-from skyrl_stepwise.generator.config import ContextConfig
+from skyrl_stepwise.generator.config import ContextConfig, load_plugin
 
 TRUNCATION_MARKER = "\n[... {cut} tokens cut ...]\n"
 
@@ -192,20 +192,6 @@ class Summarize(NoPolicy):
 
 
 BUILTIN_POLICIES = {"none": NoPolicy, "truncate": Truncate, "sliding_window": SlidingWindow, "summarize": Summarize}
-
-
-def load_plugin(path: str, where: str) -> type:
-    """Import a `pkg.module:Class` policy now, so a broken plugin fails at start-up naming the key."""
-    from skyrl_stepwise.envs.builtin import EnvPluginError, import_object
-
-    try:
-        cls = import_object(path, where)
-    except EnvPluginError as e:
-        raise ValueError(str(e)) from None
-    if not callable(getattr(cls, "between_turns", None)):
-        raise ValueError(f"{where}: {path!r} has no between_turns(view) method; a context policy offers "
-                         "between_turns(view) -> ContextEdit | None and optionally observe(observations, tokens)")
-    return cls
 
 
 def make_policy(cfg: ContextConfig) -> ContextPolicy:

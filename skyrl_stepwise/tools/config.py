@@ -14,40 +14,17 @@ tool index and the key instead of a model that silently never gets its arguments
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
 
-# OpenAI's rule for function names; chat templates and tool parsers rely on it too.
-TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+from skyrl_stepwise.tools.schema import (FUNCTION_KEYS, SCHEMA_KEYS, TOOL_NAME_RE, ToolConfigError, ToolSpecConfig,
+                                        check_satisfiable, validate_tool_schema)
+
 SPEC_KEYS = {"class_name", "config", "tool_schema"}
-SCHEMA_KEYS = {"type", "function"}
-FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
-
-
-class ToolConfigError(ValueError):
-    """A tool spec that cannot be used; the message names the file, the tool index and the bad key."""
-
-
-@dataclass
-class ToolSpecConfig:
-    """One configured tool: which class builds it, its constructor config and the schema the model sees.
-    `source` (the YAML file, for error messages) is not part of the spec itself."""
-
-    class_name: str
-    config: dict[str, Any] = field(default_factory=dict)
-    tool_schema: dict[str, Any] = field(default_factory=dict)
-    source: str = field(default="<dict>", compare=False, repr=False)
-
-    @property
-    def name(self) -> str:
-        """The function name the model calls this tool by."""
-        return self.tool_schema["function"]["name"]
+__all__ = ["FUNCTION_KEYS", "SCHEMA_KEYS", "SPEC_KEYS", "TOOL_NAME_RE", "ToolConfigError", "ToolSpecConfig",
+           "check_satisfiable", "load_tools_yaml", "parse_tool_specs", "validate_tool_schema"]
 
 
 def _to_container(data: Any) -> Any:
@@ -59,65 +36,6 @@ def _to_container(data: Any) -> Any:
     if isinstance(data, (DictConfig, ListConfig)):
         return OmegaConf.to_container(data, resolve=True)
     return data
-
-
-def validate_tool_schema(schema: Any, where: str) -> None:
-    """Check one OpenAI function schema; `where` (e.g. "tools.yaml: tools[0].tool_schema") prefixes errors.
-
-    Parameters must be a valid JSON schema of type object: the executor validates every call against it, and a
-    broken schema would otherwise surface as a confusing error on the first rollout."""
-    if not isinstance(schema, dict):
-        raise ToolConfigError(f"{where}: must be a mapping, got {type(schema).__name__}")
-    unknown = sorted(set(schema) - SCHEMA_KEYS)
-    if unknown:
-        raise ToolConfigError(f"{where}: unknown key {unknown[0]!r} (allowed: {sorted(SCHEMA_KEYS)})")
-    if schema.get("type") != "function":
-        raise ToolConfigError(f"{where}.type: must be 'function', got {schema.get('type')!r}")
-    function = schema.get("function")
-    if not isinstance(function, dict):
-        raise ToolConfigError(f"{where}.function: must be a mapping with name/description/parameters, "
-                              f"got {type(function).__name__}")
-    unknown = sorted(set(function) - FUNCTION_KEYS)
-    if unknown:
-        raise ToolConfigError(f"{where}.function: unknown key {unknown[0]!r} (allowed: {sorted(FUNCTION_KEYS)})")
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
-        raise ToolConfigError(f"{where}.function.name: must be 1-64 characters of [A-Za-z0-9_-], got {name!r}")
-    description = function.get("description", "")
-    if not isinstance(description, str):
-        raise ToolConfigError(f"{where}.function.description: must be a string, got {type(description).__name__}")
-    parameters = function.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(parameters, dict):
-        raise ToolConfigError(f"{where}.function.parameters: must be a JSON schema mapping, "
-                              f"got {type(parameters).__name__}")
-    if parameters.get("type") != "object":
-        raise ToolConfigError(f"{where}.function.parameters.type: must be 'object' (arguments are a JSON object), "
-                              f"got {parameters.get('type')!r}")
-    try:
-        Draft202012Validator.check_schema(parameters)
-    except SchemaError as e:
-        path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
-        raise ToolConfigError(f"{where}.function.parameters{path}: not a valid JSON schema: {e.message}") from None
-    check_satisfiable(parameters, f"{where}.function.parameters")
-
-
-def check_satisfiable(schema: dict, where: str) -> None:
-    """Refuse an object schema that requires a property it does not declare: valid JSON schema, but almost always a
-    typo (`required: [querry]`), and with `additionalProperties: false` no call could ever pass, so every call
-    would come back as an error while the run trains on. Nested object schemas are checked too."""
-    properties = schema.get("properties")
-    required = schema.get("required") or []
-    if schema.get("type") == "object" and isinstance(required, list):
-        declared = set(properties or {})
-        missing = [r for r in required if r not in declared]
-        if missing:
-            raise ToolConfigError(f"{where}.required: {missing} not among the declared properties "
-                                  f"{sorted(declared)}; a call would have to pass an undeclared argument")
-    for name, sub in (properties or {}).items():
-        if isinstance(sub, dict):
-            check_satisfiable(sub, f"{where}.properties.{name}")
-    if isinstance(schema.get("items"), dict):
-        check_satisfiable(schema["items"], f"{where}.items")
 
 
 def parse_tool_specs(data: Any, source: str = "<dict>") -> list[ToolSpecConfig]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_stepwise.tools.base import FailedCall, Tool, ToolUnavailable, config_from_dict
-from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, validate_tool_schema
+from skyrl_stepwise.tools.schema import ToolConfigError, ToolSpecConfig, validate_tool_schema
 
 MCP_TOOL_CLASS = "skyrl_stepwise.tools.mcp.MCPTool"
 

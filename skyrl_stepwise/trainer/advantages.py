@@ -106,11 +106,3 @@ def loss_weights(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[flo
         tokens[tid] += sum(mask)
     return [[1.0 / tokens[tid] if tokens[tid] else 0.0] * len(mask)
             for tid, mask in zip(output.trajectory_ids, output.loss_masks)]
-
-
-def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:
-    """Per-token advantages parallel to response_ids for `cfg.step_advantage` (outcome: the trajectory's advantage
-    times the sample's loss mask); see credit.compute_credit, which also returns the credit metrics."""
-    from skyrl_stepwise.trainer.credit import compute_credit  # credit.py builds on this module
-
-    return compute_credit(output, cfg).advantages

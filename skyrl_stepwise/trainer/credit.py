@@ -214,3 +214,9 @@ def compute_credit(output: GeneratorOutput, cfg: AlgorithmConfig) -> Credit:
                   for tid, turns, mask in zip(output.trajectory_ids, output.turn_indices, output.loss_masks)]
     metrics.update(turn_metrics(steps, step_adv, outcome))
     return Credit(advantages, step_adv, metrics)
+
+
+def compute_advantages(output: GeneratorOutput, cfg: AlgorithmConfig) -> list[list[float]]:
+    """Per-token advantages parallel to response_ids for `cfg.step_advantage` (outcome: the trajectory's advantage
+    times the sample's loss mask), for callers that do not need the credit metrics `compute_credit` also returns."""
+    return compute_credit(output, cfg).advantages
