@@ -22,6 +22,7 @@ Progress goes to stderr as it happens (with vLLM's logs); the table to stdout (a
 
     PYTHONPATH=. .venv/bin/python benchmarks/context_policies.py --prompts 2 --samples 2 --max-turns 4   # smoke
     PYTHONPATH=. .venv/bin/python benchmarks/context_policies.py --out /tmp/context_policies.md         # README
+    PYTHONPATH=. .venv/bin/python benchmarks/context_policies.py --update-prompts 0                     # rollouts only
 """
 
 from __future__ import annotations
@@ -291,8 +292,8 @@ def main() -> None:
             f"1..{args.range}, max_turns {args.max_turns}, max_input_length {args.max_input_length}, "
             f"max_generate {args.max_generate}, ~{args.obs_tokens}-token observations, seed {args.seed}; "
             f"wall {time.perf_counter() - T0:.0f} s on {os.cpu_count()} cores, load average "
-            f"{load_start:.1f} at start and {os.getloadavg()[0]:.1f} at the end (a shared box: seconds are "
-            f"slower than alone, every arm alike)")
+            f"{load_start:.1f} at start and {os.getloadavg()[0]:.1f} at the end (on a shared box the seconds follow "
+            f"the load: compare them between arms only at a steady load)")
     text = head + "\n\n" + table(rows) + "\n"
     print(text, flush=True)
     if args.out:
