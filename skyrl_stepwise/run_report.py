@@ -248,6 +248,51 @@ def skipped_section(history: list[dict]) -> list[str]:
             "norm or nothing to train on, so their batches' gradients were lost (`train/skipped_step`).", ""]
 
 
+def _never_fired_why(ctx, max_input_length: int) -> str:
+    """What the policy waits for, with this run's values: why a policy that never fired did nothing."""
+    if ctx.policy == "truncate":
+        return f"no observation was longer than `max_observation_tokens`={ctx.max_observation_tokens}"
+    if ctx.policy == "sliding_window":
+        return f"no trajectory had observations older than the last `window`={ctx.window} turns"
+    if ctx.policy == "summarize":
+        return (f"no next prompt crossed the summarize threshold of {ctx.threshold(max_input_length)} tokens "
+                f"(`summarize_threshold`, max_input_length {max_input_length})")
+    return "the plugin returned no edit on every turn"
+
+
+def context_section(cfg, history: list[dict]) -> list[str]:
+    """Whether the context policy did anything on this run, in words: a policy that never fired leaves the run
+    identical to policy=none, which a 0 in `context/fires_per_trajectory` alone does not make anyone notice; and
+    with `none`, how many trajectories ran out of context that a policy could have kept going."""
+    ctx = getattr(cfg.generator, "context", None)
+    steps = [r for r in history if "context/fires_per_trajectory" in r]
+    if ctx is None or not steps:
+        return []
+    exhausted = sum(r.get("context/exhausted_trajectories", 0) for r in steps)
+    budget = sum(r.get("context/budget_exhausted_trajectories", 0) for r in steps)
+    limits = (f"{exhausted:.0f} trajectories ran out of context (`context_exhausted`)"
+              + (f", {budget:.0f} hit the token budget (`budget_exhausted`)" if budget else ""))
+    if ctx.policy == "none":
+        if not exhausted and not budget:
+            return []
+        return ["## Context", "", f"{limits} over {len(steps)} steps with `generator.context.policy=none`; "
+                "a context policy (truncate, sliding_window, summarize) keeps such trajectories going (README "
+                '"Long-horizon agents: context policies").', ""]
+    fired = [r["step"] for r in steps if r["context/fires_per_trajectory"] > 0]
+    if not fired:
+        why = _never_fired_why(ctx, cfg.generator.max_input_length)
+        return ["## Context", "", f"**The context policy `{ctx.policy}` never fired on this run** "
+                f"(`context/fires_per_trajectory` = 0 on all {len(steps)} steps): {why}, so nothing was truncated, "
+                f"dropped or summarised and these steps trained exactly as with `generator.context.policy=none`; "
+                f"{limits}.", ""]
+    edits = sum(r.get("context/edits", 0) for r in steps)
+    summaries = sum(r.get("context/summaries", 0) for r in steps)
+    dropped = sum(r.get("context/tokens_dropped", 0) for r in steps)
+    return ["## Context", "", f"The context policy `{ctx.policy}` fired on {len(fired)} of {len(steps)} steps: "
+            f"{edits:.0f} edits (each starts a new step chain), {summaries:.0f} summaries, {dropped:.0f} tokens "
+            f"dropped; {limits}.", ""]
+
+
 def _files(cfg, run_dir: Path) -> list[str]:
     """Where everything is, relative to the run dir where possible, only what exists."""
     from skyrl_stepwise.trainer.checkpoint import complete_checkpoints
@@ -352,6 +397,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
     plot_curves(steps, run_dir / "curves.png", title)
     parts = [f"# Run report: {cfg.logging.run_name}", "", _status(steps, cfg.total_steps, failure), "",
              *skipped_section(steps),
+             *context_section(cfg, steps),
              *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
              "## Steps", "", step_table(steps) if steps else "No step was logged.", "",

@@ -640,13 +640,28 @@ def _qwen_family(spec: FamilySpec):
     return tok
 
 
-def _smollm2_family(spec: FamilySpec):
-    from tokenizers import AddedToken
+@functools.lru_cache(maxsize=1)
+def _smollm2_base():
+    """The embedded SmolLM2 tokenizer, loaded once per process: every smollm2-vocabulary family starts from it."""
     from transformers import AutoTokenizer
 
     from skyrl_stepwise.models.prepare import prepare_model
 
-    tok = AutoTokenizer.from_pretrained(prepare_model())
+    return AutoTokenizer.from_pretrained(prepare_model())
+
+
+def _smollm2_family(spec: FamilySpec):
+    """A copy of the SmolLM2 tokenizer with the family's markers: deep-copied with its backend swapped for a fresh
+    one on the shared BPE model (~1 ms; loading or deep-copying the 49k-token vocabulary costs 0.2-1.5 s a family,
+    most of the conformance suites' time). Identical to AutoTokenizer.from_pretrained + add_tokens: tests/
+    test_family_tokenizers.py compares the two."""
+    import copy
+
+    from qwen_vocab import fresh_backend
+    from tokenizers import AddedToken
+
+    base = _smollm2_base()
+    tok = copy.deepcopy(base, {id(base.backend_tokenizer): fresh_backend(base.backend_tokenizer)})
     for content, special in spec.vocab_tokens:  # one at a time: ids follow the spec's order
         tok.add_tokens([AddedToken(content, special=special, normalized=False)], special_tokens=special)
     tok.eos_token = spec.eos_token

@@ -213,3 +213,121 @@ async def test_show_and_rollouts_mark_where_the_context_was_edited(tokenizer):
     assert [e["before_step"] for e in events] == [3, 4, 5] and all(e["tokens_dropped"] > 100 for e in events)
     text = format_sample(__import__("dataclasses").asdict(samples[0]))
     assert "[context edit by sliding_window before model turn 4:" in text and "placeholders" in text
+
+
+
+def _report(ctx: ContextConfig, run_dir, steps: list[dict], max_input_length: int = 4096) -> str:
+    """report.md of a run with this context config whose steps logged these rollout metrics."""
+    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run_report import write_run_report
+    from skyrl_stepwise.trainer.tracking import Tracker
+
+    cfg = RunConfig()
+    cfg.total_steps, cfg.trainer.ckpt_dir = len(steps), str(run_dir / "ckpts")
+    cfg.generator.context, cfg.generator.max_input_length = ctx, max_input_length
+    tracker = Tracker(run_dir, "p", "r", "disabled", {})
+    for step, metrics in enumerate(steps, 1):
+        tracker.log(dict(metrics), step)
+    tracker.finish()
+    return write_run_report(cfg, run_dir).read_text()
+
+
+async def test_a_policy_that_never_fires_says_so_in_the_report(tokenizer, tmp_path):
+    """context/fires_per_trajectory = 0 alone goes unnoticed: report.md says in words that the run was policy=none,
+    and why (the key whose threshold was never reached); a policy that fired says how often."""
+    async def steps(ctx: ContextConfig, n: int = 2, **kw) -> list[dict]:
+        out = []
+        for _ in range(n):  # one generate per step: real rollout metrics of this policy
+            gen, _, _ = make(tokenizer, ctx, **kw)
+            out.append((await run(gen)).rollout_metrics)
+        return out
+
+    quiet = ContextConfig(policy="truncate", max_observation_tokens=1000)  # ~240-token observations: never cut
+    logged = await steps(quiet)
+    assert all(m["context/fires_per_trajectory"] == 0 for m in logged)
+    text = _report(quiet, tmp_path / "quiet", logged)
+    assert "**The context policy `truncate` never fired on this run** (`context/fires_per_trajectory` = 0 on all " \
+           "2 steps): no observation was longer than `max_observation_tokens`=1000" in text
+    assert "trained exactly as with `generator.context.policy=none`" in text
+
+    first = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True))
+    never = ContextConfig(policy="summarize", summarize_threshold=4000)  # 6 turns of ~240 tokens stay below it
+    text = _report(never, tmp_path / "never", await steps(never, 1))
+    assert "**The context policy `summarize` never fired on this run**" in text and "threshold of 4000" in text
+
+    loud = ContextConfig(policy="summarize", summarize_threshold=first + 250)
+    logged = await steps(loud, 1)
+    text = _report(loud, tmp_path / "loud", logged)
+    assert "never fired" not in text
+    assert logged[0]["context/summaries"] >= 2
+    assert f"The context policy `summarize` fired on 1 of 1 steps: {logged[0]['context/edits']} edits (each starts " \
+           f"a new step chain), {logged[0]['context/summaries']} summaries" in text
+
+    logged = await steps(ContextConfig(), 1, max_input_length=300)  # none: the trajectory runs out of context
+    text = _report(ContextConfig(), tmp_path / "none", logged, max_input_length=300)
+    assert "1 trajectories ran out of context (`context_exhausted`) over 1 steps with " \
+           "`generator.context.policy=none`" in text
+    assert "## Context" not in _report(ContextConfig(), tmp_path / "fits", await steps(ContextConfig(), 1))
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _assert_trie_shares_exactly_the_common_prefixes(seqs: list[list[int]]):
+    """Under packing=tree two samples share a node iff they share the whole prefix up to it: the first lcp nodes
+    are the same nodes, the next ones differ; and a row forwards each distinct prefix once."""
+    from skyrl_stepwise.trainer.tree import build_trie, unique_tokens
+
+    trie = build_trie(seqs)
+    for a in range(len(seqs)):
+        for b in range(a + 1, len(seqs)):
+            n = _lcp(seqs[a], seqs[b])
+            na, nb = trie.sample_nodes[a], trie.sample_nodes[b]
+            assert na[:n] == nb[:n], (a, b, n)
+            assert n == min(len(na), len(nb)) or na[n] != nb[n], (a, b, n)
+    prefixes = {tuple(s[:k + 1]) for s in seqs for k in range(len(s))}
+    assert unique_tokens(seqs) == len(trie) == len(prefixes)
+    return trie
+
+
+@pytest.mark.parametrize("policy", ["summarize", "sliding_window"])
+async def test_edited_segments_share_the_prompt_in_the_tree_and_merging_restarts_at_each_edit(tokenizer, policy):
+    """Issue 37 item 4: the segments of an edited trajectory (and of its group) share the trie nodes of the system
+    prompt and task under trainer.packing=tree, every pair exactly up to its common prefix; merging starts a new
+    chain at each edit (summary restart or window edit) and nowhere else."""
+    from skyrl_stepwise.generator.merge import trajectory_ranges
+
+    first = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True))
+    ctx = (ContextConfig(policy="summarize", summarize_threshold=first + 250) if policy == "summarize"
+           else ContextConfig(policy="sliding_window", window=1))
+    gen, _, _ = make(tokenizer, ctx)
+    out = await run(gen, ("long", "boom"))  # one group, two trajectories whose observations differ
+    seqs = [p + r for p, r in zip(out.prompt_token_ids, out.response_ids)]
+    breaks = [e for e in out.context_events if e["kind"] in ("edit", "summary")]
+    assert len(breaks) >= 4 and {e["trajectory"] for e in breaks} == {"q_0", "q_1"}
+
+    trie = _assert_trie_shares_exactly_the_common_prefixes(seqs)
+    # every segment, before or after an edit, of either trajectory, starts on the same `first` nodes
+    assert all(nodes[:first] == trie.sample_nodes[0][:first] for nodes in trie.sample_nodes)
+    assert len(trie) <= sum(map(len, seqs)) - (len(seqs) - 1) * first
+
+    merged = merge_stepwise_output(out)
+    ranges = dict(zip((out.trajectory_ids[s].key() for s, _ in trajectory_ranges(out)), trajectory_ranges(out)))
+    expected_prompts = []
+    for key, (start, _) in ranges.items():
+        starts = sorted({0} | {e["before_step"] for e in breaks if e["trajectory"] == key})
+        expected_prompts += [out.prompt_token_ids[start + s] for s in starts]
+    assert len(merged) == len(ranges) + len(breaks) == len(expected_prompts)
+    assert merged.prompt_token_ids == expected_prompts  # a chain starts at the first step and at each edit only
+    for key in ranges:  # nothing fabricated: each trajectory's trained ids are its steps' trained ids, in order
+        def trained(o):
+            return [t for tid, r, k in zip(o.trajectory_ids, o.response_ids, o.loss_masks) if tid.key() == key
+                    for t, b in zip(r, k) if b]
+        assert trained(merged) == trained(out) and len(trained(out)) > 0
+    merged_seqs = [p + r for p, r in zip(merged.prompt_token_ids, merged.response_ids)]
+    merged_trie = _assert_trie_shares_exactly_the_common_prefixes(merged_seqs)
+    assert all(nodes[:first] == merged_trie.sample_nodes[0][:first] for nodes in merged_trie.sample_nodes)

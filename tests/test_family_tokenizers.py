@@ -124,3 +124,53 @@ def test_llama_ipython_tool_call_closes_with_eom():
                    builtin_tools=["brave_search"])
     assert text.endswith('<|python_tag|>brave_search.call(query="x")<|eom_id|>')
     assert _ids(tok, text)[-1] == tok.convert_tokens_to_ids("<|eom_id|>")
+
+
+def _reference(spec):
+    """The family tokenizer built the slow, obvious way: the vocabulary loaded or parsed again, nothing shared."""
+    from qwen_vocab import _bare_backend_json
+    from tokenizers import AddedToken, Tokenizer, normalizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from skyrl_stepwise.models.prepare import prepare_model
+
+    if spec.vocab == "qwen":
+        backend = Tokenizer.from_str(_bare_backend_json())
+        for content, special in spec.vocab_tokens:
+            (backend.add_special_tokens if special else backend.add_tokens)(
+                [AddedToken(content, special=special, normalized=False)])
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=spec.eos_token, pad_token=spec.pad_token,
+                                      bos_token=spec.bos_token)
+        tok.backend_tokenizer.normalizer = normalizers.NFC()
+    else:
+        tok = AutoTokenizer.from_pretrained(prepare_model())
+        for content, special in spec.vocab_tokens:
+            tok.add_tokens([AddedToken(content, special=special, normalized=False)], special_tokens=special)
+        tok.eos_token, tok.bos_token, tok.pad_token = spec.eos_token, spec.bos_token, spec.pad_token
+    tok.chat_template = spec.template
+    if spec.adds_bos:
+        tok.add_bos_token = True
+    return tok
+
+
+# one per way of building: smollm2 vocabulary (plain, BOS-adding) and Qwen vocabulary (with and without BOS token)
+@pytest.mark.parametrize("name", ["smollm2", "command-r7b", "qwen2.5", "deepseek-r1-distill-qwen"])
+def test_shared_vocabulary_builds_the_same_tokenizer(name):
+    """family_tokenizer shares one parsed BPE model between families (the suites' time was spent re-parsing it):
+    the result must be the tokenizer the slow way builds, and building one must not change the next."""
+    spec = FAMILIES[name]
+    fast, ref = family_tokenizer(name), _reference(spec)
+    assert fast.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()  # model, pipeline, added tokens
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "all_special_ids", "added_tokens_decoder",
+                 "special_tokens_map", "chat_template", "add_bos_token"):
+        assert getattr(fast, attr) == getattr(ref, attr), attr
+    text = "Hi <|im_start|> there 2+2 " + " ".join(t for t, _ in spec.vocab_tokens) + " naïve ｜ end"
+    for add_special in (True, False):
+        ids = fast(text, add_special_tokens=add_special)["input_ids"]
+        assert ids == ref(text, add_special_tokens=add_special)["input_ids"]
+        assert fast.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    messages = _conversation(spec)
+    assert _render(fast, spec, messages, add_generation_prompt=True) == _render(ref, spec, messages,
+                                                                                 add_generation_prompt=True)
+    other = next(n for n in NAMES if FAMILIES[n].vocab == spec.vocab and n != name)
+    assert len(family_tokenizer(other)) == len(_reference(FAMILIES[other]))  # no added token leaked across

@@ -121,6 +121,22 @@ def test_a_resumed_sft_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_mo
     assert [p.name for p in complete_checkpoints(tmp_path / "ckpts")] == ["step_4"]  # older ones pruned
 
 
+@pytest.mark.parametrize("ctx", [dict(policy="summarize", summarize_threshold=40),
+                                 dict(policy="sliding_window", window=1), dict(policy="truncate",
+                                                                              max_observation_tokens=4)])
+def test_sft_replays_demonstrations_as_written_whatever_the_context_policy(tokenizer, ctx):
+    """A context policy edits what the model sees in RL; a demonstration is replayed as the demonstrator wrote it
+    (summarize used to take the next scripted turn for a summary and fail the row), so every policy of a comparison
+    starts from the same warm start."""
+    from skyrl_stepwise.generator.config import ContextConfig
+
+    plain = conversation_samples(tokenizer, [CONVERSATION], GeneratorConfig())
+    edited = conversation_samples(tokenizer, [CONVERSATION], GeneratorConfig(context=ContextConfig(**ctx)))
+    assert (edited.prompt_token_ids, edited.response_ids, edited.loss_masks) == \
+        (plain.prompt_token_ids, plain.response_ids, plain.loss_masks)
+    assert edited.rollout_metrics["context/fires_per_trajectory"] == 0
+
+
 @pytest.mark.parametrize("change", [
     "trainer.optim.weight_decay=0.1", "trainer.optim.max_grad_norm=0.5", "trainer.optim.betas=[0.8,0.99]",
     "trainer.optim.eps=1e-6", "generator.history=retokenize", "generator.use_conversation_multi_turn=false",
@@ -156,7 +172,7 @@ def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, ti
     assert cache_key(changed, "data", memo_path=memo) != before
     # what cannot change the weights leaves the key alone: the cache still serves every other run
     same = load_config(base + ["trainer.fsdp.gradient_checkpointing=true", "total_steps=9",
-                               "generator.n_samples_per_prompt=3"])
+                               "generator.n_samples_per_prompt=3", "generator.context.policy=summarize"])
     same.trainer.model_path = str(model)
     if change not in ("weights", "chat_template"):
         assert cache_key(same, "data", memo_path=memo) == before

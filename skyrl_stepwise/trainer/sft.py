@@ -20,6 +20,7 @@ from skyrl_stepwise.chat import create_renderer
 from skyrl_stepwise.chat.base import RenderError
 from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorOutput, StepwiseGenerator, TrajectoryID
+from skyrl_stepwise.generator.config import ContextConfig
 from skyrl_stepwise.inference.scripted import ScriptedEngine
 from skyrl_stepwise.trainer.batching import TrainBatch
 
@@ -233,9 +234,12 @@ def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg:
     conversations = [keyed_to_parsed_calls(chat, c, ts, tools) if uses_tools(c) else c
                      for c, ts in zip(conversations, turns)]
     longest = max(len(t) for ts in turns for t in ts)
+    # a demonstration is replayed as written: a context policy would drop or summarise what the demonstrator saw
+    # (and `summarize` would take the next scripted turn for a summary), so SFT runs with none, and every policy
+    # of a comparison starts from the same warm start (generator.context is not in the SFT cache key)
     cfg = replace(gen_cfg, n_samples_per_prompt=1, step_wise_trajectories=True, merge_stepwise_output=True,
                   max_turns=max(len(ts) for ts in turns), max_input_length=1 << 30, show_progress=False,
-                  apply_overlong_filtering=False,
+                  apply_overlong_filtering=False, context=ContextConfig(),
                   sampling=replace(gen_cfg.sampling, max_generate_length=longest, logprobs=False, seed=None))
     registry = EnvRegistry()
     registry.register("replay", lambda: _ReplayEnv(conversations, tools))

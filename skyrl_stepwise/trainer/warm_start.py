@@ -43,7 +43,8 @@ def _conversations(cfg) -> tuple[list[list[dict]], str]:
 # scripted): every other generator key is part of the SFT key, so a new key can only make the cache miss, never
 # reuse a warm start trained on different samples.
 _GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_prompt", "step_wise_trajectories",
-                              "merge_stepwise_output", "apply_overlong_filtering", "show_progress"}
+                              "merge_stepwise_output", "apply_overlong_filtering", "show_progress",
+                              "context"}  # SFT replays demonstrations with no context policy (trainer/sft.py)
 _SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
 _FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
                          "gradient_checkpointing"}  # where, how fast and in what memory: not what
