@@ -43,6 +43,20 @@ def test_gguf_header_is_read_without_tensors(tmp_path):
     assert not read_gguf_info(_header_only_gguf(tmp_path / "b.gguf", "gemma3")).looks_instruct
 
 
+def test_a_conversion_parses_the_gguf_once(tmp_path):
+    """transformers reads the file three times per conversion (tokenizer, config, weights) and we once: within
+    gguf_parsed_once they share one parse (Gemma 3's 262k-entry vocabulary cost 30-110 s a parse)."""
+    import gguf
+
+    from skyrl_stepwise.models.gguf_meta import gguf_parsed_once
+
+    path = str(_header_only_gguf(tmp_path / "m.gguf", "gemma3"))
+    original = gguf.GGUFReader
+    with gguf_parsed_once():
+        assert gguf.GGUFReader(path) is gguf.GGUFReader(path)
+    assert gguf.GGUFReader is original and gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
 def test_gguf_without_template_of_unknown_family_is_refused_before_writing(tmp_path, monkeypatch):
     gguf_file = _header_only_gguf(tmp_path / "mystery.gguf", "mysteryarch")
     monkeypatch.setattr(prepare, "convert_gguf", lambda *a, **k: pytest.fail("conversion started"))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from skyrl_stepwise.models.chat_templates import ChosenTemplate, MissingChatTemplate, choose_chat_template, family_names
-from skyrl_stepwise.models.gguf_meta import GGUFInfo, read_gguf_info
+from skyrl_stepwise.models.gguf_meta import GGUFInfo, gguf_parsed_once, read_gguf_info
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -57,9 +57,10 @@ def gguf_path() -> Path:
 
 def convert(gguf: Path, out_dir: Path) -> None:
     """Dequantize the embedded GGUF and save a plain HF model; logits are identical to the GGUF-loaded model."""
-    info = read_gguf_info(gguf)
-    convert_gguf(info, choose_chat_template(None, info.chat_template, info.architecture, str(gguf)), out_dir,
-                 name=MODEL_NAME)
+    with gguf_parsed_once():
+        info = read_gguf_info(gguf)
+        convert_gguf(info, choose_chat_template(None, info.chat_template, info.architecture, str(gguf)), out_dir,
+                     name=MODEL_NAME)
 
 
 def convert_gguf(info: GGUFInfo, template: ChosenTemplate, out_dir: Path, name: str | None = None) -> None:
@@ -142,20 +143,27 @@ def prepare_gguf(gguf_file: str | os.PathLike, chat_template: str | None = None,
                  cache_dir: str | os.PathLike | None = None, out_dir: str | os.PathLike | None = None) -> Path:
     """Your own GGUF as an HF folder (cached): the template is chosen and a missing one refused before anything is
     written; a base model gets a warning; the chosen template's source is logged and saved beside the weights."""
-    info = read_gguf_info(gguf_file)
-    template = choose_chat_template(chat_template, info.chat_template, info.architecture, f"GGUF {str(info.path)!r}")
-    target = Path(out_dir).expanduser() if out_dir else \
-        cache_root(cache_dir) / "models" / _prepared_name(info.path, chat_template)
-    if (target / _DONE_MARKER).is_file():
-        return target
-    _announce(info.name, template, info.looks_instruct)
-    logger.info("converting %s (dequantized) into %s; this takes a minute", info.path, target)
+    source = Path(gguf_file).expanduser()
+    if out_dir is None and source.is_file():  # cached: no header parse (~30 s for a 262k vocabulary)
+        cached = cache_root(cache_dir) / "models" / _prepared_name(source, chat_template)
+        if (cached / _DONE_MARKER).is_file():
+            return cached
+    with gguf_parsed_once():  # the header read and transformers' three reads: one parse of the file
+        info = read_gguf_info(gguf_file)
+        template = choose_chat_template(chat_template, info.chat_template, info.architecture,
+                                        f"GGUF {str(info.path)!r}")
+        target = Path(out_dir).expanduser() if out_dir else \
+            cache_root(cache_dir) / "models" / _prepared_name(info.path, chat_template)
+        if (target / _DONE_MARKER).is_file():
+            return target
+        _announce(info.name, template, info.looks_instruct)
+        logger.info("converting %s (dequantized) into %s; this takes a minute", info.path, target)
 
-    def build(tmp: Path) -> None:
-        convert_gguf(info, template, tmp)
-        _write_provenance(tmp, str(info.path), template)
+        def build(tmp: Path) -> None:
+            convert_gguf(info, template, tmp)
+            _write_provenance(tmp, str(info.path), template)
 
-    return _atomic_build(target, build)
+        return _atomic_build(target, build)
 
 
 def prepare_hf_folder(folder: str | os.PathLike, chat_template: str | None = None,
