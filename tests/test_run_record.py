@@ -28,15 +28,15 @@ def test_a_launch_with_a_changed_config_is_refused_unless_allowed(tmp_path):
     save_record(_tree(), tmp_path)
     first = (tmp_path / RECORD).read_text()
     check_launch(_tree("trainer.resume=auto"), tmp_path, allow_changes=False)  # the same job: fine
-    with pytest.raises(ConfigMismatchError, match=r"total_steps: 3 -> 5") as info:
+    with pytest.raises(ConfigMismatchError, match=r"total_steps: 6 -> 5") as info:
         check_launch(_tree("total_steps=5"), tmp_path, allow_changes=False)
     assert "trainer.resume_allow_changes=true" in str(info.value)
     logged = []
     check_launch(_tree("total_steps=5"), tmp_path, allow_changes=True, log=logged.append)
-    assert "total_steps: 3 -> 5" in logged[0]
+    assert "total_steps: 6 -> 5" in logged[0]
     # (the recipe checkpoints at the end: its ckpt_interval follows total_steps)
-    assert json.loads((tmp_path / LAUNCHES).read_text())["changes"] == {"total_steps": [3, 5],
-                                                                        "trainer.ckpt_interval": [3, 5]}
+    assert json.loads((tmp_path / LAUNCHES).read_text())["changes"] == {"total_steps": [6, 5],
+                                                                        "trainer.ckpt_interval": [6, 5]}
     save_record(_tree("total_steps=5"), tmp_path)
     assert (tmp_path / RECORD).read_text() == first  # the run's own record stays
 
