@@ -384,3 +384,12 @@ def test_a_mixed_dataset_is_refused_before_anything_starts(tmp_path):
     cfg.gateway.enabled = False
     with pytest.raises(EnvPluginError, match=r"rows \[0\] name an agent program"):
         check_envs_and_tools(cfg, rows)
+
+
+def test_the_ablation_refuses_agent_programs(tmp_path):
+    from skyrl_stepwise import ablate
+    from skyrl_stepwise.app_config import load_config
+
+    cfg = load_config(["gateway.enabled=true", f"logging.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="does not run agent programs: gateway.enabled=true"):
+        ablate.run(cfg)
