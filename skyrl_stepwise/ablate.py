@@ -241,6 +241,9 @@ def run(cfg) -> Path:
     from skyrl_stepwise.logging_setup import run_logging
     from skyrl_stepwise.run_setup import prepared
 
+    if cfg.gateway.enabled:  # its modes are our own agent loop's: agent rows would be refused, plain rows mislabelled
+        raise ValueError("skyrl-stepwise ablate compares our own agent loop's modes and does not run agent programs: "
+                         "gateway.enabled=true is for `skyrl-stepwise train`")
     with run_logging(cfg.logging.output_dir, cfg.logging.console_level, cfg.logging.file_level):
         with prepared(cfg) as (train_rows, _):
             report = asyncio.run(_ablate(cfg, train_rows[: cfg.ablation.num_prompts]))

@@ -72,10 +72,10 @@ def check_envs_and_tools(cfg, rows) -> bool:
     used = {r.env_class for r in rows}
     where = f"data ({cfg.data.train_path}" + (f", {cfg.data.val_path})" if cfg.data.val_path else ")")
     check_env_classes(sorted(used), cfg.environment, where)
-    if cfg.gateway.enabled:  # rows run agent programs through the endpoint: every agent imported now
-        from skyrl_stepwise.gateway.rollout import check_agent_rows
+    from skyrl_stepwise.gateway.rollout import check_agent_rows
 
-        check_agent_rows([r.env_extras() for r in rows], where)
+    # agent rows run through the endpoint (every agent imported now), and only with gateway.enabled
+    check_agent_rows([r.env_extras() for r in rows], where, cfg.gateway.enabled)
     searches = "search" in used
     if "tool" in used:
         tools_path = cfg.environment.tool.tools_path

@@ -49,7 +49,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.trainer.worker_group import PolicyGroup, ReferenceOnPolicyRanks
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
-    engine = policy = reference = tracker = placement_group = agent_server = None
+    engine = policy = reference = tracker = placement_group = agents = None
     try:
         start = time.perf_counter()
         ensure_ray()
@@ -67,6 +67,12 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         logger.info(describe_chat_adaptation(eval_generator.loop.renderer))
         rollout_log = RolloutLog(cfg.logging.output_dir, eval_generator.loop.renderer, cfg.logging.num_rollout_samples,
                                  tools=configured_tool_schemas(cfg.environment.tool.tools_path))
+        if cfg.gateway.enabled:  # rows name agent programs: training and every eval run them through the endpoint
+            from skyrl_stepwise.gateway.programs import AgentPrograms
+
+            agents = AgentPrograms(tokenizer, engine, cfg.generator, eval_generator.cfg, cfg.gateway, registry,
+                                   renderer=eval_generator.loop.renderer)
+            eval_generator = (await agents.start()).eval
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
                            rollout_log)
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
@@ -99,15 +105,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         probe = weight_sync_probe_ids(tokenizer, max_sliding_window(AutoConfig.from_pretrained(cfg.trainer.model_path)),
                                       cfg.engine.max_model_len)
         generator = StepwiseGenerator(tokenizer, engine, registry, cfg.generator)
-        if cfg.gateway.enabled:  # rows name agent programs: they roll out through the agent endpoint
-            from skyrl_stepwise.gateway import Gateway
-            from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
-
-            gateway = Gateway(tokenizer, engine, cfg.generator, cfg.gateway, renderer=generator.loop.renderer)
-            agent_server = AgentServer(gateway)
-            url = await agent_server.__aenter__()
-            logger.info(f"agent endpoint: {url}/s/{{session}}/v1 (models {gateway.model_names})")
-            generator = AgentProgramGenerator(gateway, url, registry)
+        if agents is not None:
+            generator = agents.train
         trainer = RLTrainer(cfg, generator, eval_generator,
                             engine, policy, reference, tracker, train_rows, val_rows,
                             probe, weight_sync, rollout_log)
@@ -128,8 +127,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     finally:
         if tracker is not None:
             _report(cfg, tracker, None)
-        if agent_server is not None:
-            await agent_server.__aexit__(None, None, None)
+        if agents is not None:
+            await agents.stop()
         if policy is not None:
             policy.shutdown()
         if engine is not None:

@@ -356,5 +356,40 @@ def test_gateway_rows_are_checked_at_start_up_and_the_key_composes():
     assert load_config(["gateway.enabled=true"]).gateway.enabled
     with pytest.raises(ValueError, match="gateway.agent_timeout_s"):
         load_config(["gateway.agent_timeout_s=0"])
-    with pytest.raises(EnvPluginError, match=r"rows \[1\] name no agent"):
-        check_agent_rows([{"extra_info": {"agent": "examples.agent_program.agent:run"}}, {"extra_info": {}}])
+    mixed = [{"extra_info": {"agent": "examples.agent_program.agent:run"}}, {"extra_info": {}}]
+    with pytest.raises(EnvPluginError, match=r"rows \[1\] name no agent \(column extra_info, key 'agent'"):
+        check_agent_rows(mixed)
+    # without the endpoint, a row naming an agent is refused, not silently run by our own agent loop
+    with pytest.raises(EnvPluginError, match=r"rows \[0\] name an agent program .* gateway.enabled=false"):
+        check_agent_rows(mixed, enabled=False)
+    check_agent_rows([{"extra_info": {}}], enabled=False)
+
+
+def test_a_mixed_dataset_is_refused_before_anything_starts(tmp_path):
+    """The start-up check the main job runs on train + val rows (run_setup.check_envs_and_tools)."""
+    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.data.dataset import load_prompt_dataset, write_parquet
+    from skyrl_stepwise.envs.builtin import EnvPluginError
+    from skyrl_stepwise.run_setup import check_envs_and_tools
+
+    agent = {"prompt": [{"role": "user", "content": "2+3?"}], "env_class": "keyword", "data_source": "t",
+             "reward_spec": {"ground_truth": "5"}, "extra_info": {"agent": "examples.agent_program.agent:run"},
+             "instance_id": "a"}
+    plain = dict(agent, extra_info={"task": "x"}, instance_id="b")
+    write_parquet([agent, plain], tmp_path / "mixed.parquet")
+    rows = load_prompt_dataset(tmp_path / "mixed.parquet")
+    cfg = load_config(["gateway.enabled=true", f"data.train_path={tmp_path / 'mixed.parquet'}"])
+    with pytest.raises(EnvPluginError, match=r"mixed.parquet.*rows \[1\] name no agent.*extra_info, key 'agent'"):
+        check_envs_and_tools(cfg, rows)
+    cfg.gateway.enabled = False
+    with pytest.raises(EnvPluginError, match=r"rows \[0\] name an agent program"):
+        check_envs_and_tools(cfg, rows)
+
+
+def test_the_ablation_refuses_agent_programs(tmp_path):
+    from skyrl_stepwise import ablate
+    from skyrl_stepwise.app_config import load_config
+
+    cfg = load_config(["gateway.enabled=true", f"logging.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="does not run agent programs: gateway.enabled=true"):
+        ablate.run(cfg)

@@ -60,13 +60,24 @@ def load_agents(rows_extras: list[dict[str, Any]], where: str = "data") -> dict[
     return agents
 
 
-def check_agent_rows(rows_extras: list[dict[str, Any]], where: str = "data") -> None:
-    """With gateway.enabled every row runs an agent program: a row naming none, or an agent that cannot be
-    imported, fails at start-up naming the row."""
+def check_agent_rows(rows_extras: list[dict[str, Any]], where: str = "data", enabled: bool = True) -> None:
+    """All or nothing, checked at start-up naming the rows: with gateway.enabled every row (train and val) runs an
+    agent program, so a row naming none, or an agent that cannot be imported, fails; without it a row naming an
+    agent fails too, since our own agent loop would silently run it instead. A batch mixing the two kinds is
+    refused rather than half-served: evals and GRPO groups would compare different rollout machinery."""
+    named = [i for i, x in enumerate(rows_extras) if agent_path(x) is not None]
+    if not enabled:
+        if named:
+            raise EnvPluginError(f"{where}: rows {named[:5]} name an agent program (column extra_info, key 'agent') "
+                                 "but gateway.enabled=false: set gateway.enabled=true to run them through the agent "
+                                 "endpoint, or drop extra_info.agent to run them in our own agent loop")
+        return
     missing = [i for i, x in enumerate(rows_extras) if agent_path(x) is None]
     if missing:
-        raise EnvPluginError(f"{where}: gateway.enabled=true but rows {missing[:5]} name no agent "
-                             "(extra_info.agent: 'pkg.module:function')")
+        raise EnvPluginError(f"{where}: gateway.enabled=true but rows {missing[:5]} name no agent (column "
+                             f"extra_info, key 'agent': 'pkg.module:function'); {len(named)} of {len(rows_extras)} "
+                             "rows do: a run is all agent programs (gateway.enabled=true) or none, so split the data "
+                             "or name an agent in every row")
     load_agents(rows_extras, where)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 import zlib
@@ -50,7 +51,8 @@ class Gateway:
     # sessions -------------------------------------------------------------------------------------------------
     def open_session(self, trajectory_id: TrajectoryID, session_id: str | None = None) -> str:
         """A session for one trajectory; its id goes in the agent's base URL (`/s/{id}/v1`)."""
-        sid = session_id or f"{trajectory_id.key()}-{uuid.uuid4().hex[:8]}"
+        # a trajectory key holds '/' (train0/row/0_1): one URL path segment must not, or every call is a 404
+        sid = session_id or f"{re.sub(r'[^A-Za-z0-9._-]', '_', trajectory_id.key())}-{uuid.uuid4().hex[:8]}"
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
         self.sessions[sid] = Session(sid, trajectory_id)
