@@ -86,7 +86,7 @@ def save_rollouts(output, path: Path) -> None:
 
 
 def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, reference=None,
-                 warm_up: bool = False) -> list[dict]:
+                 warm_up: bool = False, repeats: int = 1) -> list[dict]:
     """Every mode's samples from the same rollouts, their token costs and one timed update each.
 
     The policy must hold a snapshot (PolicyWorker.snapshot): each mode's update starts from it, so no mode
@@ -94,8 +94,12 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
     from. Reference logprobs (algorithm.use_kl_loss) are computed before any clock starts. `warm_up` runs one
     untimed update first (on the largest batch): the first update of a process pays one-off set-up (allocator
     growth, thread pools, kernels) that would otherwise be charged to whichever mode happens to run first.
+    `repeats`: timed updates per mode, each from the snapshot (the same update again); the row's train_step_s is
+    their median, train_step_s_spread their max - min, train_step_s_runs all of them, peak_mem_mib the largest.
+    A batch in which no trained token has an advantage is marked `zero_advantages` (the report flags it).
     """
-    from skyrl_stepwise.ablation.modes import SampleCost, build_samples, packing_of
+    from skyrl_stepwise.ablation.modes import SampleCost, advantages_all_zero, build_samples, packing_of
+    from skyrl_stepwise.ablation.report import timing_summary
     from skyrl_stepwise.trainer.advantages import loss_weights
     from skyrl_stepwise.trainer.credit import compute_advantages
     from skyrl_stepwise.trainer.batching import TrainBatch
@@ -118,15 +122,24 @@ def replay_costs(stepwise, history: str, modes: list[str], policy, algorithm, re
             policy.call("train_step", built[0][2])
     rows = []
     for mode, samples, batch in built:
-        policy.call("restore_snapshot")
         policy.call("set_packing", packing_of(mode))
-        start_weights = policy.call("weights_checksum")
-        metrics, seconds, peak = measure(lambda: policy.call("train_step", batch))
+        runs, peak, metrics, start_weights = [], 0.0, {}, None
+        for k in range(repeats):
+            policy.call("restore_snapshot")
+            if k == 0:
+                start_weights = policy.call("weights_checksum")
+            result, seconds, mem = measure(lambda: policy.call("train_step", batch))
+            runs.append(seconds)
+            peak = max(peak, mem)
+            metrics = metrics or result  # every repeat is the same update from the same start
+        seconds, spread = timing_summary(runs)
         m = samples.rollout_metrics
         cost = dataclasses.asdict(SampleCost.of(samples, packing_of(mode)))
         cost["forward_tokens"] = metrics.get("train/forward_tokens", cost["forward_tokens"])  # what actually ran
         rows.append({"history": history, "mode": mode, **cost,
-                     "train_step_s": seconds, "peak_mem_mib": peak, "start_weights": start_weights,
+                     "train_step_s": seconds, "train_step_s_spread": spread, "train_step_s_runs": runs,
+                     "peak_mem_mib": peak, "start_weights": start_weights,
+                     "zero_advantages": advantages_all_zero(batch.advantages, batch.loss_masks),
                      "grad_norm": metrics["train/grad_norm"],
                      **({"kl_loss": metrics["policy/kl_loss"]} if "policy/kl_loss" in metrics else {}),
                      "merge_rate": m.get("generate/merge_rate", 0.0),
@@ -172,7 +185,7 @@ async def _ablate(cfg, rows) -> Path:
             stepwise = await StepwiseGenerator(tokenizer, engine, registry, gen_cfg).generate(*expand(rows, n, "ablate"))
             save_rollouts(stepwise, out_dir / f"rollouts_{history}.json")
             cost_rows += replay_costs(stepwise, history, cfg.ablation.modes, policy, cfg.trainer.algorithm,
-                                      reference, warm_up=k == 0)
+                                      reference, warm_up=k == 0, repeats=cfg.ablation.timing_repeats)
 
         curves: dict[str, list[dict]] = {}
         curve_starts: dict[str, str] = {}
@@ -208,7 +221,8 @@ async def _ablate(cfg, rows) -> Path:
     header = (f"model `{cfg.model_path}`, {len(rows)} prompts x {n} samples, max_turns {cfg.generator.max_turns}, "
               f"engine {cfg.engine.backend} ({cfg.engine.dtype}); replay: identical rollouts per history mode.\n\n"
               f"Every update and every training run starts from the initial weights (checksum `{initial_weights}`), "
-              f"a fresh optimizer and LR schedule. Timings exclude one untimed warm-up update"
+              f"a fresh optimizer and LR schedule. Train step times are the median of {cfg.ablation.timing_repeats} "
+              f"updates from that start (spread: max - min) and exclude one untimed warm-up update"
               + (" and the reference logprobs of the KL loss (computed once per batch, before the clock starts)"
                  if kl else "") + ".")
     report = write_report(out_dir, cost_rows, curves, header, curve_starts)
@@ -229,7 +243,7 @@ def _log_to_wandb(cfg, out_dir: Path, cost_rows: list[dict]) -> None:
     from skyrl_stepwise.trainer.tracking import Tracker
 
     tracker = Tracker(out_dir, cfg.logging.project, f"{cfg.logging.run_name}-ablation", cfg.logging.wandb_mode, {})
-    columns = list(cost_rows[0])
+    columns = [c for c in cost_rows[0] if not isinstance(cost_rows[0][c], list)]  # per-repeat times: costs.json
     images = {f"ablation/{p.stem}": wandb.Image(str(p)) for p in sorted(out_dir.glob("*.png"))}
     tracker.wandb.log({"ablation/costs": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in cost_rows]),
                        **images})
@@ -256,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     `skyrl-stepwise ablate experiment=search_r1_tiny ablation.num_prompts=8`."""
     from skyrl_stepwise.app_config import hydra_entry
 
-    return hydra_entry(run, list(sys.argv[1:] if argv is None else argv))
+    return hydra_entry(run, list(sys.argv[1:] if argv is None else argv), help_config="ablate")
 
 
 if __name__ == "__main__":

@@ -130,12 +130,13 @@ def check_printed_config(argv: list[str]) -> None:
         raise SystemExit(1) from None
 
 
-def hydra_entry(task: Callable, argv: list[str] | None = None) -> int:
+def hydra_entry(task: Callable, argv: list[str] | None = None, help_config: str | None = None) -> int:
     """Run `task(cfg: RunConfig)` as a Hydra application over conf/ with `argv` as its command line.
 
     hydra.main reads sys.argv, so it is set for the call (`skyrl-stepwise train ...` dispatches here with the
     words after the command). Hydra handles --help, --cfg, -m, the run dir, and exits non-zero on a bad
     override; validation errors of RunConfig are reported the same compact way, naming the key.
+    `help_config`: the task's own --help (conf/hydra/help/<name>.yaml) instead of train's.
     """
     import hydra
     from hydra.errors import ConfigCompositionException
@@ -157,6 +158,8 @@ def hydra_entry(task: Callable, argv: list[str] | None = None) -> int:
 
     app = hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")(job)
     words = _with_run_dir(list(argv or []))
+    if help_config is not None:  # first: argparse takes no override after `--cfg job`
+        words = [f"hydra/help={help_config}", *words]
     check_printed_config(words)
     saved = sys.argv
     sys.argv = [saved[0] if saved else "skyrl-stepwise", *words]

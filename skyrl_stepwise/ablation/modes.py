@@ -61,3 +61,12 @@ def trajectory_lengths(stepwise: GeneratorOutput) -> list[int]:
     """Length of each trajectory's full token sequence: its last step's prompt + response."""
     return [len(p) + len(r) for p, r, last in
             zip(stepwise.prompt_token_ids, stepwise.response_ids, stepwise.is_last_step) if last]
+
+
+def advantages_all_zero(advantages: list[list[float]] | None, loss_masks: list[list[int]]) -> bool:
+    """Whether no trained token carries an advantage: every group's samples scored alike (all right or all
+    wrong), so the policy-gradient term is 0 and the update only moves weights through the KL term, if any. Such
+    a batch's timing and grad norm compare modes on a no-op update, so the report flags it."""
+    if advantages is None:
+        return True
+    return not any(a != 0 for adv, mask in zip(advantages, loss_masks) for a, m in zip(adv, mask) if m)

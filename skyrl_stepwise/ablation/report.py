@@ -1,7 +1,13 @@
-"""The ablation's outputs: a markdown table people can paste and PNG plots people would rather look at."""
+"""The ablation's outputs: a markdown table people can paste and PNG plots people would rather look at.
+
+Two things the table alone would hide are stated: how noisy each timing is (median and spread of repeated
+updates from the same start), and which batches or training steps had no advantage on any trained token (every
+sample of each group scored alike: the update is a no-op, so its time and grad norm compare nothing).
+"""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -13,11 +19,30 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 COST_COLUMNS = [("samples", "samples / step"), ("forward_tokens", "forward tokens"),
                 ("padded_tokens", "padded tokens"), ("batch_padded_seq_len", "batch_padded_seq_len"),
                 ("trained_tokens", "trained tokens"), ("train_step_s", "train step (s)"),
+                ("train_step_s_spread", "spread (s)"),
                 ("peak_mem_mib", "peak mem (MiB)"), ("merge_rate", "merge rate"),
                 ("bridge_fallbacks", "bridge fallbacks"), ("retokenize_drift_steps", "retok. drift steps"),
                 # the update itself: from the same start, trajectory and step-wise samples of the same tokens give
                 # the same token-mean loss, so equal checksums and (near-)equal grad norms are the sanity check
                 ("grad_norm", "grad norm"), ("kl_loss", "KL loss"), ("start_weights", "start weights")]
+
+
+def timing_summary(seconds: list[float]) -> tuple[float, float]:
+    """(median, spread = max - min) of repeated timings of one update; one timing has spread 0."""
+    return statistics.median(seconds), max(seconds) - min(seconds)
+
+
+def flags(rows: list[dict], curves: dict[str, list[dict]] | None = None) -> list[str]:
+    """One line per replayed batch (history, mode) whose advantages are all zero, and per training step that
+    trained no group with signal (`advantages/groups_with_signal` = 0)."""
+    lines = [f"- replay `{r['history']}` / `{r['mode']}`: every advantage is 0 (each group's samples scored alike), "
+             "so the update only applies the KL term, if any: its time and grad norm compare a no-op. More prompts "
+             "(ablation.num_prompts) or samples (generator.n_samples_per_prompt) give groups that differ."
+             for r in rows if r.get("zero_advantages")]
+    for mode, steps in (curves or {}).items():
+        lines += [f"- training `{mode}` step {s['step']}: no group with a non-zero advantage (nothing learned)"
+                  for s in steps if s.get("advantages/groups_with_signal") == 0]
+    return lines
 
 
 def _fmt(value) -> str:
@@ -44,7 +69,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot_costs(rows: list[dict], path: Path) -> None:
     """Bar charts, one panel per cost, bars per (history, mode)."""
-    keys = [k for k, _ in COST_COLUMNS[:7]]
+    keys = [k for k, _ in COST_COLUMNS[:6]] + ["peak_mem_mib"]
     titles = dict(COST_COLUMNS)
     labels = [f"{r['mode']}\n({r['history']})" for r in rows]
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 4.2))
@@ -88,7 +113,15 @@ def write_report(out_dir: Path, rows: list[dict], curves: dict[str, list[dict]],
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_costs(rows, out_dir / "costs.png")
     parts = [f"# Step-wise ablation\n\n{header}\n", "## Cost of the same rollouts per mode\n",
-             markdown_table(rows), "\n![costs](costs.png)\n"]
+             markdown_table(rows)]
+    repeats = max((len(r.get("train_step_s_runs", [])) for r in rows), default=0)
+    if repeats:
+        parts.append(f"\nTrain step: median of {repeats} updates from the same start; spread = max - min. A "
+                     "difference between modes smaller than their spreads is timing noise.")
+    flagged = flags(rows, curves)
+    parts += [f"\n**Flagged** ({len(flagged)}):\n", *flagged] if flagged else \
+        ["\nFlagged: none (no replayed batch or training step without a non-zero advantage)."]
+    parts.append("\n![costs](costs.png)\n")
     if curves:
         plot_curves(curves, out_dir / "curves.png")
         starts = curve_starts or {}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from skyrl_stepwise.trainer.divergence import DivergenceConfig
+
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 KL_LOSS_TYPES = ("low_var_kl", "k1", "k2")
 LOSS_REDUCTIONS = ("token_mean", "trajectory_mean", "sequence_mean")
@@ -185,6 +187,8 @@ class TrainerConfig:
     # engine read 0.201 in TRL #5312. 0.1 leaves room for bf16 noise and stops such a sync within one step. Steps trained on rollouts of older weights (max_staleness > 0) are
     # logged, not judged: their gap is the policy's own drift. null: off.
     agreement_alarm_mean_diff: float | None = 0.1
+    # Stop RL when an update diverges: grad norm or entropy far outside their start (trainer/divergence.py).
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     # The sampling temperature, top-k and top-p (conf/config.yaml copies them from generator.sampling): the
     # trainer scores the truncated distribution the engines drew from, so on-policy TIS weights are exactly 1.
     temperature: float = 1.0
@@ -208,6 +212,7 @@ class TrainerConfig:
         self.algorithm.validate(f"{prefix}.algorithm")
         self.optim.validate(f"{prefix}.optim")
         self.fsdp.validate(f"{prefix}.fsdp")
+        self.divergence.validate(f"{prefix}.divergence")
         if self.agreement_alarm_mean_diff is not None and self.agreement_alarm_mean_diff <= 0:
             raise ValueError(f"{prefix}.agreement_alarm_mean_diff must be > 0 (or null: off), "
                              f"got {self.agreement_alarm_mean_diff}")

@@ -173,10 +173,11 @@ def sft_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, num_token
 
     Same packing, sharding and scaling as the RL loss, so SFT and RL train on identical token layouts.
     """
-    logprobs, _ = forward_logprobs(model, mb, temperature)
+    logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True)
     denom = max(float(num_tokens), 1.0)
     loss = -(logprobs * mb.loss_mask).sum() / denom
-    return loss, {"sft/loss": loss.item()}
+    # the token-mean entropy on the trained tokens: what the divergence guard watches (trainer/divergence.py)
+    return loss, {"sft/loss": loss.item(), "sft/entropy": (entropy.detach() * mb.loss_mask).sum().item() / denom}
 
 
 def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool) -> torch.nn.Module:

@@ -27,6 +27,7 @@ from skyrl_stepwise.trainer.agreement import SyncRecord, check_agreement
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
 from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
 from skyrl_stepwise.trainer.credit import compute_credit
+from skyrl_stepwise.trainer.divergence import DivergenceGuard
 from skyrl_stepwise.trainer.engine_recovery import recover_engines
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
@@ -175,6 +176,9 @@ class RLTrainer:
         self.last_sync = SyncRecord(0, "initial weights")  # where the engines' weights came from (agreement alarm)
         self.step_sync = self.last_sync  # ... as of this step's rollouts
         self.recovery: dict[str, float] = {}  # this step's engine restarts and retried rollouts
+        # grad norm / entropy far from their start stop the run (RL's policy loss has no scale: not judged);
+        # after a resume the first steps of this launch are the start
+        self.divergence = DivergenceGuard(cfg.trainer.divergence, "trainer.divergence", what="step")
 
     async def fit(self) -> dict[str, float]:
         """Resume if asked, then train to total_steps; returns the last step's metrics."""
@@ -210,6 +214,7 @@ class RLTrainer:
                     metrics.update(await self.evaluate())
                 self.tracker.log(metrics, self.step, {"prompts": self.last_prompts})
                 check_agreement(metrics, self.cfg.trainer.agreement_alarm_mean_diff, self.step, self.step_sync)
+                self.divergence.check(self.step, metrics)  # logged first: the evidence is on disk
                 ckpt = self.cfg.trainer.ckpt_interval
                 if ckpt and (self.step % ckpt == 0 or self.step == self.cfg.total_steps):
                     await self.save_checkpoint()

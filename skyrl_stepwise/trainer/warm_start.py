@@ -45,6 +45,9 @@ def _conversations(cfg) -> tuple[list[list[dict]], str]:
 _GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_prompt", "step_wise_trajectories",
                               "merge_stepwise_output", "apply_overlong_filtering", "show_progress",
                               "context"}  # SFT replays demonstrations with no context policy (trainer/sft.py)
+# SFT keys that never change the trained weights: whether the main job runs it, how often it checkpoints (a resume is
+# exact), and the divergence guard (it only stops a run). num_warmup_steps is in the key: it changes the weights.
+_SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence"}
 _SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
 _FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
                          "gradient_checkpointing"}  # where, how fast and in what memory: not what
@@ -98,7 +101,7 @@ def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
              if k not in ("lr", "scheduler", "num_warmup_steps")}  # SFT sets these from cfg.sft
     fsdp = {k: v for k, v in dataclasses.asdict(cfg.trainer.fsdp).items() if k not in _FSDP_KEYS_NOT_IN_SFT}
     inputs = {"model": model_digest(cfg.trainer.model_path, memo_path), "data": data_digest,
-              "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k not in ("enabled", "ckpt_interval")},
+              "sft": {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k not in _SFT_KEYS_NOT_IN_KEY},
               "generator": gen, "optim": optim, "fsdp": fsdp,
               "trainer": [cfg.trainer.micro_batch_tokens, cfg.trainer.seed, cfg.trainer.attn_implementation]}
     if tools:
@@ -122,6 +125,7 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
 
     from skyrl_stepwise.models.prepare import cache_root
     from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.trainer.divergence import DivergenceGuard
     from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft, uses_tools
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
@@ -138,16 +142,20 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
     samples = conversation_samples(tokenizer, conversations, cfg.generator, tools)
     batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
     trained = sum(sum(m) for m in samples.loss_masks)
+    warmup = cfg.sft.warmup_steps(len(batches))
     log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "
-        f"({cfg.sft.epochs} epochs of {cfg.sft.batch_size})")
-    optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant", num_warmup_steps=0)
+        f"({cfg.sft.epochs} epochs of {cfg.sft.batch_size}), lr {cfg.sft.lr:g} after {warmup} warm-up steps")
+    optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant_with_warmup",
+                                num_warmup_steps=warmup)
     ckpts = out.with_name(out.name + ".ckpts")  # an interrupted SFT resumes from here
     policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
                                              ckpt_interval=cfg.sft.ckpt_interval), actor_options=actor_options)
     try:
         history = train_sft(policy, batches, cfg.sft.ckpt_interval, str(ckpts), on_step=lambda step, m: log(
             f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g} "
-            f"({m['train/step_time_s']:.0f} s)"))
+            f"entropy={m.get('sft/entropy', float('nan')):.3f} ({m['train/step_time_s']:.0f} s)"),
+            guard=DivergenceGuard(cfg.sft.divergence, "sft.divergence", loss_key="sft/loss",
+                                  entropy_key="sft/entropy", what="sft step"))
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

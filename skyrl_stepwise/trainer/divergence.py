@@ -1,0 +1,119 @@
+"""The divergence guard: stop SFT or RL when an update blew the model up, instead of training on a wreck.
+
+Seen with Gemma 3 270M and the SFT recipe's lr 5e-5 without warm-up: one step took the entropy from 2.9 to 7.1
+nats and the grad norm to 448, the model then sampled `<unused>` tokens, and every later step trained on that
+while the run looked normal. The guard compares each step's grad norm, entropy and loss with their start (the
+median of the first `baseline_steps` steps, so one odd first batch does not set it) and raises DivergenceError
+naming the step, the metric, its start and the threshold key. Each check is judged from the second step on, so a
+divergence in the very first update is caught at the next one. Thresholds only stop a run: they never change what
+is trained, so they are not part of the SFT cache key (trainer/warm_start.py).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+class DivergenceError(RuntimeError):
+    """An update diverged; the message names the step, metric, start value and threshold key."""
+
+
+@dataclass
+class DivergenceConfig:
+    """When a step counts as diverged (`null` turns one check off; `enabled=false` all of them)."""
+
+    enabled: bool = True
+    # Steps whose median is the start value. 3: one noisy first batch does not define "normal"; small enough that
+    # the 6-step tiny SFT recipe is judged on most of its steps.
+    baseline_steps: int = 3
+    # Grad norm (before clipping) past this multiple of its start. Healthy runs stay within a few x of their
+    # start (the norm falls as the loss does; RL batches vary it by ~2-5x with the share of tokens that carry an
+    # advantage); the Gemma divergence was ~100x. 20 leaves room for RL noise and catches that in one step.
+    grad_norm_factor: float | None = 20.0
+    # ... and only when the norm is also above this absolute value: a start near 0 (an RL batch whose advantages
+    # are mostly 0) makes any ordinary later norm a large multiple of it. max_grad_norm is 1: a norm of 10 is
+    # already clipped 10x, i.e. the gradient is no longer the one the loss describes.
+    grad_norm_floor: float = 10.0
+    # Token-mean entropy (nats) rising more than this above its start. RL and SFT drift it by tenths of a nat over
+    # many steps (RL usually lowers it); a jump of 2 nats is a distribution ~7x flatter per token (Gemma: +4.2).
+    # Only a rise is judged: a falling entropy is what training towards demonstrations or rewards does.
+    entropy_rise_nats: float | None = 2.0
+    # SFT only (RL's policy loss changes sign with the advantages, so it has no scale to compare with): the
+    # cross-entropy past this multiple of its start. SFT lowers its loss; a loss 3x its start means the model
+    # forgot the language, not that a batch was hard (per-batch spread on the embedded demonstrations is < 1.5x).
+    loss_factor: float | None = 3.0
+
+    def validate(self, prefix: str) -> None:
+        """Name the key of the first impossible value."""
+        if self.baseline_steps < 1:
+            raise ValueError(f"{prefix}.baseline_steps must be >= 1, got {self.baseline_steps}")
+        for key in ("grad_norm_factor", "loss_factor"):
+            value = getattr(self, key)
+            if value is not None and value <= 1:
+                raise ValueError(f"{prefix}.{key} must be > 1 (or null: off), got {value}")
+        if self.entropy_rise_nats is not None and self.entropy_rise_nats <= 0:
+            raise ValueError(f"{prefix}.entropy_rise_nats must be > 0 (or null: off), got {self.entropy_rise_nats}")
+        if self.grad_norm_floor < 0:
+            raise ValueError(f"{prefix}.grad_norm_floor must be >= 0, got {self.grad_norm_floor}")
+
+
+class DivergenceGuard:
+    """Watches one run's step metrics. `prefix`: where the config lives (`sft.divergence`,
+    `trainer.divergence`), named in the message; `loss_key`: the loss metric to judge (None: none);
+    `entropy_key`: the token-mean entropy metric."""
+
+    def __init__(self, cfg: DivergenceConfig, prefix: str, loss_key: str | None = None,
+                 entropy_key: str = "policy/entropy", grad_norm_key: str = "train/grad_norm",
+                 what: str = "step") -> None:
+        self.cfg, self.prefix, self.what = cfg, prefix, what
+        self.keys = {"grad_norm": grad_norm_key, "entropy": entropy_key, "loss": loss_key}
+        self.seen: dict[str, list[float]] = {name: [] for name in self.keys}
+
+    def start(self, name: str) -> float | None:
+        """The metric's start value: the median of its first `baseline_steps` finite values (None before any).
+        Grad norms of 0 (a batch with nothing to learn from) are no start."""
+        values = self.seen[name][: self.cfg.baseline_steps]
+        return statistics.median(values) if values else None
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        """Judge this step against the starts so far, then let it join them (while they are still forming)."""
+        if not self.cfg.enabled:
+            return
+        for name, key in self.keys.items():
+            value = metrics.get(key) if key else None
+            if value is None or not math.isfinite(value):  # a non-finite grad norm: the worker skipped the step
+                continue
+            start = self.start(name)
+            if start is not None:
+                self._judge(step, name, key, value, start)
+            if not (name == "grad_norm" and value <= 0):
+                self.seen[name].append(value)
+
+    def _judge(self, step: int, name: str, key: str, value: float, start: float) -> None:
+        c = self.cfg
+        if name == "grad_norm" and c.grad_norm_factor is not None and value > c.grad_norm_floor \
+                and value > c.grad_norm_factor * start:
+            self._stop(step, key, value, start, f"{value / start:.0f}x its start", "grad_norm_factor",
+                       c.grad_norm_factor, f" (and above {self.prefix}.grad_norm_floor={c.grad_norm_floor:g})")
+        if name == "entropy" and c.entropy_rise_nats is not None and value - start > c.entropy_rise_nats:
+            self._stop(step, key, value, start, f"{value - start:+.2f} nats from its start", "entropy_rise_nats",
+                       c.entropy_rise_nats)
+        if name == "loss" and c.loss_factor is not None and start > 0 and value > c.loss_factor * start:
+            self._stop(step, key, value, start, f"{value / start:.1f}x its start", "loss_factor", c.loss_factor)
+
+    def _stop(self, step: int, key: str, value: float, start: float, how: str, threshold: str, limit: float,
+              extra: str = "") -> None:
+        n = min(len(self.seen[key_name(self.keys, key)]), self.cfg.baseline_steps)
+        raise DivergenceError(
+            f"{self.what} {step}: {key} = {value:.4g}, {how} ({start:.4g}, the median of the first {n} "
+            f"step{'s' if n > 1 else ''}), past {self.prefix}.{threshold}={limit:g}{extra}: the update diverged. "
+            f"Usual causes: a learning rate too high for this model, or no warm-up (num_warmup_steps). Stopping "
+            f"instead of training on a broken model; this step's metrics are logged. Set {self.prefix}.{threshold}"
+            f"=null (or {self.prefix}.enabled=false) to train anyway.")
+
+
+def key_name(keys: dict[str, str | None], key: str) -> str:
+    """The check's name (grad_norm, entropy, loss) of a metric key."""
+    return next(name for name, k in keys.items() if k == key)
