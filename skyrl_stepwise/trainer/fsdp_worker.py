@@ -47,11 +47,15 @@ def init_distributed(fsdp: FSDPConfig) -> tuple[int, int, torch.device]:
     use_cuda = torch.cuda.is_available() and fsdp.backend != "gloo"
     if fsdp.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("trainer.fsdp.backend=nccl but no CUDA device is visible; use auto or gloo")
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1 \
+            and "MASTER_PORT" not in os.environ:
+        # a private 1-rank group: an in-memory store, so no port to pick and race for (a free port found first can be
+        # taken by another process before the store binds it: EADDRINUSE, seen under a loaded CI host)
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     if not dist.is_initialized():
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())),
-                               ("RANK", "0"), ("WORLD_SIZE", "1")):
-                os.environ.setdefault(key, value)
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
         if missing:
             raise RuntimeError(f"PolicyWorker needs env vars {missing} to join a {os.environ['WORLD_SIZE']}-rank "
