@@ -339,6 +339,33 @@ async def test_agent_programs_as_rollouts_over_a_real_server():
     assert trained == [t for s in engine.sampled for t in s]
 
 
+async def test_more_sync_agents_than_default_threads_do_not_starve_an_engine_that_decodes_in_a_thread():
+    """Sync agents block a thread while they wait for a reply; HFEngine decodes in asyncio.to_thread. On the loop's
+    default executor (min(32, cpus + 4) workers) one agent more than its workers deadlocked the batch."""
+    import asyncio
+    import os
+
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    def turns(chat, tok):
+        return [tok("It is 5.", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("smollm2", "all", turns)
+    scripted = engine.generate
+
+    async def decodes_in_a_thread(prompt_ids, sampling, session_id=None):
+        await asyncio.to_thread(lambda: None)  # as HFEngine's batches do
+        return await scripted(prompt_ids, sampling, session_id=session_id)
+    engine.generate = decodes_in_a_thread
+    n = min(32, (os.cpu_count() or 1) + 4) + 1
+    extras = [{"reward_spec": {"ground_truth": "5"}, "extra_info": {"agent": "examples.agent_program.agent:run"}}] * n
+    async with AgentServer(gateway) as url:
+        out = await asyncio.wait_for(AgentProgramGenerator(gateway, url).generate(
+            [[{"role": "user", "content": "What is 2+3?"}]] * n, ["keyword"] * n, extras,
+            [TrajectoryID(f"q{i}", 0) for i in range(n)]), 120)
+    assert out.trajectory_rewards() == [1.0] * n and not out.failed_trajectory_ids
+
+
 def test_an_agent_that_cannot_be_imported_fails_at_start_up():
     from skyrl_stepwise.envs.builtin import EnvPluginError
     from skyrl_stepwise.gateway.rollout import load_agents

@@ -10,9 +10,12 @@ only (`gateway/failed_trajectories/{cause}`), never the batch; failed trajectori
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import inspect
 import logging
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -98,9 +101,16 @@ class AgentProgramGenerator:
         if missing:
             raise ValueError(f"rows {missing[:5]} name no agent (extra_info.agent): AgentProgramGenerator runs "
                              "agent programs only")
-        results = await asyncio.gather(*[
-            self._run(agents[agent_path(x)], p, c, x, t)
-            for p, c, x, t in zip(prompts, env_classes, env_extras, trajectory_ids)])
+        # Plain-function agents get threads of their own, one per row: on the loop's default executor (a handful
+        # of workers) they would queue behind each other, and block the engines that decode there (HFEngine's
+        # batches run in asyncio.to_thread) while they wait for replies: a deadlock past ~cpu_count+4 agents.
+        threads = ThreadPoolExecutor(max_workers=max(1, len(prompts)), thread_name_prefix="agent")
+        try:
+            results = await asyncio.gather(*[
+                self._run(agents[agent_path(x)], p, c, x, t, threads)
+                for p, c, x, t in zip(prompts, env_classes, env_extras, trajectory_ids)])
+        finally:
+            threads.shutdown(wait=False)  # an agent past its timeout keeps its thread until it returns
         output = steps_to_output(results)
         output.rollout_metrics.update(trajectory_metrics(results))
         output.rollout_metrics.update(self.gateway.metrics())
@@ -111,14 +121,14 @@ class AgentProgramGenerator:
         return output
 
     async def _run(self, agent: Callable, prompt: list[Message], env_class: str, extras: dict[str, Any],
-                   trajectory_id: TrajectoryID):
+                   trajectory_id: TrajectoryID, threads: ThreadPoolExecutor | None = None):
         gateway = self.gateway
         sid = gateway.open_session(trajectory_id)
         task = AgentTask(f"{self.server_url}/s/{sid}/v1", gateway.gateway.api_key, gateway.model_names[0], sid,
                          f"{self.server_url}/s/{sid}/reward", list(prompt), dict(extras))
         session = gateway.sessions[sid]
         try:
-            value = await asyncio.wait_for(_call(agent, task), gateway.gateway.agent_timeout_s)
+            value = await asyncio.wait_for(_call(agent, task, threads), gateway.gateway.agent_timeout_s)
             reward, metrics = _outcome(value)
             if reward is not None:
                 gateway.post_reward(sid, reward, metrics)
@@ -146,11 +156,13 @@ class _BadReturn(ValueError):
     pass
 
 
-async def _call(agent: Callable, task: AgentTask) -> Any:
-    """A coroutine function awaited; a plain function in a thread (its blocking client must not stall the loop)."""
+async def _call(agent: Callable, task: AgentTask, threads: ThreadPoolExecutor | None = None) -> Any:
+    """A coroutine function awaited; a plain function in a thread of `threads` (its blocking client must not stall
+    the loop; None: the loop's default executor)."""
     if inspect.iscoroutinefunction(agent):
         return await agent(task)
-    value = await asyncio.to_thread(agent, task)
+    run = functools.partial(contextvars.copy_context().run, agent, task)
+    value = await asyncio.get_running_loop().run_in_executor(threads, run)
     return await value if inspect.isawaitable(value) else value
 
 
