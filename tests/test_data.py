@@ -170,3 +170,21 @@ def test_each_row_gets_back_exactly_its_own_extra_info_keys(tmp_path):
     assert [r.extra_info for r in loaded] == extras
     assert [r.reward_spec for r in loaded] == specs
     assert loaded[0].env_extras()["extra_info"] == {"level": 1}
+
+
+def test_json_lines_datasets_load_like_parquet(tmp_path):
+    """A `.jsonl` dataset (one row a line: the committed example sets) reads as the same rows as its parquet, and a
+    broken line names the file."""
+    import json
+
+    from skyrl_stepwise.data.dataset import load_prompt_dataset, write_parquet
+
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "env_class": "keyword",
+             "reward_spec": {"ground_truth": str(i)}, "data_source": "t", "extra_info": {"k": i},
+             "instance_id": f"r{i}"} for i in range(3)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_parquet(rows, tmp_path / "d.parquet")
+    assert load_prompt_dataset(tmp_path / "d.jsonl") == load_prompt_dataset(tmp_path / "d.parquet")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": [\n')
+    with pytest.raises(ValueError, match="bad.jsonl: not readable JSON lines"):
+        load_prompt_dataset(tmp_path / "bad.jsonl")

@@ -1,4 +1,4 @@
-"""Rows that name the example agent (`extra_info.agent`), written as the parquet files the recipe
+"""Rows that name the example agent (`extra_info.agent`), written as the JSON-lines files the recipe
 `experiment=agent_program_tiny` trains and evaluates on: `python examples/agent_program/make_data.py [out_dir]`.
 
 The agent (agent.py) scores itself (the ground truth in its final answer), so `env_class` only names a
@@ -7,6 +7,7 @@ registered env for rows whose agent returns no reward; `keyword` needs no retrie
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,12 +29,11 @@ def row(i: int, question: str, truth: str, split: str) -> dict:
 
 
 def main(out: Path = HERE / "data") -> tuple[Path, Path]:
-    from skyrl_stepwise.data.dataset import write_parquet
-
     out.mkdir(parents=True, exist_ok=True)
-    train, val = out / "train.parquet", out / "val.parquet"
-    write_parquet([row(i, q, t, "train") for i, (q, t) in enumerate(QUESTIONS)], train)
-    write_parquet([row(i, q, t, "val") for i, (q, t) in enumerate(QUESTIONS[:2])], val)
+    train, val = out / "train.jsonl", out / "val.jsonl"
+    for path, rows in ((train, [row(i, q, t, "train") for i, (q, t) in enumerate(QUESTIONS)]),
+                       (val, [row(i, q, t, "val") for i, (q, t) in enumerate(QUESTIONS[:2])])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return train, val
 
 

@@ -68,9 +68,18 @@ def search_r1_prompt(question: str) -> list[Message]:
 
 
 def _read_table(path: str | Path) -> pa.Table:
+    """A parquet file, or JSON lines (`.jsonl`: small hand-written or committed example sets, one row a line), as
+    one Arrow table; both go through the same row checks."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    if path.suffix == ".jsonl":
+        from pyarrow import json as pa_json
+
+        try:
+            return pa_json.read_json(path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{path}: not readable JSON lines ({e})") from None
     try:
         return pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as e:
