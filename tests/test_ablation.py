@@ -33,7 +33,10 @@ def test_replay_ablation_report_matches_samples(tmp_path, model_path):
     cfg = load_config(["experiment=search_r1_tiny", "ablation.num_prompts=1", "ablation.train_steps=1",
                        "data.train_batch_size=1", "trainer.algorithm.use_kl_loss=true",
                        "generator.n_samples_per_prompt=2", "generator.sampling.max_generate_length=32",
-                       "generator.max_turns=2", f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled"])
+                       "generator.max_turns=2", f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled",
+                       # two timed repeats still exercise the median/spread path; the recipe's 128 eval prompts
+                       # would only size the engine's KV cache here (the ablation runs no eval)
+                       "ablation.timing_repeats=2", "data.max_eval_prompts=4"])
     report = run(cfg)
     out = report.parent
     text = report.read_text()
