@@ -162,9 +162,24 @@ async def test_a_killed_vllm_actor_is_restarted_and_takes_the_trainers_weights(v
     try:
         assert await recover_engines(engine, sync, probe, 1e-3) is None  # alive: nothing to do
         ray.kill(engine.actor, no_restart=True)
-        assert not await engine.health()
+        assert await _dead_within(engine, 60.0)  # ray.kill is asynchronous: the actor may answer once more
         recovery = await recover_engines(engine, sync, probe, 1e-3)
         assert recovery is not None and recovery.restarted == [0] and recovery.probe.max_abs_diff < 1e-3
         assert await engine.health()
-    finally:  # the session engine is shared: give it back the base model
+    finally:  # the session engine is shared: alive again (whatever failed above), with the base model
+        if not await engine.health():
+            await engine.restart()
         await engine.update_weights_from_file(str(original))
+
+
+async def _dead_within(engine, seconds: float) -> bool:
+    """Poll the engine's health until it reports dead; False if it still answers after `seconds`."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + seconds
+    while await engine.health():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)
+    return True
