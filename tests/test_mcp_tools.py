@@ -51,6 +51,38 @@ SERVER = textwrap.dedent('''
 ''')
 
 
+# A server that lists tools no call could satisfy (the SDK's decorator would never build these schemas, so the
+# low-level server lists them as written): a `required` argument it does not declare, and a dotted name.
+ODD_SERVER = textwrap.dedent('''
+    import anyio
+    import mcp_types as types
+    from mcp.server.lowlevel import Server
+    from mcp.server.stdio import stdio_server
+
+    TOOLS = [
+        types.Tool(name="echo", description="Echo.", input_schema={
+            "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}),
+        types.Tool(name="web.search", description="A dotted name.", input_schema={"type": "object"}),
+        types.Tool(name="typo", description="Requires what it does not declare.", input_schema={
+            "type": "object", "properties": {"query": {"type": "string"}}, "required": ["querry"],
+            "additionalProperties": False}),
+    ]
+
+    async def list_tools(ctx, params):
+        return types.ListToolsResult(tools=TOOLS)
+
+    async def call_tool(ctx, params):
+        return types.CallToolResult(content=[types.TextContent(type="text", text=params.arguments["text"])])
+
+    async def main():
+        server = Server("odd", on_list_tools=list_tools, on_call_tool=call_tool)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(main)
+''')
+
+
 @pytest.fixture(scope="module")
 def server_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("mcp") / "tiny_server.py"
@@ -119,6 +151,29 @@ def test_start_up_errors_name_the_file_and_entry(server_path, tmp_path):
                                                          "connect_timeout_s": 10}}))
     with pytest.raises(ToolConfigError, match=r"mcp_server: unknown config key 'comand'"):
         load_tools(_tools_file(tmp_path, {"mcp_server": {"comand": ["x"]}}))
+
+
+async def test_tools_whose_schema_no_call_can_satisfy_are_refused_by_name(tmp_path):
+    """A listed tool we cannot offer is refused at load, naming the file, entry, tool and reason; listing all of a
+    server's tools names every such tool and the usable ones to put in `mcp_server.tools`; selecting those loads."""
+    path = tmp_path / "odd_server.py"
+    path.write_text(ODD_SERVER)
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp_server tool 'typo' .*required: \['querry'\] not among "
+                                              r"the declared properties \['query'\]"):
+        load_tools(_tools_file(tmp_path, _server(path, tools=["typo"])))
+    with pytest.raises(ToolConfigError, match=r"tool 'web\.search' .*function\.name: must be 1-64 characters"):
+        load_tools(_tools_file(tmp_path, _server(path, tools=["web.search"])))
+    with pytest.raises(ToolConfigError) as every:
+        load_tools(_tools_file(tmp_path, _server(path)))
+    assert "'web.search'" in str(every.value) and "'typo'" in str(every.value)
+    assert "2 tool(s) whose schema no call could satisfy" in str(every.value)
+    assert "tools[0].mcp_server.tools (usable: ['echo'])" in str(every.value)
+    tools = load_tools(_tools_file(tmp_path, _server(path, tools=["echo"])))
+    try:
+        result, = await ToolExecutor(tools, timeout_s=60).execute([_call("echo", text="hi")])
+        assert result.ok and result.content == "hi"
+    finally:
+        await close_tools(tools)
 
 
 async def test_a_trajectory_whose_server_dies_is_dropped_and_counted(server_path, tmp_path, tokenizer):

@@ -238,13 +238,23 @@ def mcp_tool_specs(entry: Any, where: str, source: str) -> list[ToolSpecConfig]:
     if missing:
         raise ToolConfigError(f"{where}.mcp_server.tools: {missing} not listed by MCP server {cfg.describe()!r} "
                               f"(it lists {sorted(by_name)})")
-    specs = []
+    specs, refused = [], []
     for name in wanted:
         description, parameters = by_name[name]
         schema = {"type": "function", "function": {"name": cfg.prefix + name, "description": description,
                                                    "parameters": parameters or {"type": "object", "properties": {}}}}
-        validate_tool_schema(schema, f"{where}.mcp_server tool {name!r} of {cfg.describe()!r}")
+        try:
+            validate_tool_schema(schema, f"{where}.mcp_server tool {name!r} of {cfg.describe()!r}")
+        except ToolConfigError as e:
+            refused.append(str(e))
+            continue
         specs.append(ToolSpecConfig(MCP_TOOL_CLASS, {"server": dict(entry), "tool": name}, schema, source=source))
+    if refused and cfg.tools is not None:
+        raise ToolConfigError(refused[0])
+    if refused:  # all of a server's tools were asked for: name every one we cannot offer, and the way out
+        usable = [spec.config["tool"] for spec in specs]
+        raise ToolConfigError(f"{'; '.join(refused)}. The server lists {len(refused)} tool(s) whose schema no call "
+                              f"could satisfy; name the tools to offer in {where}.mcp_server.tools (usable: {usable})")
     return specs
 
 
