@@ -420,3 +420,56 @@ def test_the_ablation_refuses_agent_programs(tmp_path):
     cfg = load_config(["gateway.enabled=true", f"logging.output_dir={tmp_path}"])
     with pytest.raises(ValueError, match="does not run agent programs: gateway.enabled=true"):
         ablate.run(cfg)
+
+
+class _Recording:
+    """The real engine, with what each call got and sampled kept, to compare with the step samples."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls, self.sampled = engine, [], []
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        result = await self.engine.generate(prompt_ids, sampling, session_id)
+        self.calls.append((session_id, list(prompt_ids)))
+        self.sampled.append(list(result.token_ids))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["vllm", "transformers"])
+async def test_multi_turn_replay_on_the_real_model_is_exact(backend, request, tokenizer):
+    """The real SmolLM2 (its own template and tokenizer, text it really sampled) through 3 calls of an openai-client
+    loop that echoes every reply carelessly (stripped, arguments re-serialised): a tool call gets the calculator's
+    result, a plain answer gets a user follow-up. Every echoed turn is matched (0 chain breaks), each later prompt
+    extends the earlier prompt + sampled ids, and every step trains exactly the sampled ids on the engine's input."""
+    from skyrl_stepwise.generator import GeneratorSamplingConfig
+
+    engine = _Recording(request.getfixturevalue("vllm_engine" if backend == "vllm" else "hf_engine"))
+    cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(max_generate_length=40, seed=0))
+    gateway = Gateway(tokenizer, engine, cfg, GatewayConfig())
+    sid = gateway.open_session(TrajectoryID("real", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "user", "content": "What is 12 times 7? Use the calculator tool."}]
+    for _ in range(3):
+        r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+        message = r.choices[0].message
+        messages.append(_mangled_echo(message))
+        if message.tool_calls:
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": "84"} for c in message.tool_calls]
+        else:
+            messages.append({"role": "user", "content": "Are you sure? Check it once more."})
+    metrics = gateway.metrics()
+    assert metrics["gateway/calls"] == 3 and metrics.get("gateway/chain_breaks", 0) == 0, metrics
+    prompts = [p for _, p in engine.calls]
+    for i in (1, 2):  # the history is the sampled ids, never a re-encoding of the echoed text
+        chain = prompts[i - 1] + engine.sampled[i - 1]
+        assert prompts[i][:len(chain)] == chain, (i, tokenizer.decode(prompts[i][len(prompts[i - 1]):]))
+    gateway.post_reward(sid, 1.0)
+    result = gateway.close_session(sid)
+    assert result.failure is None
+    assert [s.prompt_ids for s in result.steps] == prompts
+    for step, sampled in zip(result.steps, engine.sampled):
+        assert [t for t, m in zip(step.response_ids, step.loss_mask) if m] == sampled
