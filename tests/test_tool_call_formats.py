@@ -365,3 +365,30 @@ async def test_library_renderers_read_xml_values_as_written(family):
         assert [(c.name, c.arguments, c.error) for c in turn.tool_calls] == [("edit", arguments, None)]
         results = await ToolExecutor({"edit": _Edit()}).execute(turn.tool_calls)
         assert expected in results[0].content, results
+
+
+# Real templates whose call format no parser reads (tests/templates/refused/, sources in tests/templates/README.md):
+# each is refused when the renderer is built, naming the model, the rendered call and generator.tool_parser; never
+# served with a parser that would take every call for a final answer.
+REFUSED = {  # template -> what the refusal quotes of its probe call's rendering
+    "deepseek-v3.2": "<｜DSML｜function_calls>",  # DSML invoke/parameter markup
+    "apertus-8b": '<|tools_prefix|>[{"skyrl_probe_call":',  # {name: arguments} objects
+    "functionary-v3.2": ">>>skyrl_probe_call",  # >>>name\n{json}
+    "command-r-plus": r"Action:\n```json",  # a fenced JSON list after "Action:" (quoted: \n as written)
+    "lfm2.5": "null<|im_end|>",  # renders no calls and lists tools without LFM2's markers: the format is unknown
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_real_templates_in_an_unread_format_are_refused_at_startup(name, tokenizer):
+    import copy
+    from pathlib import Path
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (Path(__file__).parent / "templates" / "refused" / f"{name}.jinja").read_text(encoding="utf-8")
+    tok.name_or_path = f"/models/{name}"
+    with pytest.raises(UnknownToolFormat) as refused:
+        create_renderer(tok, "auto", {"strftime_now": lambda fmt: "2025-01-15"})
+    message = str(refused.value)
+    assert f"'/models/{name}'" in message and "generator.tool_parser" in message
+    assert REFUSED[name] in message, message
