@@ -1,4 +1,4 @@
-"""Offline tokenizers for 23 real model families, each carrying its real chat template.
+"""Offline tokenizers for 30 real model families, each carrying its real chat template.
 
 No model hub is reachable in CI, so each family's tokenizer is rebuilt from what ships with the test
 environment (see tests/templates/README.md):
@@ -67,6 +67,9 @@ class FamilySpec:
     # the final assistant turn of a finished conversation ends with eos (False: GLM renders nothing after it,
     # the next role header closes a turn)
     closes_final_turn: bool = True
+    # what the template writes between an assistant turn's content and the token that closes it (Nemotron Nano 2
+    # strips the content and writes "\n" before <SPECIAL_12>)
+    turn_end_separator: str = ""
     template_kwargs: dict[str, str] = field(default_factory=dict)  # kwarg -> what it does (documentation)
     render_kwargs: dict[str, Any] = field(default_factory=dict)  # what a reproducible apply_chat_template needs
     notes: str = ""
@@ -624,6 +627,157 @@ FAMILIES: dict[str, FamilySpec] = {
         template_tokens=("<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                          "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]"),
         notes="Calls: one [TOOL_CALLS][{\"name\", \"arguments\", \"id\"}] list; 9-character call ids.",
+    ),
+
+    # ---- families added by the template sweep (more call syntaxes, roles, history rewrites); see
+    # tests/templates/README.md
+    "kimi-k2": FamilySpec(
+        name="kimi-k2",
+        hf_model_id="moonshotai/Kimi-K2-Instruct-0905",
+        template_file="kimi-k2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("[BOS]", "[EOS]", "[PAD]", "<|im_end|>", "<|im_user|>",
+                                                "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                                                "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                                "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                                                "<|tool_call_end|>", "<|media_start|>", "<|media_content|>",
+                                                "<|media_end|>", "<|media_pad|>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token="[BOS]",
+        pad_token="[PAD]",
+        template_tokens=("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+                         "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                         "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|media_start|>",
+                         "<|media_content|>", "<|media_end|>", "<|media_pad|>"),
+        notes="Calls: <|tool_calls_section_begin|><|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>"
+              "{json}<|tool_call_end|><|tool_calls_section_end|>; tool results in a system-role turn ('## Return of "
+              "<id>'); a default system prompt when none is given; tool schemas in a tool_declare turn. The 0905 "
+              "id is not mapped to a `renderers` renderer, so the template runs (Kimi-K2-Instruct is).",
+    ),
+    "lfm2": FamilySpec(
+        name="lfm2",
+        hf_model_id="LiquidAI/LFM2-8B-A1B",
+        template_file="lfm2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>",
+                                                "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
+                                                "<|tool_call_start|>", "<|tool_call_end|>",
+                                                "<|tool_response_start|>", "<|tool_response_end|>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token="<|startoftext|>",
+        pad_token="<|pad|>",
+        template_tokens=("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_list_start|>",
+                         "<|tool_list_end|>", "<|tool_response_start|>", "<|tool_response_end|>"),
+        adds_bos=True,
+        notes="Tool schemas as a JSON list between <|tool_list_start|>/<|tool_list_end|> in the system turn; the "
+              "template renders no `tool_calls` (the model writes <|tool_call_start|>[name(k=\"v\")]"
+              "<|tool_call_end|>, Python call syntax, in its content); tool results wrapped in "
+              "<|tool_response_start|>..<|tool_response_end|> in a `tool` turn.",
+    ),
+    "functionary-v3.1": FamilySpec(
+        name="functionary-v3.1",
+        hf_model_id="meetkai/functionary-medium-v3.1",
+        template_file="functionary-v3.1.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _LLAMA31_SPECIALS),
+        eos_token="<|eot_id|>",
+        turn_terminators=("<|eot_id|>", "<|eom_id|>"),
+        stop_tokens=("<|eot_id|>", "<|eom_id|>"),
+        history_turn_end="<|eot_id|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|finetune_right_pad_id|>",
+        template_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
+        adds_bos=True,
+        notes="Llama 3.1 vocabulary; calls: <function=name>{json}</function>, a call turn closes with <|eom_id|>; "
+              "tool results in an `ipython` turn.",
+    ),
+    "firefunction-v2": FamilySpec(
+        name="firefunction-v2",
+        hf_model_id="fireworks-ai/llama-3-firefunction-v2",
+        template_file="firefunction-v2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _LLAMA31_SPECIALS),
+        eos_token="<|eot_id|>",
+        turn_terminators=("<|eot_id|>",),
+        stop_tokens=("<|eot_id|>",),
+        history_turn_end="<|eot_id|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|finetune_right_pad_id|>",
+        template_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        adds_bos=True,
+        template_kwargs={"functions": "REQUIRED: the function specs as JSON text (the template never reads `tools`)",
+                         "datetime": "REQUIRED: the 'Today is ...' date"},
+        render_kwargs={"functions": "[]", "datetime": "2025-01-15"},
+        notes="Calls: ' functools[{\"name\", \"arguments\"}, ...]' after the (trimmed) content; every message "
+              "is trimmed; the assistant header is rendered even without add_generation_prompt.",
+    ),
+    "nemotron-nano-v2": FamilySpec(
+        name="nemotron-nano-v2",
+        hf_model_id="nvidia/NVIDIA-Nemotron-Nano-9B-v2",
+        template_file="nemotron-nano-v2.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<unk>"))
+        + tuple((t, False) for t in ("<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>", "<AVAILABLE_TOOLS>",
+                                     "</AVAILABLE_TOOLS>", "<TOOL_RESPONSE>", "</TOOL_RESPONSE>")),
+        eos_token="<SPECIAL_12>",
+        turn_end_separator="\n",
+        turn_terminators=("<SPECIAL_12>",),
+        stop_tokens=("<SPECIAL_12>",),
+        history_turn_end="<SPECIAL_12>",
+        bos_token=None,
+        pad_token="<unk>",
+        template_tokens=("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<think>", "</think>", "<TOOLCALL>",
+                         "</TOOLCALL>", "<AVAILABLE_TOOLS>", "</AVAILABLE_TOOLS>", "<TOOL_RESPONSE>",
+                         "</TOOL_RESPONSE>"),
+        notes="Roles are '<SPECIAL_11>User'/'<SPECIAL_11>Assistant' lines; calls: <TOOLCALL>[{\"name\", "
+              "\"arguments\"}, ...]</TOOLCALL>; consecutive tool results share one user turn "
+              "(<TOOL_RESPONSE>[r1, r2]</TOOL_RESPONSE>); past assistant turns lose everything up to </think> and are "
+              "stripped; /think and /no_think in a user or system message switch the generation prompt's "
+              "<think> opener. eos here is <SPECIAL_12>, which closes a turn.",
+    ),
+    "smollm3": FamilySpec(
+        name="smollm3",
+        hf_model_id="HuggingFaceTB/SmolLM3-3B",
+        template_file="smollm3.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, False) for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token=None,
+        pad_token="<|im_end|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+        template_kwargs={"enable_thinking": "default true; false adds an empty think block to every assistant turn"},
+        notes="This (Unsloth-edited) template renders neither tools nor tool calls; `tool` messages become user "
+              "turns; the system turn is always rendered (metadata, reasoning mode).",
+    ),
+    "qwq-32b": FamilySpec(
+        name="qwq-32b",
+        hf_model_id="Qwen/QwQ-32B",
+        template_file="qwq-32b.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
+        + tuple((t, False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                                     "<think>", "</think>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token=None,
+        pad_token="<|endoftext|>",
+        template_tokens=("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                         "</tool_response>", "<think>", "</think>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        template_kwargs={"enable_thinking": "false closes the generation prompt's <think> at once"},
+        notes="Hermes calls; the generation prompt opens <think>; every assistant turn but the conversation's last "
+              "loses everything up to </think>. Qwen markers added to the SmolLM2 vocabulary.",
     ),
 }
 

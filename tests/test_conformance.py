@@ -152,7 +152,10 @@ RESULTS = {"one_call": ["1234"], "parallel_calls": ["8642", "998"], "text_then_c
            "invalid_arguments": ["Error: "]}
 # templates that do not render `tool_calls`: the format their tools block asks for
 INSTRUCTED = {"granite-3.3": lambda calls: "<|tool_call|>" + json.dumps(
-    [{"name": n, "arguments": a} for n, a in calls])}
+    [{"name": n, "arguments": a} for n, a in calls]),
+    "lfm2": lambda calls: "<|tool_call_start|>[" + ", ".join(
+        f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls)
+    + "]<|tool_call_end|>"}
 # families whose call format has no parser yet (issue 28 part A adds them): checked once it lands
 AWAITING_PARSER: set[str] = set()
 TOOL_PROMPT = [{"role": "system", "content": "You are a careful assistant."},
@@ -204,6 +207,8 @@ def _rendered_turn(tok, kwargs, content, calls, chat) -> list[int] | None:
             if calls and not all(n in chat.decode(ids) for n, _ in calls):
                 break  # this template does not render the calls this way
             end = next((i for i, t in enumerate(ids) if t in chat.stop_ids), None)
+            if end is not None and calls and not all(n in chat.decode(ids[:end]) for n, _ in calls):
+                continue  # a final turn rendered as two (Nemotron Nano 2: its text, then its calls): not this way
             if end is not None:
                 return ids[:end + 1]
             if not after:

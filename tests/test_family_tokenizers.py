@@ -94,14 +94,15 @@ def test_eos_closes_the_assistant_turn(name):
 
     # an assistant turn with later messages: closed by history_turn_end (gpt-oss: <|end|>, all others: eos)
     history = _render(tok, spec, _conversation(spec), add_generation_prompt=True)
-    assert "Hello!" + spec.history_turn_end in history
+    sep = spec.turn_end_separator
+    assert "Hello!" + sep + spec.history_turn_end in history
     if not spec.closes_final_turn:  # GLM: nothing follows the last turn; the model samples a stop token there
         return
     # the final assistant turn, as a trainer renders a finished episode: closed by eos
     final = _render(tok, spec, _conversation(spec, final_assistant=True), add_generation_prompt=False)
-    assert "Hello!" + spec.eos_token in final
+    assert "Hello!" + sep + spec.eos_token in final
     ids = _ids(tok, final)
-    hello_end = _ids(tok, final[: final.index("Hello!" + spec.eos_token) + len("Hello!")])
+    hello_end = _ids(tok, final[: final.index("Hello!" + sep + spec.eos_token) + len("Hello!" + sep)])
     assert ids[: len(hello_end)] == hello_end and ids[len(hello_end)] == tok.eos_token_id
 
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 from family_tokenizers import FAMILIES, family_tokenizer
-from test_tool_call_formats import _sampled_call_turn
+from test_tool_call_formats import _sampled_call_turn, unrendered_calls
 
 from skyrl_stepwise.chat.template import TemplateRenderer
 from skyrl_stepwise.gateway import Gateway, GatewayConfig
@@ -25,8 +25,6 @@ openai = pytest.importorskip("openai")
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.", "parameters": {
     "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-_UNRENDERED = {"hermes": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
-               "granite": '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]'}
 
 
 FINAL_TEXT = {"gpt-oss": "<|channel|>final<|message|>The answer is 5."}  # harmony's answer channel
@@ -37,7 +35,8 @@ def _call_ids(family: str, chat: TemplateRenderer) -> list[int]:
     if chat.renders_tool_calls:
         return _sampled_call_turn(family, chat, [("calculator", {"expression": "2+3"})])
     tok = family_tokenizer(family)
-    return tok(_UNRENDERED[chat.tool_parser.name], add_special_tokens=False)["input_ids"] + [chat.close_id]
+    text = unrendered_calls(chat.tool_parser.name, [("calculator", {"expression": "2+3"})])
+    return tok(text, add_special_tokens=False)["input_ids"] + [chat.close_id]
 
 
 def _setup(family: str, retention: str, script_turns, **cfg_overrides):

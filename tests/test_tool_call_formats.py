@@ -24,6 +24,8 @@ EXPECTED = {
     "granite-3.3": "granite", "gemma-4": "gemma4", "deepseek-r1-distill-qwen": "deepseek_v3",
     "deepseek-v3.1": "deepseek_v31", "qwen3-coder": "qwen_xml", "qwen3.5": "qwen_xml", "nemotron-3-nano": "qwen_xml",
     "minimax-m2": "minimax", "seed-oss": "seed_xml", "command-r7b": "command_r",
+    "kimi-k2": "kimi_k2", "lfm2": "pythonic", "functionary-v3.1": "functionary", "firefunction-v2": "firefunction",
+    "nemotron-nano-v2": "nemotron_toolcall", "smollm3": "hermes", "qwq-32b": "hermes",
 }
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web.", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
@@ -33,13 +35,22 @@ TOOLS = [{"type": "function", "function": {"name": "search", "description": "Sea
 # a string that reads as JSON ("2024") must stay a string where the schema says so
 CALLS = [("search", {"query": "2024", "limit": 3}), ("calculator", {"expression": "2+3"})]
 SINGLE_CALL = {"llama-3.1", "llama-3.2", "gpt-oss"}  # their templates raise on or drop parallel calls
-# what the model samples where the template renders no calls (it is told the format in the prompt)
-_HERMES_CALLS = ('<tool_call>\n{"name": "search", "arguments": {"query": "2024", "limit": 3}}\n</tool_call>',
-                 '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>')
-_GRANITE_CALLS = ('{"name": "search", "arguments": {"query": "2024", "limit": 3}}',
-                  '{"name": "calculator", "arguments": {"expression": "2+3"}}')
-UNRENDERED = {"hermes": (_HERMES_CALLS[0], "\n".join(_HERMES_CALLS)),
-              "granite": (f"<|tool_call|>[{_GRANITE_CALLS[0]}]", f"<|tool_call|>[{', '.join(_GRANITE_CALLS)}]")}
+
+
+def unrendered_calls(fmt: str, calls) -> str:
+    """What a model samples for `calls` where its template renders none (it is told the format in the prompt): our
+    hermes block's format, Granite 3.3's `<|tool_call|>` list, LFM2's Python-syntax list."""
+    objects = [{"name": n, "arguments": a} for n, a in calls]
+    if fmt == "granite":
+        return "<|tool_call|>" + json.dumps(objects)
+    if fmt == "pythonic":
+        return "<|tool_call_start|>[" + ", ".join(
+            f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls) \
+            + "]<|tool_call_end|>"
+    assert fmt == "hermes", fmt
+    return "\n".join("<tool_call>\n" + json.dumps(o) + "\n</tool_call>" for o in objects)
+
+
 # one malformed call per format, as a model early in RL samples it -> the error kind it is answered with
 MALFORMED = {
     "hermes": ('<tool_call>\n{"name": "search", "arguments": {"query": \n</tool_call>', "invalid_json"),
@@ -58,6 +69,12 @@ MALFORMED = {
                  "malformed_structure"),
     "minimax": ('<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">x</parameter>\n',
                 "unclosed_block"),
+    "kimi_k2": ('<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>'
+                '{"query": <|tool_call_end|><|tool_calls_section_end|>', "invalid_json"),
+    "pythonic": ('<|tool_call_start|>[search(query="x"<|tool_call_end|>', "invalid_syntax"),
+    "functionary": ('<function=search>{"query": "x"', "unclosed_block"),
+    "firefunction": (' functools[{"name": "search", "arguments": {"query": "x"}', "invalid_json"),
+    "nemotron_toolcall": ('<TOOLCALL>[{"arguments": {"query": "x"}}]</TOOLCALL>', "missing_name"),
     "gemma4": ('<|tool_call>call:search{query:<|"|>x}<tool_call|>', "malformed_structure"),
     "command_r": ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "search", "parameters": {"query": "x"}]'
                   "<|END_ACTION|>", "invalid_json"),
@@ -112,7 +129,7 @@ def test_calls_parse_as_the_template_renders_them(family, n_calls):
     if chat.renders_tool_calls:
         ids = _sampled_call_turn(family, chat, calls)
     else:  # the template shows the format only in its instructions (Granite 3.3) or not at all (our hermes block)
-        text = UNRENDERED[chat.tool_parser.name][n_calls - 1]
+        text = unrendered_calls(chat.tool_parser.name, calls)
         ids = tok(text, add_special_tokens=False)["input_ids"] + [chat.close_id]
     turn = chat.parse(ids, [], TOOLS)
     parsed = [(c.name, json.loads(c.arguments) if isinstance(c.arguments, str) else c.arguments, c.error)
@@ -242,9 +259,8 @@ async def test_a_call_in_the_family_format_is_answered(family, retention):
     if chat.renders_tool_calls:
         sampled = _sampled_call_turn(family, chat, [("calculator", {"expression": "2+3"})])
     else:
-        text = {"hermes": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>',
-                "granite": '<|tool_call|>[{"name": "calculator", "arguments": {"expression": "2+3"}}]'}
-        sampled = tok(text[chat.tool_parser.name], add_special_tokens=False)["input_ids"] + [chat.close_id]
+        text = unrendered_calls(chat.tool_parser.name, [("calculator", {"expression": "2+3"})])
+        sampled = tok(text, add_special_tokens=False)["input_ids"] + [chat.close_id]
     turn = chat.parse(sampled, prompt, tools)
     results = await ToolExecutor({"calculator": calculator}).execute(turn.tool_calls)
     assert [r.content for r in results] == ["5"]
@@ -289,9 +305,7 @@ def _edit_call_ids(family: str, chat: TemplateRenderer, calls) -> list[int]:
     if chat.renders_tool_calls:
         return _sampled_call_turn(family, chat, calls)
     tok = family_tokenizer(family)
-    objects = [{"name": n, "arguments": a} for n, a in calls]
-    text = ("<|tool_call|>" + json.dumps(objects) if chat.tool_parser.name == "granite" else
-            "\n".join("<tool_call>\n" + json.dumps(o) + "\n</tool_call>" for o in objects))
+    text = unrendered_calls(chat.tool_parser.name, calls)
     return tok(text, add_special_tokens=False)["input_ids"] + [chat.close_id]
 
 
@@ -351,3 +365,30 @@ async def test_library_renderers_read_xml_values_as_written(family):
         assert [(c.name, c.arguments, c.error) for c in turn.tool_calls] == [("edit", arguments, None)]
         results = await ToolExecutor({"edit": _Edit()}).execute(turn.tool_calls)
         assert expected in results[0].content, results
+
+
+# Real templates whose call format no parser reads (tests/templates/refused/, sources in tests/templates/README.md):
+# each is refused when the renderer is built, naming the model, the rendered call and generator.tool_parser; never
+# served with a parser that would take every call for a final answer.
+REFUSED = {  # template -> what the refusal quotes of its probe call's rendering
+    "deepseek-v3.2": "<｜DSML｜function_calls>",  # DSML invoke/parameter markup
+    "apertus-8b": '<|tools_prefix|>[{"skyrl_probe_call":',  # {name: arguments} objects
+    "functionary-v3.2": ">>>skyrl_probe_call",  # >>>name\n{json}
+    "command-r-plus": r"Action:\n```json",  # a fenced JSON list after "Action:" (quoted: \n as written)
+    "lfm2.5": "null<|im_end|>",  # renders no calls and lists tools without LFM2's markers: the format is unknown
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_real_templates_in_an_unread_format_are_refused_at_startup(name, tokenizer):
+    import copy
+    from pathlib import Path
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (Path(__file__).parent / "templates" / "refused" / f"{name}.jinja").read_text(encoding="utf-8")
+    tok.name_or_path = f"/models/{name}"
+    with pytest.raises(UnknownToolFormat) as refused:
+        create_renderer(tok, "auto", {"strftime_now": lambda fmt: "2025-01-15"})
+    message = str(refused.value)
+    assert f"'/models/{name}'" in message and "generator.tool_parser" in message
+    assert REFUSED[name] in message, message

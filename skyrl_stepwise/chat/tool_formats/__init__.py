@@ -11,21 +11,25 @@ from __future__ import annotations
 from skyrl_stepwise.chat.tool_formats.base import PROBE_ARG, PROBE_NAME, ToolFormat, ToolParser
 from skyrl_stepwise.chat.tool_formats.command_r import COMMAND_R
 from skyrl_stepwise.chat.tool_formats.deepseek import DEEPSEEK_V3, DEEPSEEK_V31
+from skyrl_stepwise.chat.tool_formats.functionary import FUNCTIONARY
 from skyrl_stepwise.chat.tool_formats.gemma4 import GEMMA4
 from skyrl_stepwise.chat.tool_formats.glm import GLM
 from skyrl_stepwise.chat.tool_formats.granite import GRANITE
 from skyrl_stepwise.chat.tool_formats.harmony import HARMONY
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES
+from skyrl_stepwise.chat.tool_formats.json_lists import FIREFUNCTION, NEMOTRON_TOOLCALL
+from skyrl_stepwise.chat.tool_formats.kimi import KIMI_K2
 from skyrl_stepwise.chat.tool_formats.llama_json import LLAMA_JSON
 from skyrl_stepwise.chat.tool_formats.minimax import MINIMAX
 from skyrl_stepwise.chat.tool_formats.mistral import MISTRAL
+from skyrl_stepwise.chat.tool_formats.pythonic import PYTHONIC
 from skyrl_stepwise.chat.tool_formats.xml_params import QWEN_XML, SEED_XML
 
 # Tried in this order on a template's rendering; each `renders` pattern names the probe call, so at most one
 # matches a rendering, except hermes and llama_json (a JSON object), which come last.
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    HARMONY, MISTRAL, DEEPSEEK_V3, DEEPSEEK_V31, GLM, QWEN_XML, SEED_XML, MINIMAX, GEMMA4, COMMAND_R, GRANITE,
-    HERMES, LLAMA_JSON)}
+    HARMONY, MISTRAL, DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, GLM, QWEN_XML, SEED_XML, FUNCTIONARY, MINIMAX, GEMMA4,
+    COMMAND_R, GRANITE, FIREFUNCTION, NEMOTRON_TOOLCALL, PYTHONIC, HERMES, LLAMA_JSON)}
 
 
 def tool_format_names() -> list[str]:

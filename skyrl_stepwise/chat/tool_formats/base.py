@@ -101,6 +101,36 @@ def json_list_calls(body: str, name_key: str, args_keys: tuple[str, ...],
             for item in items]
 
 
+def parse_marked_json(text: str, marker: str, name_key: str = "name",
+                      args_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, list[ToolCallRequest]]:
+    """(content before the first `marker`, every call of the JSON value (a call object or a list of them) after
+    each marker): Granite's `<|tool_call|>`, Firefunction's `functools`, Nemotron Nano 2's `<TOOLCALL>`. The value
+    is read where it ends (`raw_decode`), not up to the next marker, a close tag or the end of the turn: text the
+    model writes after the list or a marker quoted inside an argument does not break a well-formed call."""
+    start = text.find(marker)
+    if start < 0:
+        return text, []
+    calls, at = [], start
+    while at >= 0:  # a model may open each call with the marker
+        body = at + len(marker)
+        value_start = len(text) - len(text[body:].lstrip())
+        try:
+            value, end = _DECODER.raw_decode(text, value_start)
+        except json.JSONDecodeError:
+            nxt = text.find(marker, body)
+            calls.append(ToolCallRequest(None, None, text[body:nxt if nxt >= 0 else len(text)].strip(),
+                                         "invalid_json"))
+            at = nxt
+            continue
+        items = value if isinstance(value, list) else [value]
+        calls.extend(call_from_object(item, json.dumps(item), name_key, args_keys) for item in items)
+        at = text.find(marker, end)
+    return text[:start], calls
+
+
+_DECODER = json.JSONDecoder()
+
+
 def schema_params(tools: list[dict] | None) -> dict[str, dict[str, dict]]:
     """tool name -> parameter name -> JSON schema: how XML-style values are typed (the library's index)."""
     from renderers.parsing import _build_param_type_index

@@ -1,0 +1,76 @@
+"""Python-syntax calls: `<|tool_call_start|>[name(k="v", n=1), other()]<|tool_call_end|>` (LFM2; the list is the
+one vLLM's `pythonic` parser reads, here inside LFM2's markers). LFM2's template renders no `tool_calls`: it
+lists the schemas between `<|tool_list_start|>` and `<|tool_list_end|>`, which is how the format is recognised;
+the model writes its calls in its content. Arguments are Python literals (JSON's true/false/null accepted).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from skyrl_stepwise.chat.base import ToolCallRequest
+from skyrl_stepwise.chat.tool_formats.base import ToolFormat, parse_blocks
+
+OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+PYTHONIC_FORMAT = f'{OPEN}[<tool name>(<arg>=<Python literal>, ...)]{CLOSE}'
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def parse_pythonic_text(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
+    """(content before the first call block, every call of each block's list)."""
+    return parse_blocks(text, OPEN, CLOSE, _read_block)
+
+
+def _read_block(body: str) -> list[ToolCallRequest]:
+    body = body.strip()
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return [ToolCallRequest(None, None, body, "invalid_syntax")]
+    items = tree.elts if isinstance(tree, (ast.List, ast.Tuple)) else [tree]
+    return [_call(item, body) for item in items]
+
+
+def _call(node: ast.expr, body: str) -> ToolCallRequest:
+    raw = ast.get_source_segment(body, node) or body
+    if not isinstance(node, ast.Call) or node.args:
+        return ToolCallRequest(None, None, raw, "malformed_structure")
+    name = _dotted(node.func)
+    if not name:
+        return ToolCallRequest(None, None, raw, "missing_name")
+    arguments = {}
+    for kw in node.keywords:
+        if kw.arg is None:  # **kwargs
+            return ToolCallRequest(name, None, raw, "malformed_structure")
+        try:
+            arguments[kw.arg] = _literal(kw.value)
+        except ValueError:
+            return ToolCallRequest(name, None, raw, "invalid_arguments")
+    return ToolCallRequest(name, arguments, raw)
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return f"{head}.{node.attr}" if head else None
+    return None
+
+
+def _literal(node: ast.expr):
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+PYTHONIC = ToolFormat(
+    name="pythonic", expected_format=PYTHONIC_FORMAT, markers=(OPEN,),
+    renders=re.compile(re.escape(OPEN) + r"\s*\[\s*skyrl_probe_call\("),
+    instructs=re.compile(re.escape("<|tool_list_start|>")),
+    parse_text=parse_pythonic_text, description="<|tool_call_start|>[name(k=v)] Python syntax (LFM2)")
