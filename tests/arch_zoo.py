@@ -59,6 +59,8 @@ TEMPLATE_ARCHITECTURE = {
     "mistral-small-3.2": "mistral", "nemotron-3-nano": "nemotron_h", "phi-3.5": "phi3",
     "qwen2.5-instruct": "qwen2", "qwen3-coder": "qwen3_moe", "qwen3.5": "qwen3_5_moe_text", "qwen3": "qwen3",
     "seed-oss": "seed_oss", "smollm2": "llama",
+    "firefunction-v2": "llama", "functionary-v3.1": "llama", "kimi-k2": "deepseek_v3", "lfm2": "lfm2",
+    "nemotron-nano-v2": "nemotron_h", "qwq-32b": "qwen2", "smollm3": "smollm3",
 }
 
 # Attention implementations the trainer would pick on CPU (flex_attention is the GPU path; gpt-oss has no sdpa, and
