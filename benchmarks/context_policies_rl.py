@@ -19,6 +19,7 @@ printed and written to `--out/table.md`. An arm that fails is reported as failed
     PYTHONPATH=. .venv/bin/python benchmarks/context_policies_rl.py --out /tmp/context_rl              # README
     PYTHONPATH=. .venv/bin/python benchmarks/context_policies_rl.py --policies none summarize --steps 2 \\
         --eval-prompts 16 --out /tmp/context_rl_smoke                                                     # smoke
+    PYTHONPATH=. .venv/bin/python benchmarks/context_policies_rl.py --out /tmp/context_rl --tabulate   # table again
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ POLICIES = ("none", "truncate", "sliding_window", "summarize")
 PER_STEP = {  # column -> metrics.jsonl key, averaged over the RL steps
     "cut by context / step": "context/exhausted_trajectories",
     "edits / step": "context/edits",
+    "tokens dropped / step": "context/tokens_dropped",
     "summaries / step": "context/summaries",
     "turns / traj": "generate/turns_per_trajectory_mean",
     "train reward": "reward/mean",
@@ -60,12 +62,20 @@ def run_arm(policy: str, args: argparse.Namespace) -> tuple[Path, float, int]:
         code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
     print(f"[{policy}] exit {code} after {seconds:.0f} s -> {run_dir}", file=sys.stderr, flush=True)
+    (run_dir / "arm.json").write_text(json.dumps({"seconds": seconds, "exit": code}))
     return run_dir, seconds, code
+
+
+def finished_arm(policy: str, args: argparse.Namespace) -> tuple[Path, float, int]:
+    """An arm trained earlier (`--tabulate`): its directory, wall seconds and exit code from its arm.json."""
+    run_dir = (args.out / policy).resolve()
+    arm = json.loads((run_dir / "arm.json").read_text()) if (run_dir / "arm.json").exists() else {}
+    return run_dir, arm.get("seconds", float("nan")), arm.get("exit", -1)
 
 
 def arm_row(policy: str, run_dir: Path, seconds: float, code: int) -> dict:
     """The arm's table row from its run directory (what is missing is left blank, the exit code says why)."""
-    row: dict = {"policy": policy, "exit": code, "wall s": round(seconds)}
+    row: dict = {"policy": policy, "exit": code, "wall s": round(seconds) if seconds == seconds else ""}
     evals_path = run_dir / "evals.json"
     evals = {e["stage"]: e for e in json.loads(evals_path.read_text())} if evals_path.exists() else {}
     sft = evals.get("after SFT")
@@ -109,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=64, help="data.max_eval_prompts (same prompts per arm)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/context_policies_rl"))
     parser.add_argument("--override", nargs="*", default=[], help="more Hydra overrides for every arm")
+    parser.add_argument("--tabulate", action="store_true", help="train nothing: the table of the arms in --out")
     args = parser.parse_args(argv)
     rows = []
     for policy in args.policies:
-        rows.append(arm_row(policy, *run_arm(policy, args)))
+        rows.append(arm_row(policy, *(finished_arm if args.tabulate else run_arm)(policy, args)))
         table = markdown(rows)
         (args.out / "table.md").write_text(table + "\n")  # after every arm: a stopped sweep keeps what it measured
     header = (f"long_context_tiny, {args.steps} RL steps per arm from the same SFT warm start, "
