@@ -73,7 +73,8 @@ def test_packed_samples_score_exactly_as_alone_or_are_refused(model_type):
         reference_grads = _grads(model, batch, singles, "rows", layout, weights)
         for packing in ("rows", "tree"):
             if packing == "tree" and layout.one_sample_per_row:
-                with pytest.raises(ValueError, match=rf"trainer.packing=tree is not exact on {model_type.split('[')[0]}"):
+                family = model_type.split("[")[0]  # a `family[variant]` zoo entry
+                with pytest.raises(ValueError, match=rf"trainer.packing=tree is not exact on {family}"):
                     resolve_packing("tree", layout)
                 assert resolve_packing("auto", layout) == "rows"
                 continue

@@ -5,8 +5,9 @@ check covers the ones nobody listed. Before the first step the worker packs a fe
 will (a shared prompt longer than the model's sliding window, a step-wise chain, a broken chain, another prompt) into
 one micro-batch with the run's packing and attention implementation (plus, where the config declares a RoPE
 `original_max_position_embeddings` a row of this run could pass, one probe past it), and scores them against each
-sample forwarded alone. A model whose forward ignores our masks or position ids, or keeps a state we did not know about, fails here
-and the run is refused, naming the architecture, `trainer.packing` and `trainer.attn_implementation`.
+sample forwarded alone. A model whose forward ignores our masks or position ids, or keeps a state we did not know
+about, fails here and the run is refused, naming the architecture, `trainer.packing` and
+`trainer.attn_implementation`.
 """
 
 from __future__ import annotations
