@@ -1,7 +1,8 @@
 """Tiny random models of the real architectures we train, built offline from transformers' config classes.
 
 Each keeps what changes how a token sees its context: sliding windows and `layer_types`, attention sinks (gpt-oss),
-recurrent / linear-attention / short-conv layers (Qwen3.5/Next, Granite 4, Nemotron-H, LFM2), MoE routing, soft-capping
+recurrent / linear-attention / short-conv layers (Qwen3.5/Next, Granite 4, Nemotron-H, LFM2, Mamba, RecurrentGemma),
+chunked attention (Llama 4), longrope (Phi-3.5), MoE routing, soft-capping
 (Gemma 2), MLA (DeepSeek V3), tied embeddings where the family ties them. Sizes are the only thing shrunk; windows are
 6 tokens so that a 20-token sample crosses them.
 """
@@ -48,6 +49,17 @@ ARCHITECTURES: dict[str, dict] = {
     "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4,
                          "moe_intermediate_size": 32, **LINEAR, **MOE},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
+    # found by benchmarks/arch_sweep.py: what the families above do not exercise
+    # qwen2-style windows: layer types derived from use_sliding_window / max_window_layers
+    "qwen2[swa]": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "phi3[longrope]": {"sliding_window": WINDOW, "original_max_position_embeddings": 48, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 48,
+        "partial_rotary_factor": 1.0, "short_factor": [1.0] * 8, "long_factor": [16.0] * 8}},  # Phi-3.5 / Phi-4-mini
+    "llama4_text": {"attention_chunk_size": WINDOW, "layer_types": ["chunked_attention", "full_attention"],
+                    "no_rope_layers": [1, 0], "num_local_experts": 4, "intermediate_size_mlp": 96, "moe_layers": [0],
+                    **MOE},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": WINDOW, "lru_width": 64},
+    "mamba": {"time_step_rank": 8, "state_size": 16},  # no layer_types: only the class's _is_stateful says it
 }
 
 # Each chat-template family in tests/templates -> the architecture its models ship with.
@@ -65,7 +77,7 @@ TEMPLATE_ARCHITECTURE = {
 
 # Attention implementations the trainer would pick on CPU (flex_attention is the GPU path; gpt-oss has no sdpa, and
 # the trainer refuses sdpa for Gemma 2: it ignores the attention soft-capping).
-EAGER_ONLY = {"gpt_oss", "gemma2"}
+EAGER_ONLY = {"gpt_oss", "gemma2", "mamba"}
 
 
 def attention_implementations(model_type: str) -> list[str]:
@@ -74,13 +86,14 @@ def attention_implementations(model_type: str) -> list[str]:
 
 
 def tiny_model(model_type: str, attn_implementation: str = "sdpa", seed: int = 0,
-               dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A 2-layer random model of this architecture (no download), in eval mode."""
+               dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+    """A 2-layer random model of this architecture (no download), in eval mode. `family[variant]` keys build the
+    family's model_type with the variant's options; `overrides` replace config keys."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # tiny configs trip harmless warnings (rope factors, kernels not installed)
-    config = AutoConfig.for_model(model_type, **{**COMMON, **ARCHITECTURES[model_type]})
+    config = AutoConfig.for_model(model_type.split("[")[0], **{**COMMON, **ARCHITECTURES[model_type], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     return model.eval()

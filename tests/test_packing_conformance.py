@@ -17,12 +17,15 @@ import torch
 from arch_zoo import (ARCHITECTURES, TEMPLATE_ARCHITECTURE, attention_implementations, conformance_batch,
                       tiny_model)
 
-from skyrl_stepwise.trainer.batching import forward_logprobs, pack_micro_batch, rank_micro_batches
+from skyrl_stepwise.trainer.batching import TrainBatch, forward_logprobs, pack_micro_batch, rank_micro_batches
 from skyrl_stepwise.trainer.packing import attention_layout, resolve_packing
 from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal
 
-STATE_CARRYING = {"granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2"}
-WINDOWED = {"mistral", "phi3", "gemma2", "gemma3_text", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss"}
+# one sample per row: state along the row, a layer kind we cannot mask (chunked), or longrope with rows of unknown size
+STATE_CARRYING = {"granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2",
+                  "phi3[longrope]", "llama4_text", "recurrent_gemma", "mamba"}
+WINDOWED = {"mistral", "phi3", "gemma2", "gemma3_text", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss",
+            "qwen2[swa]", "phi3[longrope]", "recurrent_gemma"}
 
 
 def _alone(model, batch):
@@ -70,7 +73,8 @@ def test_packed_samples_score_exactly_as_alone_or_are_refused(model_type):
         reference_grads = _grads(model, batch, singles, "rows", layout, weights)
         for packing in ("rows", "tree"):
             if packing == "tree" and layout.one_sample_per_row:
-                with pytest.raises(ValueError, match=rf"trainer.packing=tree is not exact on {model_type}"):
+                family = model_type.split("[")[0]  # a `family[variant]` zoo entry
+                with pytest.raises(ValueError, match=rf"trainer.packing=tree is not exact on {family}"):
                     resolve_packing("tree", layout)
                 assert resolve_packing("auto", layout) == "rows"
                 continue
@@ -122,6 +126,58 @@ def test_attention_that_drops_soft_capping_or_sinks_is_refused():
     sinks.config._attn_implementation = "flex_attention"  # the GPU path has no sinks: refused, not dropped
     with pytest.raises(ValueError, match=r"flex_attention is not exact on gpt_oss.*attention sinks"):
         refuse_inexact_attention(attention_layout(sinks))
+
+
+def test_longrope_packs_only_rows_that_cannot_pass_its_switch_length():
+    """longrope (Phi-3.5, Phi-4-mini) takes its long factors for a whole forward once the row's longest position passes
+    original_max_position_embeddings: a short sample packed with a long one would score with the long factors. Rows
+    of at most the switch length pack exactly (a longer sample has a row of its own); longer rows get one sample per
+    row, and an explicit tree is refused naming the reason."""
+    model = tiny_model("phi3[longrope]")  # switch at 48 positions
+    base = conformance_batch()  # 16 to 28 tokens each, plus one sample past the switch
+    batch = TrainBatch(prompt_ids=base.prompt_ids + [list(range(3, 49))], response_ids=base.response_ids + [[5] * 6],
+                       loss_masks=base.loss_masks + [[1] * 6], instance_ids=base.instance_ids + ["long"])
+    with torch.no_grad():
+        alone = _alone(model, batch)
+    fits = attention_layout(model, row_tokens=48)
+    assert not fits.one_sample_per_row and resolve_packing("auto", fits) == "tree"
+    for packing in ("rows", "tree"):
+        mbs = rank_micro_batches(batch, 0, 1, 48, packing)
+        assert any(len(mb) > 1 for mb in mbs) and [len(batch) - 1] in mbs
+        with torch.no_grad():
+            assert (_packed(model, batch, mbs, packing, fits) - alone).abs().max() < 1e-5
+    with torch.no_grad():  # what a row past the switch does to the short samples in it
+        leaked = _packed(model, batch, [list(range(len(batch)))], "rows", fits)
+    assert (leaked - alone).abs().max() > 1e-3
+    wide = attention_layout(model, row_tokens=4096)
+    assert wide.one_sample_per_row
+    with pytest.raises(ValueError, match=r"trainer.packing=tree is not exact on phi3.*longrope.*micro_batch_tokens"):
+        resolve_packing("tree", wide)
+
+
+def test_selfcheck_catches_a_length_dependent_rope_the_layout_missed():
+    """The self-check's probe row passes the RoPE switch length the config declares, so a length-dependent RoPE we
+    did not read (here: longrope hidden from the layout) fails it instead of training short samples on long factors."""
+    from dataclasses import replace
+
+    model = tiny_model("phi3[longrope]")
+    blind = replace(attention_layout(model, row_tokens=4096), length_dependent_rope=None)
+    assert not blind.one_sample_per_row
+    check = check_packing(model, blind, "rows", torch.device("cpu"))
+    assert not check.passed and check.longest_sample > 48, check.describe()
+    exact = check_packing(model, attention_layout(model, row_tokens=4096), "rows", torch.device("cpu"))
+    assert exact.passed and exact.max_abs_error < 1e-5
+
+
+def test_dynamic_rope_is_refused_whatever_the_packing():
+    """transformers' dynamic NTK RoPE recomputes its frequencies from each forward's longest position and keeps them
+    for later forwards: no packing (not even one sample per row) scores a sample as it scored alone."""
+    from skyrl_stepwise.trainer.packing import refuse_inexact_attention
+
+    model = tiny_model("llama", max_position_embeddings=16,
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ValueError, match=r"no trainer.packing is exact on llama.*dynamic NTK RoPE"):
+        refuse_inexact_attention(attention_layout(model, row_tokens=4096))
 
 
 class _WholeRowLlama(torch.nn.Module):

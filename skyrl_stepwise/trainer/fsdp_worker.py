@@ -223,7 +223,7 @@ class PolicyWorker:
         torch.manual_seed(cfg.seed)
         self.model = load_sharded_model(cfg, self.device, trainable)
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
-        self.layout = attention_layout(self.model)
+        self.layout = attention_layout(self.model, row_tokens=cfg.micro_batch_tokens)
         refuse_inexact_attention(self.layout)
         self.cfg = cfg = replace(cfg, packing=resolve_packing(cfg.packing, self.layout))
         try:

@@ -60,8 +60,9 @@ def row_model_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, subtre
                                                         or layout.one_sample_per_row):
         return inputs
     if layout.one_sample_per_row:
-        raise ValueError(f"a packed row holds several samples, but {layout.describe()} carries state along the row: "
-                         f"one sample per row is the only exact packing (the scheduler should have done that)")
+        raise ValueError(f"a packed row holds several samples, but on {layout.describe()} "
+                         f"{layout.why_one_sample_per_row()}: one sample per row is the only exact packing (the "
+                         f"scheduler should have done that)")
     if attn in VARLEN_ATTENTIONS:  # varlen kernels take the sample boundaries from the position ids
         if not bool((subtree_end[1:] >= subtree_end[:-1]).all()):  # a branch ends before its parent: a tree
             raise ValueError(f"trainer.attn_implementation={attn} cannot take a prefix-tree row (trainer.packing=tree)")

@@ -3,9 +3,11 @@
 The conformance suite (tests/test_packing_conformance.py) proves the packing on every architecture we list; this
 check covers the ones nobody listed. Before the first step the worker packs a few probe samples the way the run
 will (a shared prompt longer than the model's sliding window, a step-wise chain, a broken chain, another prompt) into
-one micro-batch with the run's packing and attention implementation, and scores them against each sample forwarded
-alone. A model whose forward ignores our masks or position ids, or keeps a state we did not know about, fails here
-and the run is refused, naming the architecture, `trainer.packing` and `trainer.attn_implementation`.
+one micro-batch with the run's packing and attention implementation (plus, where the config declares a RoPE
+`original_max_position_embeddings` a row of this run could pass, one probe past it), and scores them against each
+sample forwarded alone. A model whose forward ignores our masks or position ids, or keeps a state we did not know
+about, fails here and the run is refused, naming the architecture, `trainer.packing` and
+`trainer.attn_implementation`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from skyrl_stepwise.trainer.packing.layout import AttentionLayout
 # fp32 and bf16 alike. 1.0 sits ~5x above that noise and ~3x below the smallest leak measured.
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 HALF_TOLERANCE = 1.0
+# The longest probe the check adds to cross a declared RoPE switch length (packing/rope.py): longer would cost more
+# than the check is worth at start-up (a dense eager mask is T x T).
+MAX_SWITCH_PROBE = 8192
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,11 @@ class PackingCheck:
                 f"{self.max_abs_error:.2e} (tolerance {self.tolerance:g})")
 
 
-def probe_samples(layout: AttentionLayout, vocab_size: int, seed: int = 0):
+def probe_samples(layout: AttentionLayout, vocab_size: int, seed: int = 0, cross_length: int | None = None):
     """Probe samples that exercise what packing must keep apart: a prompt shared by a group, a step-wise chain that
     re-reads a sample's history, a broken chain (a prefix cut short), and an unrelated prompt; every sample longer
-    than the longest sliding window, so a window the mask lost changes some logprob."""
+    than the longest sliding window, so a window the mask lost changes some logprob. With `cross_length`, one more
+    sample of cross_length + 1 tokens takes the row past a RoPE switch length the short samples stay under."""
     from skyrl_stepwise.trainer.batching import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -65,6 +71,9 @@ def probe_samples(layout: AttentionLayout, vocab_size: int, seed: int = 0):
     first = ids(6)
     prompts = [prompt, prompt, prompt + first + ids(4), prompt[: n // 2], other]
     responses = [first, ids(7), ids(5), ids(6), ids(6)]
+    if cross_length:
+        prompts.append(ids(cross_length + 1 - 6))
+        responses.append(ids(6))
     return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
                       instance_ids=["probe"] * len(prompts))
 
@@ -79,8 +88,13 @@ def check_packing(model: torch.nn.Module, layout: AttentionLayout, packing: str,
     that fails on the inputs we build.
     """
     from skyrl_stepwise.trainer.batching import forward_logprobs, pack_micro_batch
+    from skyrl_stepwise.trainer.packing.rope import declared_switch_length
 
-    batch = probe_samples(layout, model.config.get_text_config().vocab_size, seed)
+    config = model.config.get_text_config()
+    switch = declared_switch_length(config)  # a row past it may change every row-mate's RoPE: make the probe pass it
+    crosses = (switch is not None and switch <= MAX_SWITCH_PROBE and not layout.one_sample_per_row
+               and (layout.row_tokens is None or layout.row_tokens > switch))
+    batch = probe_samples(layout, config.vocab_size, seed, cross_length=switch if crosses else None)
     everything = list(range(len(batch)))
     was_training = model.training
     model.eval()
