@@ -112,6 +112,33 @@ def test_explicit_tree_on_a_recurrent_model_is_refused_at_worker_start(tmp_path)
     assert summary["max_abs_error"] < 1e-5
 
 
+def test_auto_falls_back_to_rows_when_the_tree_fails_the_models_self_check(tmp_path):
+    """GPT-Neo's local band follows the row index: as rows (contiguous samples) it is exact, in a tree (positions by
+    depth) it is not, and nothing in the config says so. auto means "tree wherever exact": the self-check decides,
+    auto trains rows and says why; an explicit tree is refused."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+    torch.manual_seed(0)
+    GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, vocab_size=96,
+                                   attention_types=[[["global", "local"], 1]], window_size=6,
+                                   max_position_embeddings=256)).save_pretrained(tmp_path / "m")
+    cfg = TrainerConfig(model_path=str(tmp_path / "m"), packing="auto", attn_implementation="eager",
+                        ckpt_dir=str(tmp_path / "c"))
+    cfg.fsdp.mixed_precision = False
+    worker = PolicyWorker(cfg, trainable=False)
+    summary = worker.packing_summary()
+    assert summary["packing"] == "rows" and summary["max_abs_error"] < 1e-5, summary
+    assert "auto fell back to rows: the tree failed its check" in summary["check"]
+    assert worker.packing_check.fallback_from.max_abs_error > 1e-2
+    assert worker.set_packing("auto") == "rows" and worker.cfg.packing == "rows"  # the ablation's switch agrees
+    cfg.packing = "tree"
+    with pytest.raises(ValueError, match=r"trainer.packing=tree is not exact on this model: gpt_neo"):
+        PolicyWorker(cfg, trainable=False)
+
+
 def test_attention_that_drops_soft_capping_or_sinks_is_refused():
     """Gemma 2 soft-caps attention logits and gpt-oss has learned sinks; transformers' sdpa and our packed flex skip
     them, so those attentions would train another function than the engine samples from."""

@@ -225,15 +225,16 @@ class PolicyWorker:
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
         self.layout = attention_layout(self.model, row_tokens=cfg.micro_batch_tokens)
         refuse_inexact_attention(self.layout)
+        requested = cfg.packing
         self.cfg = cfg = replace(cfg, packing=resolve_packing(cfg.packing, self.layout))
-        try:
-            self.packing_check = check_packing(self.model, self.layout, cfg.packing, self.device,
-                                               torch.bfloat16 if mixed_precision_on(cfg.fsdp, self.device)
-                                               else torch.float32, seed=cfg.seed)
-        except Exception as e:  # a model that cannot even run our packed inputs: refused the same way, loudly
-            raise ValueError(f"trainer.packing={cfg.packing} with trainer.attn_implementation="
-                             f"{cfg.attn_implementation} failed the packing self-check on {self.layout.describe()}: "
-                             f"{type(e).__name__}: {e}") from e
+        self.packing_check = self._self_check(cfg.packing)
+        if not self.packing_check.passed and requested == "auto" and cfg.packing == "tree":
+            # auto means "tree wherever it is exact": a model whose positional terms follow the row index (ALiBi,
+            # GPT-Neo's local band) fails the tree's check but may still pack exactly as rows; the check decides
+            tree_check = self.packing_check
+            self.cfg = cfg = replace(cfg, packing="rows")
+            self.packing_check = self._self_check("rows")
+            self.packing_check = replace(self.packing_check, fallback_from=tree_check)
         if not self.packing_check.passed:
             raise ValueError(refusal(self.packing_check, self.layout))
         self.reference = None
@@ -249,6 +250,18 @@ class PolicyWorker:
                                            num_training_steps=o.num_training_steps if o.num_training_steps > 0
                                            else None)
         self._snapshot: dict | None = None
+
+    def _self_check(self, packing: str):
+        """The start-up packing self-check for `packing` on this model; a model that cannot even run our packed
+        inputs is refused the same way as one that scores them wrong, loudly."""
+        try:
+            return check_packing(self.model, self.layout, packing, self.device,
+                                 torch.bfloat16 if mixed_precision_on(self.cfg.fsdp, self.device) else torch.float32,
+                                 seed=self.cfg.seed)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"trainer.packing={packing} with trainer.attn_implementation="
+                             f"{self.cfg.attn_implementation} failed the packing self-check on "
+                             f"{self.layout.describe()}: {type(e).__name__}: {e}") from e
 
     def _micro_batches(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
@@ -266,6 +279,8 @@ class PolicyWorker:
         cfg = replace(self.cfg, packing=packing)
         cfg.validate()
         cfg.packing = resolve_packing(packing, self.layout)
+        if packing == "auto" and self.packing_check.fallback_from is not None:
+            cfg.packing = "rows"  # the tree failed this model's start-up self-check
         previous, self.cfg = self.cfg.packing, cfg
         return previous
 

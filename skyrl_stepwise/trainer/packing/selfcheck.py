@@ -40,6 +40,8 @@ class PackingCheck:
     num_samples: int
     row_tokens: int
     longest_sample: int
+    # packing=auto: the tree's failed check, when rows were checked and used instead
+    fallback_from: PackingCheck | None = None
 
     @property
     def passed(self) -> bool:
@@ -50,7 +52,9 @@ class PackingCheck:
         """One log line."""
         return (f"packing self-check ({self.packing}): {self.num_samples} probe samples (longest "
                 f"{self.longest_sample} tokens) in one {self.row_tokens}-token row, max |packed - alone| logprob "
-                f"{self.max_abs_error:.2e} (tolerance {self.tolerance:g})")
+                f"{self.max_abs_error:.2e} (tolerance {self.tolerance:g})"
+                + (f"; trainer.packing=auto fell back to rows: the tree failed its check on this model (max "
+                   f"{self.fallback_from.max_abs_error:.3g})" if self.fallback_from is not None else ""))
 
 
 def probe_samples(layout: AttentionLayout, vocab_size: int, seed: int = 0, cross_length: int | None = None):
