@@ -16,7 +16,7 @@ Per arm, from the run's evals.json and metrics.jsonl:
 Runs go to `--out/<policy>/` (each a normal run directory: report.md, curves.png, rollouts.jsonl); the table is
 printed and written to `--out/table.md`. An arm that fails is reported as failed with its log, the others go on.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/context_policies_rl.py --out /tmp/context_rl              # README
+    PYTHONPATH=. .venv/bin/python benchmarks/context_policies_rl.py --out /tmp/context_rl   # README (~55 min here)
     PYTHONPATH=. .venv/bin/python benchmarks/context_policies_rl.py --policies none summarize --steps 2 \\
         --eval-prompts 16 --out /tmp/context_rl_smoke                                                     # smoke
     PYTHONPATH=. .venv/bin/python benchmarks/context_policies_rl.py --out /tmp/context_rl --tabulate   # table again
@@ -47,6 +47,8 @@ PER_STEP = {  # column -> metrics.jsonl key, averaged over the RL steps
     "update s / step": "timing/train_s",
 }
 
+UPDATE_KEYS = {"train/forward_tokens", "timing/train_s"}  # averaged over the steps that updated
+
 
 def run_arm(policy: str, args: argparse.Namespace) -> tuple[Path, float, int]:
     """One training run for `policy`; returns its directory, wall seconds and exit code (its output in train.out)."""
@@ -55,7 +57,8 @@ def run_arm(policy: str, args: argparse.Namespace) -> tuple[Path, float, int]:
     cmd = [sys.executable, "-m", "skyrl_stepwise.cli", "train", "experiment=long_context_tiny",
            f"generator.context.policy={policy}", f"total_steps={args.steps}",
            f"data.max_eval_prompts={args.eval_prompts}", "data.max_base_eval_prompts=0",
-           f"logging.run_name=long_context_{policy}", f"hydra.run.dir={run_dir}", *args.override]
+           f"logging.run_name=long_context_{policy}", f"hydra.run.dir={run_dir}",
+           "trainer.ckpt_interval=0", *args.override]  # no 1.7 GB checkpoint per arm
     print(f"[{policy}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with open(run_dir / "train.out", "w") as out:
@@ -91,10 +94,12 @@ def arm_row(policy: str, run_dir: Path, seconds: float, code: int) -> dict:
     metrics_path = run_dir / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] \
         if metrics_path.exists() else []
-    steps = [s for s in steps if "timing/train_s" in s]  # RL steps (eval-only lines carry no update)
-    row["RL steps"] = len(steps)
+    steps = [s for s in steps if "reward/mean" in s]  # RL steps
+    updates = [s for s in steps if "timing/train_s" in s and not s.get("train/skipped_step")]
+    row["RL steps (updates)"] = f"{len(steps)} ({len(updates)})"  # a batch without signal trains nothing
     for column, key in PER_STEP.items():
-        values = [s[key] for s in steps if isinstance(s.get(key), (int, float))]
+        source = updates if key in UPDATE_KEYS else steps
+        values = [s[key] for s in source if isinstance(s.get(key), (int, float))]
         if values:
             row[column] = f"{statistics.fmean(values):.1f}" if column != "train reward" \
                 else f"{statistics.fmean(values):.3f}"
