@@ -81,11 +81,9 @@ class TimedEngine:
 
 def timed_agent(task, max_turns: int = 8) -> dict:
     """examples/agent_program/agent.py's loop, with a stopwatch around each model call."""
-    from openai import OpenAI
-
     import json
 
-    client = OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    client = example.client_for(task)
     messages, answer, times = list(task.messages), "", REQUEST_TIMES.setdefault(task.session, [])
     for _ in range(max_turns):
         t0 = time.perf_counter()
@@ -104,7 +102,7 @@ def timed_agent(task, max_turns: int = 8) -> dict:
             result = example.calculate(str(args.get("expression", ""))) if call.function.name == "calculator" \
                 else example.search(str(args.get("query", "")))
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    client.close()
+    # no client.close(): it would close the connection pool every session shares (example.HTTP)
     return {"reward": float("42" in answer)}
 
 
