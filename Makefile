@@ -26,7 +26,7 @@ run: install
 	$(BIN)/python -m skyrl_stepwise.train experiment=search_r1_tiny
 
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not own_model" tests
 
 bench: install
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
