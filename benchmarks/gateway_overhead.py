@@ -139,8 +139,13 @@ def summarize(engine: TimedEngine, keys: list[str], start: float, wall: float, g
             engine_times = [t1 - t0 for t0, t1, _ in engine.calls.get(key, [])]
             req_overhead += [r - e for r, e in zip(REQUEST_TIMES.get(sid, []), engine_times)]
             server += [r - e for r, e in zip(SERVER_TIMES.get(sid, []), engine_times)]
+    spans = [(t0, t1) for key in keys for t0, t1, _ in engine.calls.get(key, [])]
+    first = min((t0 for t0, _ in spans), default=start)
+    last = max((t1 for _, t1 in spans), default=start)
+    # where a batch's seconds go: before the first engine call, engine calls in flight, after the last one returns
+    phases = (first - start, last - first, start + wall - last)
     return {"tokens": tokens, "calls": calls, "wall": wall, "tps": tokens / wall, "gaps": gaps,
-            "req": req_overhead, "server": server}
+            "req": req_overhead, "server": server, "phases": phases}
 
 
 async def run_loop(gen: StepwiseGenerator, engine: TimedEngine, n: int, tag: str, extras: dict) -> dict:
@@ -210,7 +215,8 @@ async def main_async(args) -> None:
                     if rep >= 0:
                         results.setdefault((name, n), []).append(res)
                     print(f"  rep {rep} {name} n={n}: {res['tps']:.1f} tok/s, {res['calls']} calls, "
-                          f"{res['wall']:.2f} s", file=sys.stderr, flush=True)
+                          f"{res['wall']:.2f} s = %.2f before the first engine call + %.2f engine calls in flight + "
+                          f"%.2f after the last" % res["phases"], file=sys.stderr, flush=True)
     total = time.perf_counter() - t_all
 
     print(f"\ngateway vs agent loop, engine={args.engine} (load {load_s:.0f} s), {args.turns} turns max, "
