@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
-from arch_zoo import ARCHITECTURES, COMMON, WINDOW, conformance_batch  # noqa: E402
+from arch_zoo import ARCHITECTURES, COMMON, WINDOW, conformance_batch, logprobs_alone  # noqa: E402
 
 from skyrl_stepwise.trainer.batching import forward_logprobs, pack_micro_batch, rank_micro_batches  # noqa: E402
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing  # noqa: E402
@@ -174,14 +174,6 @@ def _alarm(signum, frame):
     raise _Timeout(f"over {TIMEOUT_S} s")
 
 
-def _alone(model, batch):
-    out = []
-    for p, r in zip(batch.prompt_ids, batch.response_ids):
-        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1:-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0])
-    return torch.cat(out)
-
-
 def _packed(model, batch, packing, layout):
     by_sample = {}
     for idx in rank_micro_batches(batch, 0, 1, 10_000, packing, layout.one_sample_per_row):
@@ -204,7 +196,7 @@ def run_cell(model, packing: str) -> tuple[str, str]:
     except ValueError as e:
         return "refused", _short(e, 160)
     batch = conformance_batch()
-    alone = _alone(model, batch)
+    alone = logprobs_alone(model, batch)
     try:
         got = _packed(model, batch, packing, layout)
         err = (got - alone).abs().max().item()

@@ -113,3 +113,13 @@ def conformance_batch(seed: int = 0) -> TrainBatch:
     responses = [first, ids(9), ids(6), ids(5), ids(8), ids(10)]
     return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=[[1] * len(r) for r in responses],
                       instance_ids=["q1"] * 4 + ["q2"] * 2)
+
+
+def logprobs_alone(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Each sample forwarded on its own, the model building its own masks: what the engine computed, and what every
+    packed forward must reproduce."""
+    out = []
+    for p, r in zip(batch.prompt_ids, batch.response_ids):
+        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1:-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0])
+    return torch.cat(out)

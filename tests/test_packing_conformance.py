@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from arch_zoo import (ARCHITECTURES, TEMPLATE_ARCHITECTURE, attention_implementations, conformance_batch,
-                      tiny_model)
+                      logprobs_alone, tiny_model)
 
 from skyrl_stepwise.trainer.batching import TrainBatch, forward_logprobs, pack_micro_batch, rank_micro_batches
 from skyrl_stepwise.trainer.packing import attention_layout, resolve_packing
@@ -26,15 +26,6 @@ STATE_CARRYING = {"granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text"
                   "phi3[longrope]", "llama4_text", "recurrent_gemma", "mamba"}
 WINDOWED = {"mistral", "phi3", "gemma2", "gemma3_text", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss",
             "qwen2[swa]", "phi3[longrope]", "recurrent_gemma"}
-
-
-def _alone(model, batch):
-    """Each sample forwarded on its own, the model building its own masks: what the engine computed."""
-    out = []
-    for p, r in zip(batch.prompt_ids, batch.response_ids):
-        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1:-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0])
-    return torch.cat(out)
 
 
 def _packed(model, batch, micro_batches, packing, layout):
@@ -68,7 +59,7 @@ def test_packed_samples_score_exactly_as_alone_or_are_refused(model_type):
         assert layout.one_sample_per_row == (model_type in STATE_CARRYING), layout.describe()
         assert (layout.max_window is not None) == (model_type in WINDOWED), layout.describe()
         with torch.no_grad():
-            alone = _alone(model, batch)
+            alone = logprobs_alone(model, batch)
         singles = rank_micro_batches(batch, 0, 1, 10_000, "rows", one_sample_per_row=True)
         reference_grads = _grads(model, batch, singles, "rows", layout, weights)
         for packing in ("rows", "tree"):
@@ -165,7 +156,7 @@ def test_longrope_packs_only_rows_that_cannot_pass_its_switch_length():
     batch = TrainBatch(prompt_ids=base.prompt_ids + [list(range(3, 49))], response_ids=base.response_ids + [[5] * 6],
                        loss_masks=base.loss_masks + [[1] * 6], instance_ids=base.instance_ids + ["long"])
     with torch.no_grad():
-        alone = _alone(model, batch)
+        alone = logprobs_alone(model, batch)
     fits = attention_layout(model, row_tokens=48)
     assert not fits.one_sample_per_row and resolve_packing("auto", fits) == "tree"
     for packing in ("rows", "tree"):
