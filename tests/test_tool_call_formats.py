@@ -392,3 +392,13 @@ def test_real_templates_in_an_unread_format_are_refused_at_startup(name, tokeniz
     message = str(refused.value)
     assert f"'/models/{name}'" in message and "generator.tool_parser" in message
     assert REFUSED[name] in message, message
+
+
+@pytest.mark.parametrize("arguments", ["a=1+2j", "a={1, 2}", 'a=b"x"', "a={1: 2}", "a={[1]: 2}", "a={**x}", "a=x"])
+def test_pythonic_arguments_that_are_not_json_are_invalid_not_a_crash(arguments):
+    """A Python literal JSON cannot hold (complex, set, bytes, non-string keys) or no literal at all is the call's
+    invalid_arguments, answered like any malformed call; it never raises out of the parser or reaches a tool."""
+    from skyrl_stepwise.chat.tool_formats.pythonic import parse_pythonic_text
+
+    _, [call] = parse_pythonic_text(f"<|tool_call_start|>[search({arguments})]<|tool_call_end|>")
+    assert (call.name, call.arguments, call.error) == ("search", None, "invalid_arguments")

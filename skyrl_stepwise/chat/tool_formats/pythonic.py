@@ -26,7 +26,7 @@ def _read_block(body: str) -> list[ToolCallRequest]:
     body = body.strip()
     try:
         tree = ast.parse(body, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError):  # ValueError: a NUL byte; RecursionError: absurd nesting
         return [ToolCallRequest(None, None, body, "invalid_syntax")]
     items = tree.elts if isinstance(tree, (ast.List, ast.Tuple)) else [tree]
     return [_call(item, body) for item in items]
@@ -45,7 +45,7 @@ def _call(node: ast.expr, body: str) -> ToolCallRequest:
             return ToolCallRequest(name, None, raw, "malformed_structure")
         try:
             arguments[kw.arg] = _literal(kw.value)
-        except ValueError:
+        except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, an unhashable key, too deep
             return ToolCallRequest(name, None, raw, "invalid_arguments")
     return ToolCallRequest(name, arguments, raw)
 
@@ -65,8 +65,14 @@ def _literal(node: ast.expr):
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
-        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
-    return ast.literal_eval(node)
+        keys = [_literal(k) for k in node.keys]
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError("JSON object keys are strings")
+        return dict(zip(keys, (_literal(v) for v in node.values)))
+    value = ast.literal_eval(node)
+    if value is not None and not isinstance(value, (str, int, float, bool)):  # complex, bytes, sets: not JSON
+        raise ValueError(f"not a JSON value: {type(value).__name__}")
+    return value
 
 
 PYTHONIC = ToolFormat(
