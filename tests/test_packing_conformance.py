@@ -130,6 +130,62 @@ def test_auto_falls_back_to_rows_when_the_tree_fails_the_models_self_check(tmp_p
         PolicyWorker(cfg, trainable=False)
 
 
+def test_under_bf16_compute_an_fp32_proxy_catches_a_leak_the_coarse_bar_lets_through(tmp_path):
+    """The default config computes in bf16 (FSDP mixed precision, on CPU too), where the check on the run's model
+    can only use a 1-nat bar: GPT-Neo's tree scores 0.1 nats off there and passed it, so auto trained a tree that
+    is not exact. The same check on an fp32 copy of the architecture (2 layers, random weights) fails it at 1e-3:
+    auto falls back to rows and an explicit tree is refused, naming the proxy."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker, mixed_precision_on
+
+    torch.manual_seed(0)
+    GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, vocab_size=96,
+                                   attention_types=[[["global", "local"], 1]], window_size=6,
+                                   max_position_embeddings=256)).save_pretrained(tmp_path / "m")
+    cfg = TrainerConfig(model_path=str(tmp_path / "m"), packing="auto", attn_implementation="eager",
+                        ckpt_dir=str(tmp_path / "c"))
+    assert cfg.fsdp.mixed_precision and mixed_precision_on(cfg.fsdp, torch.device("cpu"))
+    worker = PolicyWorker(cfg, trainable=False)
+    tree = worker.packing_check.fallback_from
+    assert worker.cfg.packing == "rows" and tree is not None
+    assert tree.max_abs_error <= tree.tolerance == 1.0  # the bf16 bar alone would have trained the tree
+    assert not tree.proxy.passed and tree.proxy.max_abs_error > 1e-2 and tree.proxy.tolerance == 1e-3
+    assert worker.packing_check.proxy.passed and "fp32 proxy (2 of 2 layers" in worker.packing_summary()["check"]
+    cfg.packing = "tree"
+    with pytest.raises(ValueError, match=r"trainer.packing=tree is not exact.*on an fp32 copy of the architecture"):
+        PolicyWorker(cfg, trainable=False)
+
+
+def test_the_fp32_proxy_keeps_every_layer_type_in_the_fewest_layers():
+    """A deep config is cut to the first layers that hold each layer type once, per-layer fields cut alike; the
+    proxy's layout (windows, state-carrying layers) is the model's."""
+    from transformers import AutoConfig
+
+    from skyrl_stepwise.trainer.packing.layout import layer_windows
+    from skyrl_stepwise.trainer.packing.proxy import build_fp32_proxy, proxy_config
+
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    gemma = AutoConfig.for_model("gemma3_text", num_hidden_layers=12, layer_types=types * 2, sliding_window=6,
+                                 hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 head_dim=16, vocab_size=96)
+    cut = proxy_config(gemma)
+    assert cut.num_hidden_layers == 6 and cut.layer_types == types and gemma.num_hidden_layers == 12
+    assert layer_windows(cut) == layer_windows(gemma)
+    hybrid = AutoConfig.for_model("nemotron_h", num_hidden_layers=8, hybrid_override_pattern="MM*-MM*-",
+                                  hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  vocab_size=96, mamba_num_heads=8, mamba_head_dim=16, n_groups=1, ssm_state_size=16,
+                                  chunk_size=8, intermediate_size=96)
+    cut = proxy_config(hybrid)
+    assert cut.num_hidden_layers == 4 and cut.hybrid_override_pattern == "MM*-"  # mamba, attention, mlp: all there
+    assert set(cut.layer_types) == set(hybrid.layer_types) and len(cut.layer_types) == 4
+    model = tiny_model("llama", num_hidden_layers=5)
+    proxy = build_fp32_proxy(model, torch.device("cpu"))
+    assert proxy.config.num_hidden_layers == 2 and type(proxy) is type(model)
+    assert proxy.config._attn_implementation == model.config._attn_implementation
+
+
 def test_attention_that_drops_soft_capping_or_sinks_is_refused():
     """Gemma 2 soft-caps attention logits and gpt-oss has learned sinks; transformers' sdpa and our packed flex skip
     them, so those attentions would train another function than the engine samples from."""

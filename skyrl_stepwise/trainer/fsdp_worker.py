@@ -30,7 +30,7 @@ from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forwa
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, TrainerConfig
 from skyrl_stepwise.trainer.losses import policy_loss
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
-from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal
+from skyrl_stepwise.trainer.packing.selfcheck import check_packing_precisely, refusal
 
 
 def _free_port() -> int:
@@ -255,7 +255,7 @@ class PolicyWorker:
         """The start-up packing self-check for `packing` on this model; a model that cannot even run our packed
         inputs is refused the same way as one that scores them wrong, loudly."""
         try:
-            return check_packing(self.model, self.layout, packing, self.device,
+            return check_packing_precisely(self.model, self.layout, packing, self.device,
                                  torch.bfloat16 if mixed_precision_on(self.cfg.fsdp, self.device) else torch.float32,
                                  seed=self.cfg.seed)
         except Exception as e:  # noqa: BLE001
