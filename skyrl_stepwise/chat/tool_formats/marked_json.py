@@ -73,8 +73,7 @@ def marked_json_format(before: str, with_call: str, with_two_calls: str = "") ->
     # GigaChat 3's `<|message_sep|>\n\nfunction call<|role_sep|>`) would be sampled after a stop token
     if PROBE_NAME in marker or not marker.strip("[]{}\"'") or lead[:len(lead) - len(marker)].strip():
         return None
-    close = turn[end:].split()[0] if turn[end:].split() else ""
-    close = close if re.fullmatch(r"</[^<>\s]+>", close) else ""
+    close = re.match(r"\s*(</[^<>\s]+>)?", turn[end:]).group(1) or ""  # a close tag right after, if any
     item = value[0] if isinstance(value, list) else value
     args_key = next((k for k in _ARGS_KEYS if k in item), "arguments")
     shape = f'{{"name": <tool name>, "{args_key}": <JSON object>}}'
