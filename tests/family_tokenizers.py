@@ -1,4 +1,4 @@
-"""Offline tokenizers for 30 real model families, each carrying its real chat template.
+"""Offline tokenizers for 35 real model families, each carrying its real chat template.
 
 No model hub is reachable in CI, so each family's tokenizer is rebuilt from what ships with the test
 environment (see tests/templates/README.md):
@@ -778,6 +778,111 @@ FAMILIES: dict[str, FamilySpec] = {
         template_kwargs={"enable_thinking": "false closes the generation prompt's <think> at once"},
         notes="Hermes calls; the generation prompt opens <think>; every assistant turn but the conversation's last "
               "loses everything up to </think>. Qwen markers added to the SmolLM2 vocabulary.",
+    ),
+    # --- added by the template rehearsal (tests/templates/README.md): JSON calls after a template's own marker,
+    # Python-syntax calls with raw line breaks, Command A's <|START_TEXT|> turns
+    "apriel-1.6": FamilySpec(
+        name="apriel-1.6",
+        hf_model_id="ServiceNow-AI/Apriel-1.6-15b-Thinker",
+        template_file="apriel-1.6.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<s>", "<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>",
+                                                "<|begin_tool_result|>", "<|begin_content|>", "<|end|>", "[IMG]",
+                                                "<pad>")),
+        eos_token="<|end|>",
+        turn_end_separator="\n",
+        turn_terminators=("<|end|>",),
+        stop_tokens=("<|end|>",),
+        history_turn_end="<|end|>",
+        bos_token="<s>",
+        pad_token="<pad>",
+        closes_final_turn=False,
+        template_tokens=("<s>", "<|begin_system|>", "<|begin_user|>", "<|begin_assistant|>", "<|begin_tool_result|>",
+                         "<|begin_content|>", "<|end|>", "[IMG]"),
+        notes="Calls: <tool_calls>[{\"name\", \"arguments\", \"id\"}, ...]</tool_calls> after the text (the marked_json "
+              "reader, marker probed); the generation prompt pre-fills 'Here are my reasoning steps:\\n'; eos here is "
+              "<|end|>, which closes a turn ('\\n' before it); a conversation's last assistant turn is left open.",
+    ),
+    "gigachat3.1": FamilySpec(
+        name="gigachat3.1",
+        hf_model_id="ai-sage/GigaChat3.1-10B-A1.8B",
+        template_file="gigachat3.1.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<s>", "<|message_sep|>", "<|role_sep|>", "<|function_call|>", "<unk>")),
+        eos_token="<|message_sep|>",
+        turn_terminators=("<|message_sep|>",),
+        stop_tokens=("<|message_sep|>",),
+        history_turn_end="<|message_sep|>",
+        bos_token="<s>",
+        pad_token="<unk>",
+        template_tokens=("<|message_sep|>", "<|role_sep|>", "<|function_call|>"),
+        notes="Roles are 'name<|role_sep|>\\n' headers; turns end with <|message_sep|>; one call a turn: "
+              "<|function_call|>{\"name\", \"arguments\"} (the marked_json reader); tool schemas as TypeScript "
+              "in a 'function descriptions' turn; tool results in a 'function result' turn.",
+    ),
+    "minimax-m1": FamilySpec(
+        name="minimax-m1",
+        hf_model_id="MiniMaxAI/MiniMax-M1-80k",
+        template_file="minimax-m1.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<begin_of_document>", "<beginning_of_sentence>", "<end_of_sentence>",
+                                                "<pad>")),
+        eos_token="<end_of_sentence>",
+        turn_terminators=("<end_of_sentence>",),
+        stop_tokens=("<end_of_sentence>",),
+        history_turn_end="<end_of_sentence>",
+        bos_token=None,
+        pad_token="<pad>",
+        template_tokens=("<begin_of_document>", "<beginning_of_sentence>", "<end_of_sentence>"),
+        multi_token_markers=("<tools>", "</tools>"),
+        notes="Roles as '<beginning_of_sentence>ai name=assistant\\n' headers; calls: one JSON object a line inside "
+              "<tool_calls>...</tool_calls> (the marked_json reader, consecutive values); tool results in a "
+              "'tool name=tools' turn.",
+    ),
+    "lfm2.5-8b": FamilySpec(
+        name="lfm2.5-8b",
+        hf_model_id="LiquidAI/LFM2.5-8B-A1B",
+        template_file="lfm2.5-8b.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>",
+                                                "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
+                                                "<|tool_call_start|>", "<|tool_call_end|>",
+                                                "<|tool_response_start|>", "<|tool_response_end|>"))
+        + (("<think>", False), ("</think>", False)),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token="<|startoftext|>",
+        pad_token="<|pad|>",
+        template_tokens=("<|startoftext|>", "<|im_start|>", "<|im_end|>", "<|tool_call_start|>", "<|tool_call_end|>",
+                         "<think>", "</think>"),
+        adds_bos=True,
+        notes="Unlike LFM2 it renders `tool_calls`: <|tool_call_start|>[name(k='v')]<|tool_call_end|>, a string value "
+              "between single quotes as is (line breaks unescaped); tools as 'List of tools: [...]' in the system "
+              "turn; tool results in a `tool` turn.",
+    ),
+    "cohere2moe": FamilySpec(
+        name="cohere2moe",
+        hf_model_id="CohereLabs/North-Mini-Code",
+        template_file="cohere2moe.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _COMMAND_R_SPECIALS
+                           + ("<|START_TEXT|>", "<|END_TEXT|>", "<|IMG_PATCH|>")),
+        eos_token="<|END_TEXT|>",
+        turn_terminators=("<|END_TEXT|>", "<|END_OF_TURN_TOKEN|>"),
+        stop_tokens=("<|END_TEXT|>", "<|END_OF_TURN_TOKEN|>"),
+        history_turn_end="<|END_TEXT|>",
+        bos_token="<BOS_TOKEN>",
+        pad_token="<PAD>",
+        template_tokens=("<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>",
+                         "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>",
+                         "<|START_ACTION|>", "<|END_ACTION|>", "<|START_TEXT|>", "<|END_TEXT|>",
+                         "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>", "<|IMG_PATCH|>"),
+        notes="Command A style (llama.cpp's Cohere2MoE, 'North Mini Code'): every message's text between "
+              "<|START_TEXT|>/<|END_TEXT|>, then <|END_OF_TURN_TOKEN|>; calls as Command R7B's <|START_ACTION|> JSON "
+              "list; the generation prompt opens <|START_THINKING|>. eos here is <|END_TEXT|>, the token that closes "
+              "an assistant turn's content (as command-r7b's <|END_RESPONSE|>).",
     ),
 }
 

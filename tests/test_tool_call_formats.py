@@ -26,6 +26,8 @@ EXPECTED = {
     "minimax-m2": "minimax", "seed-oss": "seed_xml", "command-r7b": "command_r",
     "kimi-k2": "kimi_k2", "lfm2": "pythonic", "functionary-v3.1": "functionary", "firefunction-v2": "firefunction",
     "nemotron-nano-v2": "nemotron_toolcall", "smollm3": "hermes", "qwq-32b": "hermes",
+    "apriel-1.6": "marked_json", "gigachat3.1": "marked_json", "minimax-m1": "marked_json", "lfm2.5-8b": "pythonic",
+    "cohere2moe": "command_r",
 }
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web.", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
@@ -34,7 +36,7 @@ TOOLS = [{"type": "function", "function": {"name": "search", "description": "Sea
              "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 # a string that reads as JSON ("2024") must stay a string where the schema says so
 CALLS = [("search", {"query": "2024", "limit": 3}), ("calculator", {"expression": "2+3"})]
-SINGLE_CALL = {"llama-3.1", "llama-3.2", "gpt-oss"}  # their templates raise on or drop parallel calls
+SINGLE_CALL = {"llama-3.1", "llama-3.2", "gpt-oss", "gigachat3.1"}  # their templates raise on or drop parallel calls
 
 
 def unrendered_calls(fmt: str, calls) -> str:
@@ -376,6 +378,13 @@ REFUSED = {  # template -> what the refusal quotes of its probe call's rendering
     "functionary-v3.2": ">>>skyrl_probe_call",  # >>>name\n{json}
     "command-r-plus": r"Action:\n```json",  # a fenced JSON list after "Action:" (quoted: \n as written)
     "lfm2.5": "null<|im_end|>",  # renders no calls and lists tools without LFM2's markers: the format is unknown
+    # the template raises on every call turn (list.append in the transformers sandbox): the refusal names the error
+    "kimi-k2-instruct": "SecurityError: access to attribute 'append'",
+    # think/response stubs come first: the quote starts near the call, so the call is shown
+    "kimi-k3": 'call tool="skyrl_probe_call"',
+    # JSON after a marker, but in a role turn the model would open after its own stop token: not marked_json
+    "gigachat3": "function call<|role_sep|>",
+    "solar-open": "<|tool_call:begin|>call00000<|tool_call:name|>skyrl_probe_call",  # id, name, args as tokens
 }
 
 
@@ -402,3 +411,46 @@ def test_pythonic_arguments_that_are_not_json_are_invalid_not_a_crash(arguments)
 
     _, [call] = parse_pythonic_text(f"<|tool_call_start|>[search({arguments})]<|tool_call_end|>")
     assert (call.name, call.arguments, call.error) == ("search", None, "invalid_arguments")
+
+
+def test_marked_json_calls_and_their_malformed_forms():
+    """The marked_json reader (marker probed from the template): a list or consecutive objects after the marker are
+    calls; a value that does not decode is invalid_json; the marker with no value is answered, never an answer."""
+    from skyrl_stepwise.chat.tool_formats.marked_json import marked_json_format
+
+    before = "<u>U</u><a>"
+    fmt = marked_json_format(before, before + '<tool_calls>\n{"name": "skyrl_probe_call", "arguments": '
+                             '{"skyrl_probe_arg": 1}}\n</tool_calls></a>')
+    assert fmt is not None and fmt.markers == ("<tool_calls>",) and fmt.expected_format.endswith("</tool_calls>")
+    content, calls = fmt.parse_text('Let me.<tool_calls>\n{"name": "a", "arguments": {"x": 1}}\n'
+                                    '{"name": "b", "arguments": {}}\n</tool_calls>', None)
+    assert content == "Let me." and [(c.name, c.arguments, c.error) for c in calls] == [
+        ("a", {"x": 1}, None), ("b", {}, None)]
+    _, [bad] = fmt.parse_text('<tool_calls>{"name": "a", "arguments": {"x": </tool_calls>', None)
+    assert bad.error == "invalid_json"
+    # JSON that does not open the call turn (a role header after the turn's end before it) is not this format
+    assert marked_json_format(before, before + '</a><f>call:\n{"name": "skyrl_probe_call", "arguments": {}}') is None
+
+
+TOOLS_BREAK_TEMPLATE = (  # llama.cpp's deepseek-r1 template's construct: `map` yields a generator tojson refuses
+    "{% if tools %}Tools: {{ tools | map(attribute='function') | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_fails_on_tools_is_never_given_them(tokenizer):
+    """A template that raises whenever `tools=` is passed is rendered without them (our tools block in the format
+    it renders calls in): the first prompt of a rollout renders instead of failing every trajectory."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TOOLS_BREAK_TEMPLATE
+    chat = create_renderer(tok, "template")
+    assert not chat.renders_tools and chat.renders_tool_calls and chat.tool_parser.name == "hermes"
+    text = chat.decode(chat.prompt_ids(TOOL_PROMPT_MESSAGES, TOOLS))
+    assert '"name": "search"' in text and text.endswith("<|im_start|>assistant\n")
+
+
+TOOL_PROMPT_MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]

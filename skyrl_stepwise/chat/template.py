@@ -50,6 +50,9 @@ class TemplateRenderer:
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
         self._special_texts = sorted(specials | {t for t in tokenizer.all_special_tokens if t})
+        # a template that fails whenever it is given `tools=` (one that serialises a generator with `tojson`) is
+        # never given them: it renders as one that ignores them (our tools block in its own call format)
+        self._tools_break_template = self._fails_with_tools()
         # which roles the template renders (probed), before anything else renders through `render`
         self.roles = probe_role_support(lambda m: self._apply_template(m, True, [_PROBE_TOOL]))
         terminator = self._turn_terminator()
@@ -89,6 +92,8 @@ class TemplateRenderer:
         kwargs = {**self.kwargs, **extra}
         tools = tools if tools is not None else kwargs.pop("tools", None)  # a template may need `tools` (even [])
         kwargs.pop("tools", None)
+        if getattr(self, "_tools_break_template", False):
+            tools = None
         try:
             return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **kwargs)
@@ -230,6 +235,21 @@ class TemplateRenderer:
         i, t = min(closes)
         return i + len(t)
 
+    def _fails_with_tools(self) -> bool:
+        """Whether the template raises on a conversation as soon as it is given tool schemas, and renders it
+        without them."""
+        user = [{"role": "user", "content": "U"}]
+        try:
+            self._apply_template(user, True, [_PROBE_TOOL])
+            return False
+        except RenderError:
+            pass
+        try:
+            self._apply_template(user, True, None)
+        except RenderError:
+            return False  # it refuses the conversation itself: nothing to learn about tools here
+        return True
+
     def _tool_support(self) -> tuple[ProbeRendering, bool]:
         """How the template renders tools and an assistant tool call (probed once): whether it renders `tools=`
         schemas, the call's format, the special token that closes a tool-call turn; and whether it needs call
@@ -243,6 +263,7 @@ class TemplateRenderer:
             before = ""
         renders_tools = "skyrl_probe_tool" in before
         probe = ProbeRendering(before, "", renders_tools)
+        errors = []
         # arguments as a dict, else as OpenAI's JSON string; content "" or None (DeepSeek R1 renders calls only
         # for `content is none`)
         for arguments, content in (({PROBE_ARG: 1}, ""), ({PROBE_ARG: 1}, None), (json.dumps({PROBE_ARG: 1}), ""),
@@ -252,7 +273,9 @@ class TemplateRenderer:
                 "type": "function", "id": "call00000", "function": {"name": PROBE_NAME, "arguments": arguments}}]}
             try:
                 probe = ProbeRendering(before, self._apply_template(user + [call], False, [tool]), renders_tools)
-            except RenderError:
+            except RenderError as e:
+                cause = e.__cause__ or e
+                errors.append(f"{type(cause).__name__}: {cause}")
                 continue
             if probe.renders_calls:
                 two = dict(call, tool_calls=call["tool_calls"] * 2)  # parallel calls, where the template takes them
@@ -261,6 +284,8 @@ class TemplateRenderer:
                 except RenderError:
                     pass
                 return probe, isinstance(arguments, str)
+        if not probe.with_call and errors:
+            probe = replace(probe, call_error=errors[-1])
         return probe, False
 
     def _value_padding(self) -> ValuePadding | None:

@@ -102,11 +102,14 @@ def json_list_calls(body: str, name_key: str, args_keys: tuple[str, ...],
 
 
 def parse_marked_json(text: str, marker: str, name_key: str = "name",
-                      args_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, list[ToolCallRequest]]:
+                      args_keys: tuple[str, ...] = ("arguments", "parameters"),
+                      consecutive: bool = False) -> tuple[str, list[ToolCallRequest]]:
     """(content before the first `marker`, every call of the JSON value (a call object or a list of them) after
     each marker): Granite's `<|tool_call|>`, Firefunction's `functools`, Nemotron Nano 2's `<TOOLCALL>`. The value
     is read where it ends (`raw_decode`), not up to the next marker, a close tag or the end of the turn: text the
-    model writes after the list or a marker quoted inside an argument does not break a well-formed call."""
+    model writes after the list or a marker quoted inside an argument does not break a well-formed call.
+    `consecutive`: further JSON values right after the first (whitespace apart) are calls too (MiniMax-M1 writes
+    one object a line inside one `<tool_calls>` block)."""
     start = text.find(marker)
     if start < 0:
         return text, []
@@ -124,6 +127,18 @@ def parse_marked_json(text: str, marker: str, name_key: str = "name",
             continue
         items = value if isinstance(value, list) else [value]
         calls.extend(call_from_object(item, json.dumps(item), name_key, args_keys) for item in items)
+        while consecutive and text[end:].lstrip()[:1] in ("{", "["):
+            value_start = len(text) - len(text[end:].lstrip())
+            try:
+                value, end = _DECODER.raw_decode(text, value_start)
+            except json.JSONDecodeError:
+                nxt = text.find(marker, value_start)
+                calls.append(ToolCallRequest(None, None, text[value_start:nxt if nxt >= 0 else len(text)].strip(),
+                                             "invalid_json"))
+                end = nxt if nxt >= 0 else len(text)
+                break
+            items = value if isinstance(value, list) else [value]
+            calls.extend(call_from_object(item, json.dumps(item), name_key, args_keys) for item in items)
         at = text.find(marker, end)
     return text[:start], calls
 

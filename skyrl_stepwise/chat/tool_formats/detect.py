@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from skyrl_stepwise.chat.tool_formats import FORMATS, PROBE_NAME, ToolFormat
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES
+from skyrl_stepwise.chat.tool_formats.marked_json import marked_json_format
 
 
 _CONTEXT = 16  # characters kept before the point where the renderings part
@@ -32,6 +33,7 @@ class ProbeRendering:
     with_call: str  # [user, assistant with the probe call]; "" if the template refused it
     renders_tools: bool
     with_two_calls: str = ""  # the same with two parallel calls; "" if not rendered
+    call_error: str = ""  # why the template refused every probe call turn (its exception), "" if it rendered one
 
     @property
     def call_turn(self) -> str:
@@ -49,7 +51,8 @@ def detect_tool_format(probe: ProbeRendering, model: str) -> ToolFormat:
     """The format whose pattern matches the template's probe call rendering (see module docstring)."""
     if probe.renders_calls:
         turn = probe.call_turn
-        found = next((f for f in FORMATS.values() if f.renders.search(turn)), None)
+        found = next((f for f in FORMATS.values() if f.renders.search(turn)), None) or marked_json_format(
+            probe.before, probe.with_call, probe.with_two_calls)
     else:
         found = next((f for f in FORMATS.values() if f.instructs is not None and f.instructs.search(probe.with_call
                                                                                                   or probe.before)),
@@ -57,9 +60,22 @@ def detect_tool_format(probe: ProbeRendering, model: str) -> ToolFormat:
         if found is None and not probe.renders_tools:
             return HERMES  # our hermes tools block tells the model how to call
         turn = probe.call_turn or probe.with_call
+    if found is None and not probe.with_call and probe.call_error:
+        raise UnknownToolFormat(
+            f"the chat template of {model!r} renders tool schemas but fails on every assistant turn with "
+            f"`tool_calls` ({probe.call_error[:200]}), so a call the model makes could never be shown back to it; "
+            f"set generator.tool_parser to one of {sorted(FORMATS)} if one of them is the model's format")
     if found is None:
         raise UnknownToolFormat(
             f"the chat template of {model!r} renders tool calls in a format no parser reads: "
-            f"{turn.strip()[:80]!r}; set generator.tool_parser to one of {sorted(FORMATS)} "
+            f"{_quote(turn)!r}; set generator.tool_parser to one of {sorted(FORMATS)} "
             "if one of them is the model's format")
     return found
+
+
+def _quote(turn: str, width: int = 80, before: int = 50) -> str:
+    """`width` characters of the call turn, from its start or, where the probe call's name lies further in (a
+    template that writes reasoning stubs first, Kimi K3), from `before` characters ahead of it."""
+    text = turn.strip()
+    at = text.find(PROBE_NAME)
+    return text[max(0, at - before) if at > before else 0:][:width]

@@ -27,9 +27,44 @@ def _read_block(body: str) -> list[ToolCallRequest]:
     try:
         tree = ast.parse(body, mode="eval").body
     except (SyntaxError, ValueError, RecursionError):  # ValueError: a NUL byte; RecursionError: absurd nesting
-        return [ToolCallRequest(None, None, body, "invalid_syntax")]
+        # LFM2.5's template writes a string value between quotes as is ('    return x\n' with a real newline):
+        # read line breaks inside a quoted value as the characters they are
+        try:
+            escaped = _escape_line_breaks_in_strings(body)
+            tree = ast.parse(escaped, mode="eval").body
+            body = escaped  # (the calls' raw text is cut from what was parsed)
+        except (SyntaxError, ValueError, RecursionError):
+            return [ToolCallRequest(None, None, body, "invalid_syntax")]
     items = tree.elts if isinstance(tree, (ast.List, ast.Tuple)) else [tree]
     return [_call(item, body) for item in items]
+
+
+def _escape_line_breaks_in_strings(body: str) -> str:
+    """`body` with each raw line break inside a one-quote string literal written as its escape (\\n, \\r), so a
+    value the template wrote unescaped reads back as written; text outside strings is left alone."""
+    out, quote, i = [], None, 0
+    while i < len(body):
+        c = body[i]
+        if quote is None:
+            if c in "'\"":
+                if body.startswith(c * 3, i):  # a triple-quoted string may hold line breaks: copy it whole
+                    end = body.find(c * 3, i + 3)
+                    end = len(body) if end < 0 else end + 3
+                    out.append(body[i:end])
+                    i = end
+                    continue
+                quote = c
+        elif c == "\\" and i + 1 < len(body):
+            out.append(body[i:i + 2])
+            i += 2
+            continue
+        elif c == quote:
+            quote = None
+        elif c in "\n\r":
+            c = "\\n" if c == "\n" else "\\r"
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _call(node: ast.expr, body: str) -> ToolCallRequest:
