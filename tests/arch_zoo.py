@@ -60,6 +60,12 @@ ARCHITECTURES: dict[str, dict] = {
                     **MOE},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "attention_window_size": WINDOW, "lru_width": 64},
     "mamba": {"time_step_rank": 8, "state_size": 16},  # no layer_types: only the class's _is_stateful says it
+    # the architectures of the template families added from the llama.cpp rehearsal
+    "cohere2_moe": {"sliding_window": WINDOW, "layer_types": MIXED, "num_experts": 4, "moe_intermediate_size": 32,
+                    **MOE},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_experts": 4, "moe_intermediate_size": 32,
+                 "num_dense_layers": 1, **MOE},
+    "minimax": {"layer_types": ["linear_attention", "full_attention"], "num_local_experts": 4, **MOE},  # lightning
 }
 
 # Each chat-template family in tests/templates -> the architecture its models ship with.
@@ -73,6 +79,8 @@ TEMPLATE_ARCHITECTURE = {
     "seed-oss": "seed_oss", "smollm2": "llama",
     "firefunction-v2": "llama", "functionary-v3.1": "llama", "kimi-k2": "deepseek_v3", "lfm2": "lfm2",
     "nemotron-nano-v2": "nemotron_h", "qwq-32b": "qwen2", "smollm3": "smollm3",
+    "apriel-1.6": "mistral", "cohere2moe": "cohere2_moe", "gigachat3.1": "deepseek_v3", "lfm2.5-8b": "lfm2_moe",
+    "minimax-m1": "minimax",
 }
 
 # Attention implementations the trainer would pick on CPU (flex_attention is the GPU path; gpt-oss has no sdpa, and
