@@ -25,7 +25,8 @@ from skyrl_stepwise.trainer import driver_state
 from skyrl_stepwise.trainer.advantages import loss_weights, signal_groups, trajectory_scores
 from skyrl_stepwise.trainer.agreement import SyncRecord, check_agreement
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
-from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
+from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage
+from skyrl_stepwise.trainer.checkpoint_verify import resume_checkpoint
 from skyrl_stepwise.trainer.credit import compute_credit
 from skyrl_stepwise.trainer.divergence import DivergenceGuard
 from skyrl_stepwise.trainer.engine_recovery import recover_engines
@@ -185,10 +186,11 @@ class RLTrainer:
         t = self.cfg.trainer
         if t.ckpt_interval:
             check_fresh_start(t.ckpt_dir, t.resume, t.overwrite_ckpt_dir)
-        resume_from = resolve_resume(t.resume, t.ckpt_dir)
+        # verified first; with resume=auto a corrupt newest checkpoint is set aside, loudly, for the one before it
+        resumed = resume_checkpoint(t.resume, t.ckpt_dir, lambda path: self.policy.call("load_checkpoint", str(path)))
         saved = None
-        if resume_from is not None:
-            state = self.policy.call("load_checkpoint", str(resume_from))
+        if resumed is not None:
+            resume_from, state = resumed
             self.step = int(state["step"])
             self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
             saved = driver_state.load(resume_from)
