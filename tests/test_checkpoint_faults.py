@@ -20,6 +20,7 @@ from skyrl_stepwise.trainer.checkpoint import (CheckpointSaveError, CorruptCheck
 from skyrl_stepwise.trainer.checkpoint_verify import corrupt_cause, resume_checkpoint, verify_checkpoint
 from skyrl_stepwise.trainer.driver_state import DRIVER_STATE, dump
 
+from test_bitwise_resume import tiny_chat_model  # noqa: F401 (a fixture)
 from test_checkpoint import _setup, _step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -140,3 +141,26 @@ def test_a_resave_of_an_existing_step_keeps_the_old_one_until_the_new_one_is_wri
     monkeypatch.undo()
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_1", "step_2"]
     verify_checkpoint(step_dir(tmp_path, 2))
+
+
+@pytest.mark.integration  # three launches of a tiny model (~60 s on 2 cores)
+def test_a_run_whose_newest_checkpoint_is_corrupt_resumes_bitwise_from_the_previous_one(tmp_path, tiny_chat_model):
+    """SIGKILL in step 4, step_3's shard truncated on disk: the relaunch (resume=auto) says so, continues from step_2
+    and ends bit for bit where the uninterrupted run does (metrics, trained batches, final weights)."""
+    from test_bitwise_resume import _run, _steps
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for d in (straight, killed):
+        d.mkdir()
+    assert _run(straight, tiny_chat_model, 4).returncode == 0
+    assert _run(killed, tiny_chat_model, 4, kill_in_step=4).returncode == -9
+    _truncate(next((killed / "ckpts" / "step_3" / "dcp").glob("*.distcp")))
+    resumed = _run(killed, tiny_chat_model, 4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "CORRUPT CHECKPOINT" in resumed.stderr and "step_3/dcp/__0_0.distcp" in resumed.stderr
+    assert "resumed from" in resumed.stdout and "step_2 at step 2" in resumed.stdout
+    assert (killed / "ckpts" / "step_3.corrupt").is_dir()
+    assert _steps(straight / "metrics.jsonl") == _steps(killed / "metrics.jsonl")
+    assert _steps(straight / "batches.jsonl") == _steps(killed / "batches.jsonl")
+    w1, w2 = torch.load(straight / "final_weights.pt"), torch.load(killed / "final_weights.pt")
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
