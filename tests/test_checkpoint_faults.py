@@ -86,7 +86,8 @@ def test_a_load_that_fails_on_the_ranks_falls_back_too_and_all_corrupt_stops_lou
 
     def load(path):
         if path.name == "step_2":
-            raise RayTaskError("call", "traceback", CorruptCheckpoint(f"checkpoint {path} ... dcp/")).as_instanceof_cause()
+            cause = CorruptCheckpoint(f"checkpoint {path} ... dcp/")
+            raise RayTaskError("call", "traceback", cause).as_instanceof_cause()
         return load_checkpoint(path, model, opt, sched)
 
     assert resume_checkpoint("auto", tmp_path, load, lambda msg: None)[1]["step"] == 1

@@ -50,7 +50,8 @@ async def test_a_resume_on_other_rows_stops_before_training_and_checkpoints_carr
     trainer.cfg.trainer.ckpt_interval = 2
     saved = []
     original = policy.call
-    policy.call = lambda method, *args: saved.append(args[1]) if method == "save_checkpoint" else original(method, *args)
+    policy.call = lambda method, *args: \
+        saved.append(args[1]) if method == "save_checkpoint" else original(method, *args)
     with caplog.at_level(logging.WARNING):
         await trainer.fit()
     assert "continuing: trainer.resume_allow_changes=true" in caplog.text
@@ -61,8 +62,8 @@ async def test_a_resume_on_other_rows_stops_before_training_and_checkpoints_carr
 def test_a_dataset_file_gone_after_loading_changes_no_epoch_and_gone_at_relaunch_is_named(tmp_path):
     path = tmp_path / "train.parquet"
     write_parquet([{"prompt": r.prompt, "env_class": r.env_class, "reward_spec": {"ground_truth": "x"},
-                    "data_source": r.data_source, "extra_info": {"k": 1}, "instance_id": r.instance_id} for r in _rows()],
-                  path)
+                    "data_source": r.data_source, "extra_info": {"k": 1}, "instance_id": r.instance_id}
+                   for r in _rows()], path)
     loader = PromptLoader(load_prompt_dataset(path), 2, seed=3)
     first = [[r.instance_id for r in loader.batch(i)] for i in range(6)]  # three epochs
     path.unlink()

@@ -113,7 +113,8 @@ class PolicyGroup:
         latest = find_latest_complete(self.cfg.ckpt_dir) if self.cfg.ckpt_dir else None
         who = "; ".join(f"policy rank {r} of {len(self.ranks)} ({why[:400]})" for r, why in sorted(dead.items()))
         resume = (f"The latest complete checkpoint is {latest}: relaunch with trainer.resume=auto to continue from "
-                  "it, bit for bit") if latest else f"No complete checkpoint in trainer.ckpt_dir={self.cfg.ckpt_dir!r} yet"
+                  "it, bit for bit") if latest else \
+            f"No complete checkpoint in trainer.ckpt_dir={self.cfg.ckpt_dir!r} yet"
         return (f"{who} died during {method!r}; the run stops (an FSDP group cannot continue without a rank). "
                 f"{resume}. If the process was killed for memory (OOM), lower the per-rank memory first "
                 "(trainer.micro_batch_tokens, more ranks, trainer.fsdp.offload_during_rollout)")
