@@ -145,11 +145,23 @@ class AgentProgramGenerator:
         return gateway.close_session(sid)
 
     async def _score(self, env_class: str, prompt: list[Message], extras: dict[str, Any], session) -> float:
-        """The row's env scores the agent's final answer (the last reply's text), as it scores our own loop's."""
+        """The row's env scores the agent's final answer (the last reply's text), as it scores our own loop's: under
+        the env contract (a NaN or non-number reward fails the trajectory, never trained on) and releasing the env
+        (`aclose`) however it ended; a failing close is logged, the score stands."""
+        from skyrl_stepwise.envs.contract import check_step_result
+
         env = self.env_registry.make(env_class)
-        await env.reset(prompt, extras)
-        final = session.calls[-1].reply.get("content") or ""
-        return float((await env.step(final)).reward)
+        try:
+            await env.reset(prompt, extras)
+            final = session.calls[-1].reply.get("content") or ""
+            return float(check_step_result(await env.step(final), env).reward)
+        finally:
+            close = getattr(env, "aclose", None)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as e:  # noqa: BLE001 - the score stands; the leak is reported
+                    logger.warning("closing the scoring env %s failed: %r", env_class, e)
 
 
 class _BadReturn(ValueError):

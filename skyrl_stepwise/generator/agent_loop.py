@@ -10,10 +10,16 @@ reward or an observation that is not text (envs/contract.py), the engine raising
 the trajectory as *failed*: it is counted by cause and never becomes training data, because a reward
 of 0 for a crashed env or a half-sampled aborted turn is something we made up, not something the
 policy did. The engine session is released whatever happens.
+
+Every env call is bounded by generator.env_timeout_s: a hung env (or the reward function inside its step) fails
+its trajectory (cause env_reset / env_step, "timed out") instead of hanging the batch. The env's `aclose` runs
+after the outcome is decided: if it raises or hangs, the trajectory's samples stand (its reward came from the
+steps, which completed) and the failure is logged and counted in `generate/env_close_errors`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -68,6 +74,7 @@ class TrajectoryStats:
     context_rerenders: int = 0  # rebuilding an edited context, the template forced a re-render
     sampled_tokens: int = 0
     observed_tokens: int = 0
+    env_close_errors: int = 0  # the env's aclose raised or timed out (the trajectory's samples stand)
     context_events: list[dict] = field(default_factory=list)  # where the context was edited and what was dropped
 
 
@@ -146,8 +153,9 @@ class AgentLoop:
             close = getattr(env, "aclose", None)  # an env holding a session (OpenEnv) releases it, however it ended
             if close is not None:
                 try:
-                    await close()
+                    await self._bounded(close())
                 except Exception as e:  # noqa: BLE001 - the trajectory's outcome stands; the leak is reported
+                    stats.env_close_errors += 1
                     logger.warning("closing the env of trajectory %s failed: %r", trajectory_id.key(), e)
         return TrajectoryResult(trajectory_id, steps, stats)
 
@@ -156,7 +164,7 @@ class AgentLoop:
         """The loop itself; never emits a step whose prompt exceeds max_input_length."""
         cfg, chat = self.cfg, self.renderer
         try:
-            messages = await env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns})
+            messages = await self._bounded(env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns}))
         except Exception as e:
             raise _TrajectoryFailed("env_reset", repr(e)) from e
         messages = self._checked(check_messages, messages, f"{env_name(env)}.reset return value")
@@ -202,7 +210,7 @@ class AgentLoop:
                 turn_parsed = self._render(chat.parse, sampled, prompt_ids, tools)
             t0 = time.perf_counter()
             try:
-                step = await (env.step_turn(turn_parsed) if takes_turns else env.step(action_text))
+                step = await self._bounded(env.step_turn(turn_parsed) if takes_turns else env.step(action_text))
             except Exception as e:
                 raise _TrajectoryFailed("env_step", repr(e)) from e
             step = self._checked(check_step_result, step, env, "step_turn" if takes_turns else "step")
@@ -276,6 +284,15 @@ class AgentLoop:
             last.reward += await self._tell_env(env, limit_stop)
         return steps
 
+    async def _bounded(self, awaitable):
+        """An env call within generator.env_timeout_s; past it, TimeoutError naming the limit (the caller fails the
+        trajectory). A call that is not awaitable (a sync `aclose`) raises TypeError here, as any wrong return."""
+        limit = self.cfg.env_timeout_s
+        try:
+            return await asyncio.wait_for(awaitable, limit) if limit is not None else await awaitable
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"env call timed out after generator.env_timeout_s={limit:g} s") from None
+
     async def _tell_env(self, env: Env, reason: str) -> float:
         """The documented hook `Env.on_context_exhausted(reason) -> float | None`: the env learns the trajectory hit
         a limit (`context_exhausted`, `budget_exhausted`) and may return a terminal reward (added to the last step)."""
@@ -285,7 +302,7 @@ class AgentLoop:
         try:
             value = hook(reason)
             if inspect.isawaitable(value):
-                value = await value
+                value = await self._bounded(value)
         except Exception as e:
             raise _TrajectoryFailed("env_step", f"on_context_exhausted: {e!r}") from e
         return 0.0 if value is None else float(value)

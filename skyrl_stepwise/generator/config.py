@@ -114,6 +114,10 @@ class GeneratorConfig:
     apply_overlong_filtering: bool = False
     show_progress: bool = True
     context: ContextConfig = field(default_factory=ContextConfig)
+    # Seconds one env call (reset, step / step_turn, on_context_exhausted, aclose) may take. Past it the trajectory
+    # fails (env_reset / env_step, "timed out": contained, counted, never trained) and a close is abandoned and
+    # counted (generate/env_close_errors): a hung env or reward function never hangs the step. null: no limit.
+    env_timeout_s: float | None = 600.0
 
     def validate(self) -> None:
         """Reject combinations that would silently train on the wrong thing, naming the key."""
@@ -138,6 +142,8 @@ class GeneratorConfig:
                            ("generator.n_samples_per_prompt", self.n_samples_per_prompt)):
             if value <= 0:
                 raise ValueError(f"{key} must be > 0, got {value}")
+        if self.env_timeout_s is not None and self.env_timeout_s <= 0:
+            raise ValueError(f"generator.env_timeout_s must be > 0 (or null: no limit), got {self.env_timeout_s}")
         self.context.validate(self.max_input_length, self.use_conversation_multi_turn)
 
 

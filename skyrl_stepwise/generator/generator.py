@@ -82,6 +82,7 @@ def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
         "generate/retokenize_drift_steps": sum(s.retokenize_drift_steps for s in stats),
         "generate/chain_breaks": sum(s.chain_breaks for s in stats),
         "generate/observation_role_fallbacks": sum(s.observation_role_fallbacks for s in stats),
+        "generate/env_close_errors": sum(s.env_close_errors for s in stats),
         "generate/prompts_too_long": sum(s.prompt_too_long for s in stats),
         "generate/env_seconds": sum(s.env_seconds for s in stats),
         "generate/engine_seconds": sum(s.engine_seconds for s in stats),

@@ -6,6 +6,7 @@ Layout of `<ckpt_dir>/step_<N>/`:
   trainer_state.json   step, world size and the caller's state (data loader position, epoch, ...)
   rng_rank<r>.pt       python / numpy / torch (/ cuda) RNG states of rank r
   driver_state.pkl     the driver's own state (its RNG, rollouts generated ahead): what a bitwise resume needs
+  MANIFEST.json        every other file's size, so a truncated or emptied file is found before anything loads
   COMPLETE             written last
 
 Everything is written into `step_<N>.tmp`, renamed to `step_<N>` and only then marked COMPLETE, so a save
@@ -16,6 +17,14 @@ Pruning follows the run's *lineage* (the checkpoints this run saved or resumed t
 run_id of the launch that wrote it), never "the highest step numbers in the folder": a stale `step_40` of
 another run must not push out the `step_10` just written. A fresh run refuses a folder that already holds
 checkpoints unless told to overwrite it, so `resume=auto` can never continue someone else's run.
+
+Failures are collective and named. A save that fails on any rank (a full disk, a permission, an exception while
+writing) fails on every rank (no rank is left waiting in a barrier) with a CheckpointSaveError naming the step
+folder and the cause; its `.tmp` folder is removed (after ENOSPC the space is wanted back), and since pruning runs
+only after the COMPLETE marker of the new checkpoint, the older complete checkpoints are all still there. A
+checkpoint folder that is marked COMPLETE but cannot be read back (a truncated shard, a garbled JSON or pickle, a
+missing RNG file) raises CorruptCheckpoint naming the folder and the file; what resume does then is
+checkpoint_verify.py's business.
 """
 
 from __future__ import annotations
@@ -35,7 +44,29 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
+# what a failed read of a checkpoint raises: DCP's CheckpointException is a BaseException, not an Exception
+_READ_ERRORS = (Exception, dcp.api.CheckpointException)
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A complete checkpoint (COMPLETE marker present) that cannot be read back: the message names the file."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank: the message names the step folder and the cause."""
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException is unwrapped to the first rank's own exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(e, dcp.api.CheckpointException) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)  # (exc, traceback)
+        return f"rank {rank}: {describe_error(cause)}"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
 
 
 def _rank() -> int:
@@ -95,7 +126,7 @@ def check_fresh_start(ckpt_dir: str | os.PathLike, resume: str, overwrite: bool)
     if resume not in ("none", "", None):
         return
     root = Path(ckpt_dir)
-    existing = sorted(p.name for p in root.iterdir() if _STEP_DIR.fullmatch(p.name.removesuffix(".tmp"))) \
+    existing = sorted(p.name for p in root.iterdir() if _STEP_DIR.fullmatch(p.name.split(".")[0])) \
         if root.is_dir() else []
     if not existing:
         return
@@ -159,40 +190,82 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
     final = step_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = _rank()
-    if rank == 0:
-        for stale in (tmp, final):  # a crashed save of this step, or a re-run of it
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+    failed = None
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of this step
+            tmp.mkdir(parents=True)
+    except Exception as e:
+        failed = e
+    _agree(failed, final, tmp)
 
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "dcp")
-    else:
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp / "dcp")
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        state = dict(trainer_state or {}, step=step,
-                     world_size=dist.get_world_size() if dist.is_initialized() else 1)
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        for name, data in (files or {}).items():
-            if "/" in name or name.startswith("."):
-                raise ValueError(f"checkpoint file name {name!r} must be a plain file name")
-            (tmp / name).write_bytes(data)
-    _barrier()
+    try:
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "dcp")
+        else:
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp / "dcp")
+        torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            if scheduler is not None:
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            state = dict(trainer_state or {}, step=step,
+                         world_size=dist.get_world_size() if dist.is_initialized() else 1)
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+            for name, data in (files or {}).items():
+                if "/" in name or name.startswith("."):
+                    raise ValueError(f"checkpoint file name {name!r} must be a plain file name")
+                (tmp / name).write_bytes(data)
+    except _READ_ERRORS as e:
+        failed = e
+    _agree(failed, final, tmp)  # every rank's files are written (or every rank raises)
 
+    try:
+        if rank == 0:
+            _write_manifest(tmp)
+            # a complete checkpoint of this step from an abandoned lineage (an explicit older resume) goes only
+            # now that its replacement is fully written: a failed save never costs an existing checkpoint
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            _fsync_dir(final.parent)
+            _mark_complete(final)
+    except Exception as e:
+        failed = e
+    _agree(failed, final, tmp)
     if rank == 0:
-        tmp.rename(final)
-        _fsync_dir(final.parent)
-        _mark_complete(final)
         state = trainer_state or {}
         if max_to_keep > 0 and "run_id" in state:
             prune_lineage(ckpt_dir, list(state.get("lineage", [])) + [lineage_entry(step, state["run_id"])],
                           max_to_keep)
     _barrier()
     return final
+
+
+def _agree(failed: BaseException | None, final: Path, tmp: Path) -> None:
+    """Every rank learns whether any rank failed (instead of a barrier some rank never reaches) and, if one did,
+    raises CheckpointSaveError naming the folder and the cause; rank 0 removes the half-written `.tmp`."""
+    errors = [describe_error(failed)] if failed is not None else []
+    if dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (_rank(), errors))
+        errors = [f"rank {r}: {e}" for r, errs in gathered for e in errs]
+    if not errors:
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if final.is_dir() and not (final / COMPLETE).exists():  # renamed, never marked: ours, and never resumable
+            shutil.rmtree(final, ignore_errors=True)
+    latest = find_latest_complete(final.parent)
+    raise CheckpointSaveError(
+        f"saving checkpoint {final} failed ({'; '.join(errors)}). Nothing was pruned: the latest complete "
+        f"checkpoint is {latest or 'none (no earlier save)'}. Fix the cause (free disk space, permissions on "
+        f"{final.parent}), then relaunch with trainer.resume=auto to continue from it") from failed
+
+
+def _write_manifest(folder: Path) -> None:
+    """Every file's size (relative path -> bytes), read back by checkpoint_verify before a resume loads anything."""
+    sizes = {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*")) if f.is_file()}
+    (folder / MANIFEST).write_text(json.dumps(sizes, indent=1))
 
 
 def _mark_complete(path: Path) -> None:
@@ -214,18 +287,29 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"checkpoint {path} is incomplete or missing (no {COMPLETE} marker)")
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path / "dcp")
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path / "dcp")
-        set_model_state_dict(model, state["model"])
-    if scheduler is not None:
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    rng = path / f"rng_rank{_rank()}.pt"
-    if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))  # our own file: numpy state is not a tensor
-    return json.loads((path / "trainer_state.json").read_text())
+    part = "trainer_state.json"
+    try:  # the small files first: a garbled one is found before anything in place has changed
+        trainer_state = json.loads((path / part).read_text())
+        saved_world = int(trainer_state["world_size"])
+        part = f"rng_rank{_rank()}.pt"
+        rng = torch.load(path / part, weights_only=False) if _rank() < saved_world else None  # our own file
+        part = "scheduler.pt"
+        scheduler_state = torch.load(path / part, weights_only=True) if scheduler is not None else None
+        part = "dcp/"
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=path / "dcp")
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=path / "dcp")
+            set_model_state_dict(model, state["model"])
+    except _READ_ERRORS as e:
+        raise CorruptCheckpoint(f"checkpoint {path} is marked {COMPLETE} but {path / part} cannot be read "
+                                f"({describe_error(e)})") from e
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
+    if rng is not None:  # ranks beyond the saved world size had no RNG state to restore
+        _set_rng_state(rng)
+    return trainer_state

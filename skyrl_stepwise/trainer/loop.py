@@ -9,6 +9,7 @@ from a checkpoint continues with exactly the prompts that were next.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import uuid
@@ -25,8 +26,10 @@ from skyrl_stepwise.trainer import driver_state
 from skyrl_stepwise.trainer.advantages import loss_weights, signal_groups, trajectory_scores
 from skyrl_stepwise.trainer.agreement import SyncRecord, check_agreement
 from skyrl_stepwise.trainer.batching import TrainBatch, prompt_mini_batches
-from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage, resolve_resume
+from skyrl_stepwise.trainer.checkpoint import check_fresh_start, lineage_entry, prune_lineage
+from skyrl_stepwise.trainer.checkpoint_verify import resume_checkpoint
 from skyrl_stepwise.trainer.credit import compute_credit
+from skyrl_stepwise.trainer.data_fingerprint import check_same_data, data_fingerprint
 from skyrl_stepwise.trainer.divergence import DivergenceGuard
 from skyrl_stepwise.trainer.engine_recovery import recover_engines
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
@@ -164,6 +167,7 @@ class RLTrainer:
         self.policy, self.reference, self.tracker = policy, reference, tracker
         self.weight_sync = weight_sync or WeightSync(cfg.weight_sync, policy, engine)
         self.loader = PromptLoader(train_rows, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        self.data = data_fingerprint(train_rows)  # saved with every checkpoint, checked at a resume
         self.val_rows = eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed)
         self.probe_ids = probe_ids
         self.rollout_log = rollout_log
@@ -185,10 +189,13 @@ class RLTrainer:
         t = self.cfg.trainer
         if t.ckpt_interval:
             check_fresh_start(t.ckpt_dir, t.resume, t.overwrite_ckpt_dir)
-        resume_from = resolve_resume(t.resume, t.ckpt_dir)
+        # verified first; with resume=auto a corrupt newest checkpoint is set aside, loudly, for the one before it
+        resumed = resume_checkpoint(t.resume, t.ckpt_dir, lambda path: self.policy.call("load_checkpoint", str(path)))
         saved = None
-        if resume_from is not None:
-            state = self.policy.call("load_checkpoint", str(resume_from))
+        if resumed is not None:
+            resume_from, state = resumed
+            check_same_data(state.get("data"), self.data, str(resume_from), self.cfg.data.train_path,
+                            t.resume_allow_changes, logging.getLogger(__name__).warning)
             self.step = int(state["step"])
             self.lineage = list(state.get("lineage", [])) + [lineage_entry(self.step, state.get("run_id", ""))]
             saved = driver_state.load(resume_from)
@@ -231,7 +238,7 @@ class RLTrainer:
         pending = self.ahead.pending() if self.ahead else []  # snapshot on the loop, pickled off it
         files = {driver_state.DRIVER_STATE: await asyncio.to_thread(driver_state.dump, pending)}
         await self._call(self.policy, "save_checkpoint", self.step, {"step": self.step, "run_id": self.run_id,
-                                                                     "lineage": self.lineage}, files)
+                                                                     "lineage": self.lineage, "data": self.data}, files)
         self.lineage = await asyncio.to_thread(prune_lineage, self.cfg.trainer.ckpt_dir,
                                                self.lineage + [lineage_entry(self.step, self.run_id)],
                                                self.cfg.trainer.max_ckpts_to_keep)

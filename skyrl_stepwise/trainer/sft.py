@@ -300,13 +300,15 @@ def train_sft(policy, batches: list[TrainBatch], ckpt_interval: int = 0, ckpt_di
     `guard` (a DivergenceGuard) judges every step after `on_step` has logged it; a resumed run re-judges the
     steps it restored, so its start values are those of the uninterrupted run.
     """
-    from skyrl_stepwise.trainer.checkpoint import lineage_entry, resolve_resume
+    from skyrl_stepwise.trainer.checkpoint import lineage_entry
+    from skyrl_stepwise.trainer.checkpoint_verify import resume_checkpoint
 
     history: list[dict[str, float]] = []
     lineage: list[dict] = []  # earlier SFT checkpoints: the worker keeps only the newest (trainer.max_ckpts_to_keep)
-    resume_from = resolve_resume("auto", ckpt_dir) if ckpt_interval and ckpt_dir else None
-    if resume_from is not None:
-        state = policy.call("load_checkpoint", str(resume_from))
+    resumed = resume_checkpoint("auto", ckpt_dir, lambda path: policy.call("load_checkpoint", str(path))) \
+        if ckpt_interval and ckpt_dir else None
+    if resumed is not None:
+        state = resumed[1]
         history = list(state["history"])
         lineage = list(state["lineage"]) + [lineage_entry(state["step"], state["run_id"])]
     for step, batch in enumerate(batches, 1):

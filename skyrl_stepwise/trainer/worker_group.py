@@ -2,16 +2,33 @@
 
 Every PolicyWorker method is a collective, so the group calls it on all ranks with the same
 arguments (put once in the object store) and returns rank 0's answer.
+
+A rank that dies (OOM killer, SIGKILL, `ray.kill`, its node lost) ends the run: the others cannot finish a collective
+without it, and a group of FSDP shards with one missing has no weights to continue from. Ray's get raises as soon as
+one rank's call fails, so the driver never waits on the survivors (who may sit in a collective until its timeout);
+the group then raises PolicyWorkerDied naming the rank, the call and Ray's reason, and the latest complete
+checkpoint a relaunch with trainer.resume=auto continues from, bitwise. From then on the group refuses every call
+but `shutdown`, which gives the survivors a few seconds to leave and then kills them: it never hangs on a stuck
+collective and never raises over the error that stopped the run.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
 import torch
 
+from skyrl_stepwise.trainer.checkpoint import find_latest_complete
 from skyrl_stepwise.trainer.config import TrainerConfig
+
+logger = logging.getLogger(__name__)
+SHUTDOWN_GRACE_S = 10.0  # how long survivors of a dead rank get to leave their process group before being killed
+
+
+class PolicyWorkerDied(RuntimeError):
+    """A policy rank's process is gone: the run cannot go on; the message says where to resume from."""
 
 
 @ray.remote(num_cpus=0)
@@ -46,6 +63,7 @@ class PolicyGroup:
         """`actor_options[i]`: rank i's Ray `.options()` (its placement-group bundle and GPU share, placement.py);
         without them each rank asks for a whole GPU when CUDA is visible. `with_reference`: every rank also holds
         its shard of a frozen copy of the starting weights (`ReferenceOnPolicyRanks(group)` scores with it)."""
+        self.cfg, self.died = cfg, None  # died: why the group stopped (PolicyWorkerDied), once a rank is gone
         world = cfg.fsdp.world_size
         gpus = 1 if torch.cuda.is_available() and cfg.fsdp.backend != "gloo" else 0
         threads = cfg.fsdp.threads_per_rank()
@@ -60,12 +78,63 @@ class PolicyGroup:
                  for i, r in enumerate(self.ranks)])
 
     def call(self, method: str, *args):
+        if self.died is not None:
+            raise PolicyWorkerDied(f"{self.died} (the group was stopped; no more calls)")
         refs = [ray.put(a) for a in args]  # one copy in the object store, shared by all ranks
-        return ray.get([r.call.remote(method, *refs) for r in self.ranks])[0]
+        futures = [r.call.remote(method, *refs) for r in self.ranks]
+        try:
+            return ray.get(futures)[0]  # raises as soon as any rank's call fails
+        except Exception as e:
+            dead = self._dead_ranks(futures)
+            if not dead:
+                raise  # an ordinary error of the call itself (e.g. a bad batch): the group is intact
+            self.died = self._death_message(method, dead)
+            raise PolicyWorkerDied(self.died) from e
+
+    def _dead_ranks(self, futures: list, grace_s: float = 2.0) -> dict[int, str]:
+        """The ranks whose process is gone, with Ray's reason. A dead rank's call fails at once; a rank still
+        running (e.g. waiting in a collective for the dead one) is not waited on beyond `grace_s`."""
+        ready, _ = ray.wait(futures, num_returns=len(futures), timeout=grace_s)
+        dead = {}
+        for rank, future in enumerate(futures):
+            if future not in ready:
+                continue
+            try:
+                ray.get(future)
+            except ray.exceptions.RayActorError as e:
+                lines = [line.strip() for line in str(e).splitlines()]
+                why = " ".join(line for line in lines if line.startswith(("pid:", "ip:", "The actor is dead")))
+                dead[rank] = why.split(" Some common causes")[0]  # Ray's generic advice is cut, the exit detail kept
+            except Exception:  # this rank raised itself (e.g. its collective lost the dead peer): alive
+                pass
+        return dead
+
+    def _death_message(self, method: str, dead: dict[int, str]) -> str:
+        latest = find_latest_complete(self.cfg.ckpt_dir) if self.cfg.ckpt_dir else None
+        who = "; ".join(f"policy rank {r} of {len(self.ranks)} ({why[:400]})" for r, why in sorted(dead.items()))
+        resume = (f"The latest complete checkpoint is {latest}: relaunch with trainer.resume=auto to continue from "
+                  "it, bit for bit") if latest else \
+            f"No complete checkpoint in trainer.ckpt_dir={self.cfg.ckpt_dir!r} yet"
+        return (f"{who} died during {method!r}; the run stops (an FSDP group cannot continue without a rank). "
+                f"{resume}. If the process was killed for memory (OOM), lower the per-rank memory first "
+                "(trainer.micro_batch_tokens, more ranks, trainer.fsdp.offload_during_rollout)")
 
     def shutdown(self) -> None:
+        """Leave the process groups and end the actors. Bounded: a rank that does not answer within
+        SHUTDOWN_GRACE_S (stuck in a collective with a dead or hung peer) is killed with the rest, and a dead rank
+        is logged, not raised (this runs in the `finally` of a run that may be stopping for that very reason)."""
         try:
-            ray.get([r.call.remote("shutdown") for r in self.ranks])
+            futures = [r.call.remote("shutdown") for r in self.ranks]
+            ready, pending = ray.wait(futures, num_returns=len(futures), timeout=SHUTDOWN_GRACE_S)
+            if pending:
+                logger.warning(f"policy ranks {[futures.index(f) for f in pending]} did not leave their process "
+                               f"group within {SHUTDOWN_GRACE_S:.0f} s: killed")
+            for future in ready:
+                try:
+                    ray.get(future)
+                except ray.exceptions.RayActorError as e:
+                    logger.warning(f"policy rank {futures.index(future)} was already dead at shutdown: "
+                                   f"{str(e).splitlines()[0]}")
         finally:
             for r in self.ranks:
                 ray.kill(r)
