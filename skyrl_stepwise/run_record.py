@@ -43,11 +43,20 @@ def config_tree(cfg) -> dict[str, Any]:
 
 
 def differences(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """key -> (saved, new) for every leaf that differs, launch keys left out."""
+    """key -> (saved, new) for every leaf both configs have and that differs, launch keys left out."""
     a, b = flatten(saved), flatten(new)
-    keys = sorted((set(a) | set(b)) - set(LAUNCH_KEYS))
-    missing = object()
-    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k, missing) != b.get(k, missing)}
+    keys = sorted((set(a) & set(b)) - set(LAUNCH_KEYS))
+    return {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
+
+
+def schema_changes(saved: dict[str, Any], new: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Keys this code added since the run started (with this launch's values) and keys it no longer has.
+
+    Not a different job: an upgrade of the library between a crash and the resume adds settings the saved run could
+    not have set (and drops ones it can no longer honour), so they are logged, not refused.
+    """
+    a, b = flatten(saved), flatten(new)
+    return {k: b[k] for k in sorted(set(b) - set(a))}, sorted(set(a) - set(b))
 
 
 def check_launch(tree: dict[str, Any], run_dir: str | Path, allow_changes: bool, log=print) -> None:
@@ -60,6 +69,11 @@ def check_launch(tree: dict[str, Any], run_dir: str | Path, allow_changes: bool,
     if not path.is_file():
         return
     saved = yaml.safe_load(path.read_text()) or {}
+    added, removed = schema_changes(saved, tree)
+    if added or removed:
+        log(f"{run_dir} was started by an earlier version of skyrl_stepwise: settings added since "
+            f"{', '.join(f'{k}={v!r}' for k, v in added.items()) or 'none'}; settings no longer known "
+            f"{', '.join(removed) or 'none'}")
     diff = differences(saved, tree)
     if not diff:
         return

@@ -41,6 +41,20 @@ def test_a_launch_with_a_changed_config_is_refused_unless_allowed(tmp_path):
     assert (tmp_path / RECORD).read_text() == first  # the run's own record stays
 
 
+def test_settings_added_or_dropped_by_a_newer_version_are_logged_not_refused(tmp_path):
+    """A library upgrade between a crash and the resume adds keys the saved run could not have set: the same job,
+    so the resume goes on and says which; a changed value of a key both have is still refused."""
+    saved = _tree()
+    del saved["generator"]["env_timeout_s"]
+    saved["trainer"]["a_setting_since_removed"] = 3
+    save_record(saved, tmp_path)
+    logged = []
+    check_launch(_tree(), tmp_path, allow_changes=False, log=logged.append)
+    assert "generator.env_timeout_s=600" in logged[0] and "trainer.a_setting_since_removed" in logged[0]
+    with pytest.raises(ConfigMismatchError, match=r"total_steps: 6 -> 5"):
+        check_launch(_tree("total_steps=5"), tmp_path, allow_changes=False, log=logged.append)
+
+
 def test_resume_through_the_cli_refuses_a_changed_config_and_keeps_hydras_record(tmp_path, monkeypatch, capsys):
     """The real entry point: the first launch's .hydra/ stays, the refused launch's goes to .hydra/launch-*/."""
     def stop(cfg):
