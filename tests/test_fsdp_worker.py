@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+import time
 from dataclasses import replace
 
 import pytest
@@ -39,6 +40,7 @@ from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
     ("micro_batch_tokens", 0, "trainer.micro_batch_tokens"),
     ("max_ckpts_to_keep", 0, "trainer.max_ckpts_to_keep"),
     ("fsdp.num_threads_per_rank", 0, "trainer.fsdp.num_threads_per_rank"),
+    ("fsdp.collective_timeout_s", 0, "trainer.fsdp.collective_timeout_s"),
 ])
 def test_config_errors_name_the_key_path(key, value, message):
     cfg = TrainerConfig()
@@ -57,6 +59,39 @@ def test_ranks_share_the_node_cores_unless_told():
     assert FSDPConfig(world_size=2).threads_per_rank(cores=16) == 8
     assert FSDPConfig(world_size=4).threads_per_rank(cores=2) == 1
     assert FSDPConfig(world_size=2, num_threads_per_rank=3).threads_per_rank(cores=16) == 3
+
+
+def _stalled_peer_rank(rank: int, port: int, out: str) -> None:
+    """Rank 0 waits in an all_reduce that rank 1 (stopped, not dead) never joins."""
+    from skyrl_stepwise.trainer.config import FSDPConfig
+    from skyrl_stepwise.trainer.fsdp_worker import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    init_distributed(FSDPConfig(world_size=2, backend="gloo", collective_timeout_s=2))
+    if rank == 1:
+        time.sleep(4)
+        os._exit(0)  # no process-group teardown: its peer left mid-collective
+    start = time.time()
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+        result = {"raised": None}
+    except Exception as e:  # noqa: BLE001 - what the timeout raises is the point
+        result = {"raised": type(e).__name__}
+    result["waited"] = time.time() - start
+    with open(out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # gloo aborts when a group with a timed-out pair is torn down at exit
+
+
+def test_a_collective_a_stalled_rank_never_joins_raises_after_the_configured_timeout(tmp_path):
+    """trainer.fsdp.collective_timeout_s bounds how long a live rank waits on one that is stopped but not dead,
+    instead of torch's 30 minutes (gloo)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_stalled_peer_rank, args=(port, str(tmp_path / "r.json")), nprocs=2, join=True)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["raised"] is not None and 1.5 < result["waited"] < 3.9, result
 
 
 def test_config_is_a_hydra_structured_config():

@@ -137,9 +137,15 @@ class FSDPConfig:
     # GPU, colocated with engines: move weights, gradients, AdamW state (and the reference) to host memory while the
     # engines generate, and back for the update. A no-op on CPU. Unverified on GPUs so far: off by default.
     offload_during_rollout: bool = False
+    # How long a collective waits for the other ranks before it raises (a rank stopped but not dead: SIGSTOP, a
+    # deadlock, a network partition). None: torch's default (30 min on gloo, 10 min on NCCL).
+    collective_timeout_s: float | None = None
 
     def validate(self, prefix: str = "trainer.fsdp") -> None:
         """World size and backend are the usual sources of a hang at start-up; check them first."""
+        if self.collective_timeout_s is not None and self.collective_timeout_s <= 0:
+            raise ValueError(f"{prefix}.collective_timeout_s must be > 0 (or null: torch's default), got "
+                             f"{self.collective_timeout_s}")
         if self.world_size < 1:
             raise ValueError(f"{prefix}.world_size must be >= 1, got {self.world_size}")
         if self.num_threads_per_rank is not None and self.num_threads_per_rank < 1:

@@ -15,6 +15,7 @@ import socket
 import time
 from collections import defaultdict
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ def init_distributed(fsdp: FSDPConfig) -> tuple[int, int, torch.device]:
     A single process needs no env vars: it gets a private 1-rank group.
     """
     use_cuda = torch.cuda.is_available() and fsdp.backend != "gloo"
+    timeout = {} if fsdp.collective_timeout_s is None else {"timeout": timedelta(seconds=fsdp.collective_timeout_s)}
     if fsdp.backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("trainer.fsdp.backend=nccl but no CUDA device is visible; use auto or gloo")
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1 \
@@ -54,7 +56,7 @@ def init_distributed(fsdp: FSDPConfig) -> tuple[int, int, torch.device]:
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+                                world_size=1, **timeout)
     if not dist.is_initialized():
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
         if missing:
@@ -62,7 +64,7 @@ def init_distributed(fsdp: FSDPConfig) -> tuple[int, int, torch.device]:
                                f"process group (set them per rank / per Ray actor)")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", **timeout)
     world = dist.get_world_size()
     if world != fsdp.world_size:
         raise ValueError(f"trainer.fsdp.world_size is {fsdp.world_size} but the process group has {world} ranks "
