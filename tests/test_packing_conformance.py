@@ -184,6 +184,18 @@ def test_the_fp32_proxy_keeps_every_layer_type_in_the_fewest_layers():
     proxy = build_fp32_proxy(model, torch.device("cpu"))
     assert proxy.config.num_hidden_layers == 2 and type(proxy) is type(model)
     assert proxy.config._attn_implementation == model.config._attn_implementation
+    # Gemma 3n shares the last layers' KV with earlier ones by index: cut to 2 layers it does not build, so the
+    # proxy takes more layers (here all 4) instead of leaving the check at the bf16 bar
+    from transformers import AutoModelForCausalLM
+    gemma3n = AutoConfig.for_model("gemma3n_text", hidden_size=64, intermediate_size=[96] * 4, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96,
+                                   sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+                                   vocab_size_per_layer_input=96, hidden_size_per_layer_input=16, altup_num_inputs=2,
+                                   num_kv_shared_layers=2, laurel_rank=8, activation_sparsity_pattern=[0.95] * 4)
+    with pytest.raises(Exception):
+        AutoModelForCausalLM.from_config(proxy_config(gemma3n))
+    proxy = build_fp32_proxy(AutoModelForCausalLM.from_config(gemma3n), torch.device("cpu"))
+    assert proxy.config.num_hidden_layers == 4
 
 
 def test_attention_that_drops_soft_capping_or_sinks_is_refused():

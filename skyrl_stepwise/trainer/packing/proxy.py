@@ -15,8 +15,26 @@ import copy
 import torch
 
 
-def proxy_config(config):
-    """`config` with the fewest leading layers that still contain every layer type (at least 2, or all if fewer).
+# The largest model (parameters) built at full depth when no cut-down config builds (Gemma 3n's KV-shared layers,
+# Zamba's shared blocks): random fp32 weights on the device, for the check only.
+MAX_FULL_DEPTH_PARAMS = 4e9
+
+
+def fewest_layers(config) -> int | None:
+    """How many leading layers hold every layer type (at least 2); None when the config has no layer count."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n, int):
+        return None
+    types = list(getattr(text, "layer_types", None) or [])
+    if len(types) != n:
+        return min(2, n)
+    needed = set(types)
+    return max(next(k for k in range(1, n + 1) if set(types[:k]) == needed), min(2, n))
+
+
+def proxy_config(config, keep: int | None = None):
+    """`config` cut to its first `keep` layers (default: `fewest_layers`).
 
     Per-layer fields (lists or pattern strings as long as the layer count: layer_types, no_rope_layers,
     hybrid_override_pattern, ...) are cut to the same length, so the proxy's layers are the model's first layers.
@@ -24,14 +42,9 @@ def proxy_config(config):
     proxy = copy.deepcopy(config)
     text = proxy.get_text_config() if hasattr(proxy, "get_text_config") else proxy
     n = getattr(text, "num_hidden_layers", None)
-    if not isinstance(n, int) or n <= 2:
+    keep = fewest_layers(config) if keep is None else keep
+    if not isinstance(n, int) or keep is None or keep >= n:
         return proxy
-    types = list(getattr(text, "layer_types", None) or [])
-    keep = 2
-    if len(types) == n:
-        needed = set(types)
-        keep = next(k for k in range(1, n + 1) if set(types[:k]) == needed)
-        keep = max(keep, min(2, n))
     for name, value in list(vars(text).items()):
         if _per_layer(name, value, n):
             setattr(text, name, value[:keep])
@@ -52,15 +65,28 @@ def _per_layer(name: str, value, num_layers: int) -> bool:
 def build_fp32_proxy(model: torch.nn.Module, device: torch.device, seed: int = 0) -> torch.nn.Module:
     """The run's model class from `proxy_config`, randomly initialised in fp32 on `device`, same attention.
 
+    A config that does not build cut down (layers that share another layer's KV or weights by index) is tried
+    with twice the layers, up to full depth for models of at most MAX_FULL_DEPTH_PARAMS; the last error is raised.
     Built inside a forked RNG, so the trainer's own random stream is the same with or without the check.
     """
     from transformers import AutoModelForCausalLM
 
-    config = proxy_config(model.config)
+    text = model.config.get_text_config()
+    n, keep = getattr(text, "num_hidden_layers", None), fewest_layers(model.config)
     attn = model.config._attn_implementation
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        with torch.device(device):
-            proxy = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    while True:
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                with torch.device(device):
+                    proxy = AutoModelForCausalLM.from_config(proxy_config(model.config, keep), dtype=torch.float32,
+                                                             attn_implementation=attn)
+            break
+        except Exception:
+            if keep is None or n is None or keep >= n:
+                raise
+            keep = min(2 * keep, n)
+            if keep == n and sum(p.numel() for p in model.parameters()) > MAX_FULL_DEPTH_PARAMS:
+                raise
     proxy.config.use_cache = False
     return proxy.eval().requires_grad_(False)
