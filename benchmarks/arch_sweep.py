@@ -13,6 +13,11 @@ accepts it, the conformance batch of tests/arch_zoo.py is packed and compared wi
 
     python benchmarks/arch_sweep.py                 # every model type: progress on stderr, a markdown table on stdout
     python benchmarks/arch_sweep.py mistral gpt_neo # some
+    python benchmarks/arch_sweep.py --proxy [types] # the fp32 proxy (trainer/packing/proxy.py) vs the model itself
+
+`--proxy`: each tiny model is built at twice its depth (per-layer fields repeated), its auto packing checked in fp32
+on the model itself and on the proxy the worker builds under bf16 compute (the fewest leading layers that hold
+every layer type, random weights); per type: agree (both pass or both fail), DISAGREE, or the proxy failing to build.
 """
 
 from __future__ import annotations
@@ -254,6 +259,67 @@ def sweep_model(model_type: str) -> dict[tuple[str, str], tuple[str, str]]:
     return cells
 
 
+def proxy_verdict(model_type: str) -> str:
+    """One type at twice its tiny depth: does the fp32 proxy's self-check agree with the model's own fp32 check?"""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from skyrl_stepwise.trainer.packing.proxy import build_fp32_proxy
+
+    config = tiny_config(model_type)
+    if isinstance(config, str):
+        return f"skipped ({config})"
+    n = config.get_text_config().num_hidden_layers
+    deep = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    for key, value in list(deep.items()):
+        if "token_id" not in key and key != "architectures" and isinstance(value, (list, str)) and len(value) == n \
+                and (isinstance(value, list) or key.endswith("pattern")):
+            deep[key] = value * 2
+    deep["num_hidden_layers"] = 2 * n
+    model = None
+    for attn in ("sdpa", "eager"):
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.model_type, **deep),
+                                                     attn_implementation=attn, dtype=torch.float32).eval()
+            break
+        except Exception as e:  # noqa: BLE001
+            why = _short(e)
+    if model is None:
+        return f"skipped (cannot build at twice the depth: {why})"
+    layout = attention_layout(model, row_tokens=ROW_TOKENS)
+    try:
+        refuse_inexact_attention(layout)
+        packing = resolve_packing("auto", layout)
+        own = check_packing(model, layout, packing, torch.device("cpu"))
+    except Exception as e:  # noqa: BLE001 - refused at start-up before any proxy is built
+        return f"refused ({_short(e, 80)})"
+    try:
+        proxy = build_fp32_proxy(model, torch.device("cpu"))
+        mirrored = check_packing(proxy, layout, packing, torch.device("cpu"))
+    except Exception as e:  # noqa: BLE001
+        return f"PROXY FAILED ({_short(e)})"
+    layers = f"{proxy.config.get_text_config().num_hidden_layers}/{2 * n} layers"
+    verdict = "agree" if own.passed == mirrored.passed else "DISAGREE"
+    return f"{verdict} ({packing}: model {own.max_abs_error:.1e}, proxy {mirrored.max_abs_error:.1e}, {layers})"
+
+
+def main_proxy(types: list[str]) -> None:
+    counts: dict[str, int] = {}
+    print("| model_type | proxy vs model (fp32, auto packing) |\n|---|---|")
+    for i, mt in enumerate(types):
+        signal.alarm(TIMEOUT_S)
+        try:
+            verdict = proxy_verdict(mt)
+        except Exception as e:  # noqa: BLE001
+            verdict = f"skipped ({_short(e)})"
+        finally:
+            signal.alarm(0)
+        counts[verdict.split()[0]] = counts.get(verdict.split()[0], 0) + 1
+        print(f"[{i + 1}/{len(types)}] {mt}: {verdict}", file=sys.stderr, flush=True)
+        print(f"| {mt} | {verdict} |")
+    print(f"\n{len(types)} model types: {counts}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging
@@ -262,7 +328,11 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     signal.signal(signal.SIGALRM, _alarm)
+    proxy = "--proxy" in argv
+    argv = [a for a in argv if a != "--proxy"]
     types = argv or [*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *VARIANTS]
+    if proxy:
+        return main_proxy(types)
     rows, counts = [], {}
     start = time.time()
     for i, mt in enumerate(types):
