@@ -103,14 +103,11 @@ def test_explicit_tree_on_a_recurrent_model_is_refused_at_worker_start(tmp_path)
     assert summary["max_abs_error"] < 1e-5
 
 
-def test_auto_falls_back_to_rows_when_the_tree_fails_the_models_self_check(tmp_path):
-    """GPT-Neo's local band follows the row index: as rows (contiguous samples) it is exact, in a tree (positions by
-    depth) it is not, and nothing in the config says so. auto means "tree wherever exact": the self-check decides,
-    auto trains rows and says why; an explicit tree is refused."""
+def _gpt_neo_config(tmp_path):
+    """A saved tiny GPT-Neo (a local band by row index: rows exact, tree not) and a worker config with auto packing."""
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
 
     torch.manual_seed(0)
     GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, vocab_size=96,
@@ -118,6 +115,16 @@ def test_auto_falls_back_to_rows_when_the_tree_fails_the_models_self_check(tmp_p
                                    max_position_embeddings=256)).save_pretrained(tmp_path / "m")
     cfg = TrainerConfig(model_path=str(tmp_path / "m"), packing="auto", attn_implementation="eager",
                         ckpt_dir=str(tmp_path / "c"))
+    return cfg
+
+
+def test_auto_falls_back_to_rows_when_the_tree_fails_the_models_self_check(tmp_path):
+    """GPT-Neo's local band follows the row index: as rows (contiguous samples) it is exact, in a tree (positions by
+    depth) it is not, and nothing in the config says so. auto means "tree wherever exact": the self-check decides,
+    auto trains rows and says why; an explicit tree is refused."""
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+    cfg = _gpt_neo_config(tmp_path)
     cfg.fsdp.mixed_precision = False
     worker = PolicyWorker(cfg, trainable=False)
     summary = worker.packing_summary()
@@ -135,17 +142,9 @@ def test_under_bf16_compute_an_fp32_proxy_catches_a_leak_the_coarse_bar_lets_thr
     can only use a 1-nat bar: GPT-Neo's tree scores 0.1 nats off there and passed it, so auto trained a tree that
     is not exact. The same check on an fp32 copy of the architecture (2 layers, random weights) fails it at 1e-3:
     auto falls back to rows and an explicit tree is refused, naming the proxy."""
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
-
-    from skyrl_stepwise.trainer.config import TrainerConfig
     from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker, mixed_precision_on
 
-    torch.manual_seed(0)
-    GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, vocab_size=96,
-                                   attention_types=[[["global", "local"], 1]], window_size=6,
-                                   max_position_embeddings=256)).save_pretrained(tmp_path / "m")
-    cfg = TrainerConfig(model_path=str(tmp_path / "m"), packing="auto", attn_implementation="eager",
-                        ckpt_dir=str(tmp_path / "c"))
+    cfg = _gpt_neo_config(tmp_path)
     assert cfg.fsdp.mixed_precision and mixed_precision_on(cfg.fsdp, torch.device("cpu"))
     worker = PolicyWorker(cfg, trainable=False)
     tree = worker.packing_check.fallback_from
