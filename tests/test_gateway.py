@@ -474,3 +474,49 @@ async def test_multi_turn_replay_on_the_real_model_is_exact(backend, request, to
     assert [s.prompt_ids for s in result.steps] == prompts
     for step, sampled in zip(result.steps, engine.sampled):
         assert [t for t, m in zip(step.response_ids, step.loss_mask) if m] == sampled
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma-2", "granite-3.3"])
+async def test_a_call_turn_echoed_with_null_content_continues_on_templates_that_do_not_render_calls(family):
+    """A template that cannot render `tool_calls` keeps the call's text in the turn's content for its history, but the
+    client is shown the calls as structured calls only (content null), so an echo with `content: null` (what most
+    clients send beside tool_calls) is the same turn: 0 breaks."""
+    def turns(chat, tok):
+        return [_call_ids(family, chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup(family, "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+
+    def null_content(message):
+        return {**_mangled_echo(message), "content": None}
+
+    replies = await _tool_loop(_client(gateway, sid), [{"role": "user", "content": "What is 2+3?"}], echo=null_content)
+    assert replies[0].choices[0].message.content is None and replies[0].choices[0].message.tool_calls
+    metrics = gateway.metrics()
+    assert metrics.get("gateway/chain_breaks", 0) == 0 and metrics["gateway/extended"] == 1, metrics
+    gateway.post_reward(sid, 1.0)
+    _assert_exact(gateway.close_session(sid), engine)
+
+
+async def test_a_new_chain_puts_tool_results_in_a_role_the_template_renders():
+    """After a break, the client's history is rendered anew: a `tool` message Gemma 2 refuses goes in the user role
+    (counted), as in a continued chain, instead of a 400 from the template."""
+    def turns(chat, tok):
+        return [_call_ids("gemma-2", chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup("gemma-2", "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    call = r.choices[0].message.tool_calls[0]
+    messages += [_mangled_echo(r.choices[0].message), {"role": "tool", "tool_call_id": call.id, "content": "RESULT5"}]
+    del messages[0]  # a changed history: a new chain from the client's messages
+    await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    metrics = gateway.metrics()
+    assert metrics["gateway/chain_breaks/dropped_message"] == 1, metrics
+    assert "RESULT5" in chat.decode(engine.calls[1][1])
+    gateway.post_reward(sid, 1.0)
+    result = gateway.close_session(sid)
+    assert result.stats.observation_role_fallbacks == 1
+    _assert_exact(result, engine)

@@ -54,6 +54,16 @@ class ParsedTurn:
     reasoning_key: str = "reasoning_content"  # where templates read it: Qwen3 `reasoning_content`, gpt-oss `thinking`
     # the sampled text from the first call on: what a message without structured calls shows of a malformed turn
     calls_text: str = ""
+    # `content` already ends with `calls_text` (a template that cannot render `tool_calls` keeps them in the text);
+    # `answer` is then the text before the calls, what an OpenAI client is shown next to structured calls
+    calls_in_content: bool = False
+
+    @property
+    def answer(self) -> str:
+        """The turn's text without its calls' text (`content` unless the calls are kept in it)."""
+        if self.calls_in_content and self.calls_text and self.content.endswith(self.calls_text):
+            return self.content[:len(self.content) - len(self.calls_text)]
+        return self.content
 
     @property
     def malformed(self) -> bool:
@@ -81,7 +91,7 @@ class ParsedTurn:
         if self.reasoning:
             msg[self.reasoning_key] = self.reasoning
         calls = [(c, i) for c, i in zip(self.tool_calls, self.call_ids()) if c.error is None or malformed_as_calls]
-        if self.malformed and not calls:
+        if self.malformed and not calls and not self.calls_in_content:
             msg["content"] = self.content + self.calls_text
         if calls:
             msg["tool_calls"] = [{"type": "function", "id": i, "function": _call_function(c)} for c, i in calls]
@@ -197,7 +207,15 @@ def conversation_turn(turn: ParsedTurn, observations: list[Message], support: Ro
       (consecutive ones merged, for templates whose roles must alternate): never dropped, counted."""
     as_calls = turn.malformed and support.tool_after_call and not support.tool_without_call
     assistant = turn.message(malformed_as_calls=as_calls)
-    answered = {c["id"] for c in assistant.get("tool_calls", [])}
+    out, fallbacks = observations_in_roles(assistant, observations, support)
+    return ConversationTurn(assistant, out, fallbacks)
+
+
+def observations_in_roles(assistant: Message | None, observations: list[Message],
+                          support: RoleSupport) -> tuple[list[Message], int]:
+    """The messages after `assistant` (None: the conversation's start) with every `tool` message the template
+    would refuse or drop moved to `support.fallback_role` (consecutive ones merged); and how many were moved."""
+    answered = {c.get("id") for c in (assistant or {}).get("tool_calls") or []}
     out: list[Message] = []
     fallbacks, merged_last = 0, False
     for obs in observations:
@@ -213,7 +231,7 @@ def conversation_turn(turn: ParsedTurn, observations: list[Message], support: Ro
                 continue
         out.append(obs)
         merged_last = False
-    return ConversationTurn(assistant, out, fallbacks)
+    return out, fallbacks
 
 
 def through_first_stop(ids: list[int], stop_ids: set[int], close_id: int) -> list[int]:

@@ -141,8 +141,9 @@ class TemplateRenderer:
                      if c.error is None and isinstance(c.arguments, dict) else c for c in calls]
         if not self.renders_tool_calls:
             # a template that cannot render `tool_calls` would drop the calls from a re-rendered history: keep them
-            # in the content, as sampled
-            return ParsedTurn(text, None, calls)
+            # in the content, as sampled (an OpenAI client is shown the text before them: `answer`)
+            calls_text = text[len(content):] if calls and text.startswith(content) else ""
+            return ParsedTurn(text, None, calls, calls_text=calls_text, calls_in_content=bool(calls_text))
         sep = self.content_call_separator
         if calls and sep and content.endswith(sep) and content.strip():
             content = content[:-len(sep)]  # the template writes it again before the call

@@ -18,7 +18,8 @@ import uuid
 import zlib
 from typing import Any
 
-from skyrl_stepwise.chat import ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer
+from skyrl_stepwise.chat import (ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer,
+                                 observations_in_roles)
 from skyrl_stepwise.gateway.config import GatewayConfig
 from skyrl_stepwise.gateway.matching import Key, assistant_echoes, break_reason, find_match, message_key
 from skyrl_stepwise.gateway.reasoning import split_reasoning
@@ -260,15 +261,30 @@ class Gateway:
         its parsed ids (as the agent loop's history holds it), not from the client's re-serialised echo."""
         out: list[Message] = []
         last_turn: ParsedTurn | None = None
+        assistant: Message | None = None
+        after: list[Message] = []  # the messages since the last assistant turn, placed in roles at the next one
+
+        def place() -> None:
+            # a `tool` message the template refuses or drops goes in its fallback role, as in a continued chain
+            placed, moved = observations_in_roles(assistant, after, self.renderer.roles)
+            session.stats.observation_role_fallbacks += moved
+            out.extend(placed)
+            after.clear()
+
         for m in messages:
             if m["role"] == "assistant":
+                place()
                 call = next((c for c in reversed(session.calls) if assistant_echoes(m, c.reply)), None)
                 if call is not None:
-                    out.append(conversation_turn(call.parsed, [], self.renderer.roles).assistant)
+                    assistant = conversation_turn(call.parsed, [], self.renderer.roles).assistant
                     last_turn = call.parsed
-                    continue
-                last_turn = None
-            out.extend(self._template_messages([m], last_turn))
+                else:
+                    assistant = self._template_messages([m], None)[0]
+                    last_turn = None
+                out.append(assistant)
+                continue
+            after.extend(self._template_messages([m], last_turn))
+        place()
         return out
 
 
@@ -277,7 +293,11 @@ def reply_message(parsed: ParsedTurn, tool_choice: str) -> Message:
     A malformed call has no OpenAI form: the turn's sampled call text stays in the content, so the client sees
     what the model wrote; with tool_choice=none no call is offered for execution either."""
     calls = [(c, i) for c, i in zip(parsed.tool_calls, parsed.call_ids()) if c.error is None]
-    reasoning, content = (parsed.reasoning, parsed.content) if parsed.reasoning else split_reasoning(parsed.content)
+    # the text before the calls: a template that cannot render `tool_calls` keeps their text in the turn's content
+    # (its history shows them that way), but a client gets them as structured calls only, so an echo with
+    # `content: null` is the same turn
+    answer = parsed.answer
+    reasoning, content = (parsed.reasoning, answer) if parsed.reasoning else split_reasoning(answer)
     if parsed.tool_calls and (tool_choice == "none" or not calls):
         content, calls = content + parsed.calls_text, []
     message: Message = {"role": "assistant", "content": content if content or not calls else None}
