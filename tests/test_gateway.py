@@ -520,3 +520,21 @@ async def test_a_new_chain_puts_tool_results_in_a_role_the_template_renders():
     result = gateway.close_session(sid)
     assert result.stats.observation_role_fallbacks == 1
     _assert_exact(result, engine)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "mistral-small-3.2"])
+async def test_an_empty_user_message_before_a_call_still_extends_under_thinking_retention_all(family):
+    """Under `all` the new messages' text is found after the sampled turn; with nothing to anchor on before it (an
+    empty user message) a short result ("5") was found inside the prompt's own text and the turn re-rendered
+    (template_rerenders_earlier_turns). It is looked for after the earlier messages' rendering now."""
+    def turns(chat, tok):
+        final = FINAL_TEXT.get(family, "The answer is 5.")
+        return [_call_ids(family, chat), tok(final, add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup(family, "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    await _tool_loop(_client(gateway, sid), [{"role": "user", "content": ""}])
+    metrics = gateway.metrics()
+    assert metrics["gateway/extended"] == 1 and not any("fallbacks" in k for k in metrics), metrics
+    gateway.post_reward(sid, 1.0)
+    _assert_exact(gateway.close_session(sid), engine)

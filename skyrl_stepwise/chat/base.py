@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -318,14 +319,18 @@ class ChatRenderer(Protocol):
         ...
 
 
-def check_observations_kept(new_messages: list[Message], new_text: str, renderer_name: str) -> None:
+def check_observations_kept(new_messages: list[Message], new_text: str, renderer_name: str,
+                            normalize: Callable[[str], str] | None = None) -> None:
     """Fail loudly when the rendering of the next turn lost an observation: a tool result the model never sees
-    would train it on a conversation that did not happen (some templates silently skip `role: tool`)."""
+    would train it on a conversation that did not happen (some templates silently skip `role: tool`).
+    `normalize`: the Unicode form `new_text` is in (the tokenizer's), applied to each observation too."""
     for message in new_messages:
         content = message.get("content")
         if not isinstance(content, str) or not content.strip():
             continue
         text = content.strip()
+        if normalize is not None:
+            text, new_text = normalize(text), normalize(new_text)
         if any(form in new_text for form in rendered_forms(text)):
             continue
         raise RenderError(f"the chat template of {renderer_name!r} drops {message.get('role')!r} messages: "
@@ -339,3 +344,24 @@ def rendered_forms(text: str) -> tuple[str, ...]:
     html_safe = (escaped.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
                  .replace("'", "\\u0027"))
     return text, escaped, html_safe, json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def unicode_normalizer(tokenizer) -> Callable[[str], str] | None:
+    """The Unicode normal form the tokenizer puts text in before encoding (Qwen2/3 and DeepSeek-R1-Distill: NFC), as a
+    function on text; None where it applies none (or anything else: lowercasing, prefix spaces), so text rendered by
+    the template and ids decoded back are compared in the same form."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        spec = json.loads(backend.to_str()).get("normalizer") if backend is not None else None
+    except (AttributeError, ValueError):
+        return None
+    steps = (spec.get("normalizers") or [] if spec and spec.get("type") == "Sequence" else [spec]) if spec else []
+    forms = [step.get("type") for step in steps if isinstance(step, dict)]
+    if not forms or not all(form in ("NFC", "NFD", "NFKC", "NFKD") for form in forms):
+        return None
+
+    def normalize(text: str) -> str:
+        for form in forms:
+            text = unicodedata.normalize(form, text)
+        return text
+    return normalize
