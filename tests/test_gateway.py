@@ -14,7 +14,7 @@ from test_tool_call_formats import _sampled_call_turn, unrendered_calls
 from skyrl_stepwise.chat.template import TemplateRenderer
 from skyrl_stepwise.gateway import Gateway, GatewayConfig
 from skyrl_stepwise.gateway.app import create_app
-from skyrl_stepwise.generator import GeneratorConfig
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig
 from skyrl_stepwise.generator.generator import steps_to_output
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.output import TrajectoryID
@@ -254,6 +254,11 @@ def _error(excinfo) -> dict:
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools[0].function.name",
      "invalid_value"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "invalid_value"),
+    ({"functions": [{"name": "calculator", "parameters": {}}]}, 400, "functions", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "function_call": {
+        "name": "calculator", "arguments": "{}"}}, {"role": "user", "content": "go"}]}, 400,
+     "messages[1].function_call", "unsupported_parameter"),
+    ({"logprobs": True, "top_logprobs": 3}, 400, "top_logprobs", "unsupported_parameter"),
 ])
 async def test_bad_requests_get_an_openai_error_naming_the_field(kwargs, status, param, code):
     gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)])
@@ -538,3 +543,23 @@ async def test_an_empty_user_message_before_a_call_still_extends_under_thinking_
     assert metrics["gateway/extended"] == 1 and not any("fallbacks" in k for k in metrics), metrics
     gateway.post_reward(sid, 1.0)
     _assert_exact(gateway.close_session(sid), engine)
+
+
+async def test_logprobs_are_the_recorded_ones_of_the_sampled_tokens_and_refused_where_none_are_recorded():
+    """`logprobs: true` was silently answered with null: now each sampled token with the logprob the trainer gets
+    (never the close we append), and a 400 naming the field where the run records none."""
+    gateway, engine, chat = _setup("smollm2", "all", lambda chat, tok: [tok("Hi there", add_special_tokens=False)[
+        "input_ids"]])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    r = await _client(gateway, sid).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                            logprobs=True, top_logprobs=0)
+    tokens = r.choices[0].logprobs.content
+    assert "".join(t.token for t in tokens) == "Hi there" and len(tokens) == len(engine.sampled[0])
+    assert [t.logprob for t in tokens] == gateway.sessions[sid].steps[0].logprobs[:len(tokens)]
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)],
+                           sampling=GeneratorSamplingConfig(logprobs=False))
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        await _client(gateway, sid).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                            logprobs=True)
+    assert _error(excinfo)["param"] == "logprobs"

@@ -219,9 +219,20 @@ class Gateway:
         completion = sum(step.loss_mask)
         return {"id": f"chatcmpl-{session.id}-{len(session.calls)}", "object": "chat.completion",
                 "created": int(time.time()), "model": request.model,
-                "choices": [{"index": 0, "message": call.reply, "finish_reason": finish, "logprobs": None}],
+                "choices": [{"index": 0, "message": call.reply, "finish_reason": finish,
+                             "logprobs": self._logprobs(step) if request.logprobs else None}],
                 "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion,
                           "total_tokens": len(call.prompt_ids) + completion}}
+
+    def _logprobs(self, step: StepSample) -> dict[str, Any]:
+        """OpenAI's `choices[0].logprobs`: each sampled token (never one we appended) with its recorded logprob."""
+        tokens = [(t, lp) for t, lp, m in zip(step.response_ids, step.logprobs or [], step.loss_mask) if m]
+        content = []
+        for token, logprob in tokens:
+            text = self.renderer.decode([token])
+            content.append({"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8")),
+                            "top_logprobs": []})
+        return {"content": content, "refusal": None}
 
     # messages -------------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[Message], answered: ParsedTurn | None) -> list[Message]:
