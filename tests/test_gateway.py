@@ -563,3 +563,24 @@ async def test_logprobs_are_the_recorded_ones_of_the_sampled_tokens_and_refused_
         await _client(gateway, sid).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
                                                             logprobs=True)
     assert _error(excinfo)["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("family", ["mistral-small-3.2", "qwen2.5"])
+async def test_a_tool_result_with_an_id_naming_no_call_answers_the_call_at_its_position(family):
+    """A client that numbers calls its own way: the result is tied to the call at its position (counted), not sent
+    as a result of nothing (Mistral's template refused that: an unclear 400 about role alternation)."""
+    def turns(chat, tok):
+        return [_call_ids(family, chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup(family, "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    messages += [_mangled_echo(r.choices[0].message), {"role": "tool", "tool_call_id": "my-own-id", "content": "R5"}]
+    await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    metrics = gateway.metrics()
+    assert metrics["gateway/tool_call_id_mismatches"] == 1 and metrics["gateway/extended"] == 1, metrics
+    assert "R5" in chat.decode(engine.calls[1][1])
+    gateway.post_reward(sid, 1.0)
+    _assert_exact(gateway.close_session(sid), engine)

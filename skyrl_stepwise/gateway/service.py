@@ -139,7 +139,7 @@ class Gateway:
                 if match.repeated:
                     self.count("repeated_prompts")
                     return list(call.prompt_ids), list(call.history)
-                new = self._template_messages(match.new, call.parsed)
+                new = self._template_messages(self._tie_tool_results(call.parsed.call_ids(), match.new), call.parsed)
                 turn = conversation_turn(call.parsed, new, chat.roles)
                 session.stats.observation_role_fallbacks += turn.role_fallbacks
                 history = call.history + [turn.assistant] + turn.observations
@@ -256,6 +256,23 @@ class Gateway:
             out.append(msg)
         return out
 
+    def _tie_tool_results(self, call_ids: list[str], messages: list[Message]) -> list[Message]:
+        """The `tool` messages that open `messages` answer the calls `call_ids` of the turn before them: one whose
+        `tool_call_id` names none of them (a client that numbers calls its own way, or echoes a stale id) is tied
+        to the call at its position, counted in `gateway/tool_call_id_mismatches`, so the template renders it as
+        that call's result (Mistral refuses a result that answers no call; others would render it as answering
+        nothing)."""
+        known, out = set(call_ids), []
+        for k, m in enumerate(messages):
+            if m.get("role") != "tool":
+                out.extend(messages[k:])
+                break
+            if call_ids and m.get("tool_call_id") not in known and k < len(call_ids):
+                self.count("tool_call_id_mismatches")
+                m = {**m, "tool_call_id": call_ids[k]}
+            out.append(m)
+        return out
+
     def _template_call(self, call: dict) -> dict:
         fn = call["function"]
         arguments = fn.get("arguments")
@@ -277,7 +294,8 @@ class Gateway:
 
         def place() -> None:
             # a `tool` message the template refuses or drops goes in its fallback role, as in a continued chain
-            placed, moved = observations_in_roles(assistant, after, self.renderer.roles)
+            ids = [c.get("id") for c in (assistant or {}).get("tool_calls") or []]
+            placed, moved = observations_in_roles(assistant, self._tie_tool_results(ids, after), self.renderer.roles)
             session.stats.observation_role_fallbacks += moved
             out.extend(placed)
             after.clear()
