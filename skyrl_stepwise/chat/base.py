@@ -350,10 +350,10 @@ def unicode_normalizer(tokenizer) -> Callable[[str], str] | None:
     """The Unicode normal form the tokenizer puts text in before encoding (Qwen2/3 and DeepSeek-R1-Distill: NFC), as a
     function on text; None where it applies none (or anything else: lowercasing, prefix spaces), so text rendered by
     the template and ids decoded back are compared in the same form."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    try:
-        spec = json.loads(backend.to_str()).get("normalizer") if backend is not None else None
-    except (AttributeError, ValueError):
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    try:  # the normalizer's own JSON (not the whole tokenizer's: that serialises the vocabulary)
+        spec = json.loads(normalizer.__getstate__()) if normalizer is not None else None
+    except (AttributeError, TypeError, ValueError):
         return None
     steps = (spec.get("normalizers") or [] if spec and spec.get("type") == "Sequence" else [spec]) if spec else []
     forms = [step.get("type") for step in steps if isinstance(step, dict)]
