@@ -481,3 +481,44 @@ def test_a_template_without_system_role_gets_the_system_prompt_and_tools_in_the_
     assert text.startswith("<bos><start_of_turn>user\nYou are a careful assistant.\n\n# Tools"), text
     assert '"name": "calculator"' in text and text.endswith("Compute 1200+34, 4321*2, 999-1 and 7000+77.<end_of_turn>"
                                                              "\n<start_of_turn>model\n")
+
+
+class _FixedObservationEnv:
+    """One observation (the given text, as a user message) after each of two turns, then done."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.n = text, 0
+
+    async def reset(self, prompt, extras):
+        return list(prompt)
+
+    async def step(self, action_text):
+        self.n += 1
+        return StepResult([] if self.n >= 3 else [{"role": "user", "content": self.text}], float(self.n >= 3),
+                          self.n >= 3)
+
+
+@pytest.mark.parametrize(("family", "retention"), [("qwen2.5", "template"), ("qwen3", "all")])
+async def test_text_the_tokenizer_normalises_is_kept_and_extends_exactly(family, retention):
+    """Decomposed accents (`a` + U+0308) in the prompt and in observations: Qwen's tokenizer encodes NFC, so the ids
+    decode to another spelling than the template rendered. That is neither a lost observation (it failed the
+    trajectory on `renderers` qwen3) nor a history rewrite (it re-rendered every turn on the Qwen2.5 template)."""
+    tok = family_tokenizer(family)
+    kwargs = dict(FAMILIES[family].render_kwargs)
+    chat = create_renderer(tok, "auto", kwargs, retention)
+    turn = tok("Noted.", add_special_tokens=False)["input_ids"] + [chat.close_id]
+    engine = ScriptedEngine(lambda prompt, session, index: turn, tok)
+    registry = EnvRegistry()
+    registry.register("fixed", lambda: _FixedObservationEnv("Re\u0301sultat: a\u0308 \u00e4 \u8ba1\u7b97 \U0001f600"))
+    cfg = GeneratorConfig(max_turns=3, max_input_length=4096, show_progress=False, thinking_retention=retention,
+                          chat_template_kwargs=kwargs, sampling=GeneratorSamplingConfig(max_generate_length=16))
+    gen = StepwiseGenerator(tokenizer=tok, engine=engine, env_registry=registry, cfg=cfg)
+    prompt = [{"role": "user", "content": "Cafe\u0301 \u00fcber?"}]
+    out = await gen.generate([prompt], ["fixed"], [{}], [TrajectoryID("q", 0)])
+    m = out.rollout_metrics
+    assert m["generate/failed_trajectories"] == 0 and m["generate/bridge_fallbacks"] == 0, m
+    assert out.prompt_token_ids == [p for _, p in engine.calls]
+    for i in range(2):
+        prev = out.prompt_token_ids[i] + out.response_ids[i]
+        assert out.prompt_token_ids[i + 1][:len(prev)] == prev
+        assert "R\u00e9sultat" in chat.decode(out.prompt_token_ids[i + 1][len(prev):])

@@ -14,7 +14,7 @@ from test_tool_call_formats import _sampled_call_turn, unrendered_calls
 from skyrl_stepwise.chat.template import TemplateRenderer
 from skyrl_stepwise.gateway import Gateway, GatewayConfig
 from skyrl_stepwise.gateway.app import create_app
-from skyrl_stepwise.generator import GeneratorConfig
+from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig
 from skyrl_stepwise.generator.generator import steps_to_output
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.output import TrajectoryID
@@ -254,6 +254,11 @@ def _error(excinfo) -> dict:
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools[0].function.name",
      "invalid_value"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", "invalid_value"),
+    ({"functions": [{"name": "calculator", "parameters": {}}]}, 400, "functions", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "function_call": {
+        "name": "calculator", "arguments": "{}"}}, {"role": "user", "content": "go"}]}, 400,
+     "messages[1].function_call", "unsupported_parameter"),
+    ({"logprobs": True, "top_logprobs": 3}, 400, "top_logprobs", "unsupported_parameter"),
 ])
 async def test_bad_requests_get_an_openai_error_naming_the_field(kwargs, status, param, code):
     gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)])
@@ -474,3 +479,108 @@ async def test_multi_turn_replay_on_the_real_model_is_exact(backend, request, to
     assert [s.prompt_ids for s in result.steps] == prompts
     for step, sampled in zip(result.steps, engine.sampled):
         assert [t for t, m in zip(step.response_ids, step.loss_mask) if m] == sampled
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma-2", "granite-3.3"])
+async def test_a_call_turn_echoed_with_null_content_continues_on_templates_that_do_not_render_calls(family):
+    """A template that cannot render `tool_calls` keeps the call's text in the turn's content for its history, but the
+    client is shown the calls as structured calls only (content null), so an echo with `content: null` (what most
+    clients send beside tool_calls) is the same turn: 0 breaks."""
+    def turns(chat, tok):
+        return [_call_ids(family, chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup(family, "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+
+    def null_content(message):
+        return {**_mangled_echo(message), "content": None}
+
+    replies = await _tool_loop(_client(gateway, sid), [{"role": "user", "content": "What is 2+3?"}], echo=null_content)
+    assert replies[0].choices[0].message.content is None and replies[0].choices[0].message.tool_calls
+    metrics = gateway.metrics()
+    assert metrics.get("gateway/chain_breaks", 0) == 0 and metrics["gateway/extended"] == 1, metrics
+    gateway.post_reward(sid, 1.0)
+    _assert_exact(gateway.close_session(sid), engine)
+
+
+async def test_a_new_chain_puts_tool_results_in_a_role_the_template_renders():
+    """After a break, the client's history is rendered anew: a `tool` message Gemma 2 refuses goes in the user role
+    (counted), as in a continued chain, instead of a 400 from the template."""
+    def turns(chat, tok):
+        return [_call_ids("gemma-2", chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup("gemma-2", "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    call = r.choices[0].message.tool_calls[0]
+    messages += [_mangled_echo(r.choices[0].message), {"role": "tool", "tool_call_id": call.id, "content": "RESULT5"}]
+    del messages[0]  # a changed history: a new chain from the client's messages
+    await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    metrics = gateway.metrics()
+    assert metrics["gateway/chain_breaks/dropped_message"] == 1, metrics
+    assert "RESULT5" in chat.decode(engine.calls[1][1])
+    gateway.post_reward(sid, 1.0)
+    result = gateway.close_session(sid)
+    assert result.stats.observation_role_fallbacks == 1
+    _assert_exact(result, engine)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "mistral-small-3.2"])
+async def test_an_empty_user_message_before_a_call_still_extends_under_thinking_retention_all(family):
+    """Under `all` the new messages' text is found after the sampled turn; with nothing to anchor on before it (an
+    empty user message) a short result ("5") was found inside the prompt's own text and the turn re-rendered
+    (template_rerenders_earlier_turns). It is looked for after the earlier messages' rendering now."""
+    def turns(chat, tok):
+        final = FINAL_TEXT.get(family, "The answer is 5.")
+        return [_call_ids(family, chat), tok(final, add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup(family, "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    await _tool_loop(_client(gateway, sid), [{"role": "user", "content": ""}])
+    metrics = gateway.metrics()
+    assert metrics["gateway/extended"] == 1 and not any("fallbacks" in k for k in metrics), metrics
+    gateway.post_reward(sid, 1.0)
+    _assert_exact(gateway.close_session(sid), engine)
+
+
+async def test_logprobs_are_the_recorded_ones_of_the_sampled_tokens_and_refused_where_none_are_recorded():
+    """`logprobs: true` was silently answered with null: now each sampled token with the logprob the trainer gets
+    (never the close we append), and a 400 naming the field where the run records none."""
+    gateway, engine, chat = _setup("smollm2", "all", lambda chat, tok: [tok("Hi there", add_special_tokens=False)[
+        "input_ids"]])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    r = await _client(gateway, sid).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                            logprobs=True, top_logprobs=0)
+    tokens = r.choices[0].logprobs.content
+    assert "".join(t.token for t in tokens) == "Hi there" and len(tokens) == len(engine.sampled[0])
+    assert [t.logprob for t in tokens] == gateway.sessions[sid].steps[0].logprobs[:len(tokens)]
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)],
+                           sampling=GeneratorSamplingConfig(logprobs=False))
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    with pytest.raises(openai.BadRequestError) as excinfo:
+        await _client(gateway, sid).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                            logprobs=True)
+    assert _error(excinfo)["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("family", ["mistral-small-3.2", "qwen2.5"])
+async def test_a_tool_result_with_an_id_naming_no_call_answers_the_call_at_its_position(family):
+    """A client that numbers calls its own way: the result is tied to the call at its position (counted), not sent
+    as a result of nothing (Mistral's template refused that: an unclear 400 about role alternation)."""
+    def turns(chat, tok):
+        return [_call_ids(family, chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, chat = _setup(family, "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    messages += [_mangled_echo(r.choices[0].message), {"role": "tool", "tool_call_id": "my-own-id", "content": "R5"}]
+    await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    metrics = gateway.metrics()
+    assert metrics["gateway/tool_call_id_mismatches"] == 1 and metrics["gateway/extended"] == 1, metrics
+    assert "R5" in chat.decode(engine.calls[1][1])
+    gateway.post_reward(sid, 1.0)
+    _assert_exact(gateway.close_session(sid), engine)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -54,6 +55,16 @@ class ParsedTurn:
     reasoning_key: str = "reasoning_content"  # where templates read it: Qwen3 `reasoning_content`, gpt-oss `thinking`
     # the sampled text from the first call on: what a message without structured calls shows of a malformed turn
     calls_text: str = ""
+    # `content` already ends with `calls_text` (a template that cannot render `tool_calls` keeps them in the text);
+    # `answer` is then the text before the calls, what an OpenAI client is shown next to structured calls
+    calls_in_content: bool = False
+
+    @property
+    def answer(self) -> str:
+        """The turn's text without its calls' text (`content` unless the calls are kept in it)."""
+        if self.calls_in_content and self.calls_text and self.content.endswith(self.calls_text):
+            return self.content[:len(self.content) - len(self.calls_text)]
+        return self.content
 
     @property
     def malformed(self) -> bool:
@@ -81,7 +92,7 @@ class ParsedTurn:
         if self.reasoning:
             msg[self.reasoning_key] = self.reasoning
         calls = [(c, i) for c, i in zip(self.tool_calls, self.call_ids()) if c.error is None or malformed_as_calls]
-        if self.malformed and not calls:
+        if self.malformed and not calls and not self.calls_in_content:
             msg["content"] = self.content + self.calls_text
         if calls:
             msg["tool_calls"] = [{"type": "function", "id": i, "function": _call_function(c)} for c, i in calls]
@@ -197,7 +208,15 @@ def conversation_turn(turn: ParsedTurn, observations: list[Message], support: Ro
       (consecutive ones merged, for templates whose roles must alternate): never dropped, counted."""
     as_calls = turn.malformed and support.tool_after_call and not support.tool_without_call
     assistant = turn.message(malformed_as_calls=as_calls)
-    answered = {c["id"] for c in assistant.get("tool_calls", [])}
+    out, fallbacks = observations_in_roles(assistant, observations, support)
+    return ConversationTurn(assistant, out, fallbacks)
+
+
+def observations_in_roles(assistant: Message | None, observations: list[Message],
+                          support: RoleSupport) -> tuple[list[Message], int]:
+    """The messages after `assistant` (None: the conversation's start) with every `tool` message the template
+    would refuse or drop moved to `support.fallback_role` (consecutive ones merged); and how many were moved."""
+    answered = {c.get("id") for c in (assistant or {}).get("tool_calls") or []}
     out: list[Message] = []
     fallbacks, merged_last = 0, False
     for obs in observations:
@@ -213,7 +232,7 @@ def conversation_turn(turn: ParsedTurn, observations: list[Message], support: Ro
                 continue
         out.append(obs)
         merged_last = False
-    return ConversationTurn(assistant, out, fallbacks)
+    return out, fallbacks
 
 
 def through_first_stop(ids: list[int], stop_ids: set[int], close_id: int) -> list[int]:
@@ -300,14 +319,18 @@ class ChatRenderer(Protocol):
         ...
 
 
-def check_observations_kept(new_messages: list[Message], new_text: str, renderer_name: str) -> None:
+def check_observations_kept(new_messages: list[Message], new_text: str, renderer_name: str,
+                            normalize: Callable[[str], str] | None = None) -> None:
     """Fail loudly when the rendering of the next turn lost an observation: a tool result the model never sees
-    would train it on a conversation that did not happen (some templates silently skip `role: tool`)."""
+    would train it on a conversation that did not happen (some templates silently skip `role: tool`).
+    `normalize`: the Unicode form `new_text` is in (the tokenizer's), applied to each observation too."""
     for message in new_messages:
         content = message.get("content")
         if not isinstance(content, str) or not content.strip():
             continue
         text = content.strip()
+        if normalize is not None:
+            text, new_text = normalize(text), normalize(new_text)
         if any(form in new_text for form in rendered_forms(text)):
             continue
         raise RenderError(f"the chat template of {renderer_name!r} drops {message.get('role')!r} messages: "
@@ -321,3 +344,24 @@ def rendered_forms(text: str) -> tuple[str, ...]:
     html_safe = (escaped.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
                  .replace("'", "\\u0027"))
     return text, escaped, html_safe, json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def unicode_normalizer(tokenizer) -> Callable[[str], str] | None:
+    """The Unicode normal form the tokenizer puts text in before encoding (Qwen2/3 and DeepSeek-R1-Distill: NFC), as a
+    function on text; None where it applies none (or anything else: lowercasing, prefix spaces), so text rendered by
+    the template and ids decoded back are compared in the same form."""
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    try:  # the normalizer's own JSON (not the whole tokenizer's: that serialises the vocabulary)
+        spec = json.loads(normalizer.__getstate__()) if normalizer is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+    steps = (spec.get("normalizers") or [] if spec and spec.get("type") == "Sequence" else [spec]) if spec else []
+    forms = [step.get("type") for step in steps if isinstance(step, dict)]
+    if not forms or not all(form in ("NFC", "NFD", "NFKC", "NFKD") for form in forms):
+        return None
+
+    def normalize(text: str) -> str:
+        for form in forms:
+            text = unicodedata.normalize(form, text)
+        return text
+    return normalize

@@ -9,7 +9,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from skyrl_stepwise.chat.base import (Message, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
+from skyrl_stepwise.chat.base import (Message, unicode_normalizer, NextPrompt, ParsedTurn, RenderError, ToolCallRequest,
                                       RenderedTurn, check_observations_kept, probe_call_message,
                                       probe_role_support, rendered_turn)
 from skyrl_stepwise.chat.tool_formats import FORMATS, PROBE_ARG, ToolParser
@@ -94,6 +94,7 @@ class LibraryRenderer:
             config = config.model_copy(update={"thinking_retention": "all"})
         self.renderer = renderers.create_renderer(tokenizer, config, chat_template_kwargs=chat_template_kwargs)
         self.tokenizer = tokenizer
+        self._normalize = unicode_normalizer(tokenizer)  # ids decode to the tokenizer's normal form (NFC)
         self.name = f"renderers:{renderer_name}"
         self.thinking_retention = thinking_retention
         stops = list(self.renderer.get_stop_token_ids())
@@ -188,7 +189,7 @@ class LibraryRenderer:
         if bridge is not None:
             ids = list(bridge.token_ids)
             if ids[:len(chain)] == chain:
-                check_observations_kept(new_messages, self.decode(ids[len(chain):]), self.name)
+                check_observations_kept(new_messages, self.decode(ids[len(chain):]), self.name, self._normalize)
                 return NextPrompt(ids, True)
             reason = "bridge_drops_sampled_ids"  # the sampled ids ran past the turn close
         elif self.thinking_retention == "template" and any(m.get("role") == "user" for m in new_messages):
@@ -196,5 +197,5 @@ class LibraryRenderer:
         else:
             reason = "renderer_declined"  # it cannot prove an exact extension
         ids = self.prompt_ids(history, tools)
-        check_observations_kept(new_messages, self.decode(ids), self.name)
+        check_observations_kept(new_messages, self.decode(ids), self.name, self._normalize)
         return NextPrompt(ids, False, reason)

@@ -11,12 +11,13 @@ sampled and take only the template's rendering of the new messages (found after 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept,
-                                      fold_system_into_user, probe_call_message, probe_role_support,
+                                      fold_system_into_user, probe_call_message, probe_role_support, unicode_normalizer,
                                       RenderedTurn, rendered_forms, rendered_turn, through_first_stop)
 from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat
 from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering
@@ -46,6 +47,7 @@ class TemplateRenderer:
         self.name = f"template:{tokenizer.name_or_path}"
         self.kwargs = dict(chat_template_kwargs or {})
         self.thinking_retention = thinking_retention
+        self._normalize = unicode_normalizer(tokenizer)
         self._special_ids = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
@@ -141,8 +143,9 @@ class TemplateRenderer:
                      if c.error is None and isinstance(c.arguments, dict) else c for c in calls]
         if not self.renders_tool_calls:
             # a template that cannot render `tool_calls` would drop the calls from a re-rendered history: keep them
-            # in the content, as sampled
-            return ParsedTurn(text, None, calls)
+            # in the content, as sampled (an OpenAI client is shown the text before them: `answer`)
+            calls_text = text[len(content):] if calls and text.startswith(content) else ""
+            return ParsedTurn(text, None, calls, calls_text=calls_text, calls_in_content=bool(calls_text))
         sep = self.content_call_separator
         if calls and sep and content.endswith(sep) and content.strip():
             content = content[:-len(sep)]  # the template writes it again before the call
@@ -158,6 +161,11 @@ class TemplateRenderer:
         prefix = prompt_ids + completion_ids + closing
         rendered = self.render(history, True, tools)
         prefix_text = self.decode(prefix)
+        normal = self._normalize
+        if normal is not None and not rendered.startswith(prefix_text) and normal(rendered).startswith(prefix_text):
+            # the tokenizer normalises text (Qwen's NFC): the ids decode to the normal form of what was rendered,
+            # so compare in that form (encoding the suffix normalises it anyway); not a history rewrite
+            rendered = normal(rendered)
         if rendered.startswith(prefix_text):
             suffix = rendered[len(prefix_text):]
         elif self.thinking_retention == "all" or keep_turn:
@@ -166,11 +174,11 @@ class TemplateRenderer:
                 return self._rerender(rendered, new_messages, "template_rerenders_earlier_turns")
         else:
             return self._rerender(rendered, new_messages, "template_rewrites_history")
-        check_observations_kept(new_messages, suffix, self.name)
+        check_observations_kept(new_messages, suffix, self.name, normal)
         return NextPrompt(prefix + self.encode(suffix), True)
 
     def _rerender(self, rendered: str, new_messages: list[Message], reason: str) -> NextPrompt:
-        check_observations_kept(new_messages, rendered, self.name)
+        check_observations_kept(new_messages, rendered, self.name, self._normalize)
         return NextPrompt(self.encode(rendered), False, reason)
 
     def _new_messages_text(self, history: list[Message], tools: list[dict] | None, end_id: int) -> str | None:
@@ -190,7 +198,8 @@ class TemplateRenderer:
             m.pop("reasoning_content", None)
             m.pop("thinking", None)
         text = self.render(marked, True, tools)
-        found = self._turn_end(text, history, last, end_id)
+        floor = self._earlier_messages_end(text, marked[:last], tools)
+        found = self._turn_end(text, history, last, end_id, floor)
         if found is None and _LAST_MARKER not in text and last >= 0 and marked[last].get("tool_calls"):
             # where the turn is cannot be told: without its calls, the marker shows it
             marked[last] = {k: v for k, v in marked[last].items() if k != "tool_calls"}
@@ -198,10 +207,22 @@ class TemplateRenderer:
                 text = self.render(marked, True, tools)
             except RenderError:
                 return None
-            found = self._turn_end(text, history, last, end_id)
+            found = self._turn_end(text, history, last, end_id, floor)
         return None if found is None else text[found:]
 
-    def _turn_end(self, text: str, history: list[Message], last: int, end_id: int) -> int | None:
+    def _earlier_messages_end(self, text: str, earlier: list[Message], tools: list[dict] | None) -> int:
+        """How much of `text` is the template's rendering of the messages before the last assistant turn (their
+        common prefix): a new message's text is looked for after it, so a short result ("5") is not found in the
+        prompt's own text where the message before the turn has none to anchor on (an empty user message)."""
+        if not earlier:
+            return 0
+        try:
+            before = self.render(earlier, False, tools)
+        except RenderError:
+            return 0
+        return len(os.path.commonprefix([text, before]))
+
+    def _turn_end(self, text: str, history: list[Message], last: int, end_id: int, floor: int = 0) -> int | None:
         """Where the last assistant turn's rendering ends in `text` (its content is `_LAST_MARKER`), or None.
 
         The turn starts after its marker, or at its last call's name after the previous message's text (Gemma 4
@@ -214,7 +235,7 @@ class TemplateRenderer:
         prev_end = max((i + len(form) for form in rendered_forms(previous.strip())
                         if (i := text.rfind(form, 0, marker if marker >= 0 else len(text))) >= 0),
                        default=-1) if isinstance(previous, str) and previous.strip() else -1
-        origin = max(prev_end, 0)
+        origin = max(prev_end, floor)
         limit = min((i for m in history[last + 1:] if isinstance(m.get("content"), str) and m["content"].strip()
                      for form in rendered_forms(m["content"].strip()) if (i := text.find(form, origin)) >= 0),
                     default=len(text))

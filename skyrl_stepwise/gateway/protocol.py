@@ -47,6 +47,7 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
+    logprobs: bool = False  # the sampled tokens' logprobs in the response (the run must record them)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,8 +78,22 @@ def parse_request(body: Any, sampling: GeneratorSamplingConfig, model_names: lis
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad(f"stream must be a boolean, got {stream!r}", "stream")
+    for key in ("functions", "function_call"):  # the legacy function-calling API: ignoring it would hide the tools
+        if body.get(key) is not None:
+            raise bad(f"{key} is the deprecated function-calling API, not served here: send `tools` (and "
+                      f"`tool_choice`) instead", key, "unsupported_parameter")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad(f"logprobs must be a boolean, got {logprobs!r}", "logprobs")
+    if logprobs and not sampling.logprobs:
+        raise bad("logprobs=true needs the run to record them (generator.sampling.logprobs=true); it does not",
+                  "logprobs", "unsupported_parameter")
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise bad(f"top_logprobs={top!r}: only the sampled tokens' logprobs are recorded; omit it or send 0",
+                  "top_logprobs", "unsupported_parameter")
     messages = _check_messages(body.get("messages"))
-    return ChatRequest(model, messages, tools, tool_choice, max_tokens, tuple(stop), stream)
+    return ChatRequest(model, messages, tools, tool_choice, max_tokens, tuple(stop), stream, bool(logprobs))
 
 
 def _check_sampling(body: dict, sampling: GeneratorSamplingConfig) -> None:
@@ -163,6 +178,9 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
             content = "".join(texts)
         elif content is not None and not isinstance(content, str):
             raise bad(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
+        if message.get("function_call") is not None:
+            raise bad(f"{where}.function_call is the deprecated function-calling API: echo the turn's `tool_calls`",
+                      f"{where}.function_call", "unsupported_parameter")
         calls = message.get("tool_calls")
         if calls is not None:
             if message["role"] != "assistant" or not isinstance(calls, list):

@@ -18,7 +18,8 @@ import uuid
 import zlib
 from typing import Any
 
-from skyrl_stepwise.chat import ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer
+from skyrl_stepwise.chat import (ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer,
+                                 observations_in_roles)
 from skyrl_stepwise.gateway.config import GatewayConfig
 from skyrl_stepwise.gateway.matching import Key, assistant_echoes, break_reason, find_match, message_key
 from skyrl_stepwise.gateway.reasoning import split_reasoning
@@ -138,7 +139,7 @@ class Gateway:
                 if match.repeated:
                     self.count("repeated_prompts")
                     return list(call.prompt_ids), list(call.history)
-                new = self._template_messages(match.new, call.parsed)
+                new = self._template_messages(self._tie_tool_results(call.parsed.call_ids(), match.new), call.parsed)
                 turn = conversation_turn(call.parsed, new, chat.roles)
                 session.stats.observation_role_fallbacks += turn.role_fallbacks
                 history = call.history + [turn.assistant] + turn.observations
@@ -218,9 +219,20 @@ class Gateway:
         completion = sum(step.loss_mask)
         return {"id": f"chatcmpl-{session.id}-{len(session.calls)}", "object": "chat.completion",
                 "created": int(time.time()), "model": request.model,
-                "choices": [{"index": 0, "message": call.reply, "finish_reason": finish, "logprobs": None}],
+                "choices": [{"index": 0, "message": call.reply, "finish_reason": finish,
+                             "logprobs": self._logprobs(step) if request.logprobs else None}],
                 "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": completion,
                           "total_tokens": len(call.prompt_ids) + completion}}
+
+    def _logprobs(self, step: StepSample) -> dict[str, Any]:
+        """OpenAI's `choices[0].logprobs`: each sampled token (never one we appended) with its recorded logprob."""
+        tokens = [(t, lp) for t, lp, m in zip(step.response_ids, step.logprobs or [], step.loss_mask) if m]
+        content = []
+        for token, logprob in tokens:
+            text = self.renderer.decode([token])
+            content.append({"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8")),
+                            "top_logprobs": []})
+        return {"content": content, "refusal": None}
 
     # messages -------------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[Message], answered: ParsedTurn | None) -> list[Message]:
@@ -244,6 +256,23 @@ class Gateway:
             out.append(msg)
         return out
 
+    def _tie_tool_results(self, call_ids: list[str], messages: list[Message]) -> list[Message]:
+        """The `tool` messages that open `messages` answer the calls `call_ids` of the turn before them: one whose
+        `tool_call_id` names none of them (a client that numbers calls its own way, or echoes a stale id) is tied
+        to the call at its position, counted in `gateway/tool_call_id_mismatches`, so the template renders it as
+        that call's result (Mistral refuses a result that answers no call; others would render it as answering
+        nothing)."""
+        known, out = set(call_ids), []
+        for k, m in enumerate(messages):
+            if m.get("role") != "tool":
+                out.extend(messages[k:])
+                break
+            if call_ids and m.get("tool_call_id") not in known and k < len(call_ids):
+                self.count("tool_call_id_mismatches")
+                m = {**m, "tool_call_id": call_ids[k]}
+            out.append(m)
+        return out
+
     def _template_call(self, call: dict) -> dict:
         fn = call["function"]
         arguments = fn.get("arguments")
@@ -260,15 +289,31 @@ class Gateway:
         its parsed ids (as the agent loop's history holds it), not from the client's re-serialised echo."""
         out: list[Message] = []
         last_turn: ParsedTurn | None = None
+        assistant: Message | None = None
+        after: list[Message] = []  # the messages since the last assistant turn, placed in roles at the next one
+
+        def place() -> None:
+            # a `tool` message the template refuses or drops goes in its fallback role, as in a continued chain
+            ids = [c.get("id") for c in (assistant or {}).get("tool_calls") or []]
+            placed, moved = observations_in_roles(assistant, self._tie_tool_results(ids, after), self.renderer.roles)
+            session.stats.observation_role_fallbacks += moved
+            out.extend(placed)
+            after.clear()
+
         for m in messages:
             if m["role"] == "assistant":
+                place()
                 call = next((c for c in reversed(session.calls) if assistant_echoes(m, c.reply)), None)
                 if call is not None:
-                    out.append(conversation_turn(call.parsed, [], self.renderer.roles).assistant)
+                    assistant = conversation_turn(call.parsed, [], self.renderer.roles).assistant
                     last_turn = call.parsed
-                    continue
-                last_turn = None
-            out.extend(self._template_messages([m], last_turn))
+                else:
+                    assistant = self._template_messages([m], None)[0]
+                    last_turn = None
+                out.append(assistant)
+                continue
+            after.extend(self._template_messages([m], last_turn))
+        place()
         return out
 
 
@@ -277,7 +322,11 @@ def reply_message(parsed: ParsedTurn, tool_choice: str) -> Message:
     A malformed call has no OpenAI form: the turn's sampled call text stays in the content, so the client sees
     what the model wrote; with tool_choice=none no call is offered for execution either."""
     calls = [(c, i) for c, i in zip(parsed.tool_calls, parsed.call_ids()) if c.error is None]
-    reasoning, content = (parsed.reasoning, parsed.content) if parsed.reasoning else split_reasoning(parsed.content)
+    # the text before the calls: a template that cannot render `tool_calls` keeps their text in the turn's content
+    # (its history shows them that way), but a client gets them as structured calls only, so an echo with
+    # `content: null` is the same turn
+    answer = parsed.answer
+    reasoning, content = (parsed.reasoning, answer) if parsed.reasoning else split_reasoning(answer)
     if parsed.tool_calls and (tool_choice == "none" or not calls):
         content, calls = content + parsed.calls_text, []
     message: Message = {"role": "assistant", "content": content if content or not calls else None}
