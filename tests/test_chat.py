@@ -10,6 +10,7 @@ from qwen_vocab import qwen_fast_tokenizer
 from test_generator import PROMPT, canonical, make_generator, run
 
 from skyrl_stepwise.chat import RenderError, TemplateRenderer, create_renderer
+from skyrl_stepwise.generator import TrajectoryID
 
 THINK = ["<think>\nI should search.\n</think>\n\n<search> Mona Lisa </search>",
          "<think>\nFound it.\n</think>\n\n<answer> Leonardo </answer>"]
@@ -175,3 +176,22 @@ def test_tool_schemas_reach_the_prompt_even_when_the_template_ignores_tools(toke
         text = chat.decode(chat.prompt_ids(PROMPT, tools))
         assert text.count('"name": "calculator"') == 1 and "<tool_call>" in text
         assert chat.renders_tools == (tok is not tokenizer)
+
+
+@pytest.mark.parametrize("family, renders_developer", [("mistral-small-3.2", False), ("gemma-2", False),
+                                                       ("gpt-oss", True)])
+async def test_a_developer_prompt_reaches_every_family(family, renders_developer):
+    """OpenAI's `developer` role: a template that renders it keeps it; one that raises on it (Mistral) or has no
+    system role at all (Gemma 2) gets it as `system` (folded into the first user turn there), as the agent endpoint
+    does, instead of failing every trajectory."""
+    from family_tokenizers import FAMILIES, family_tokenizer
+
+    tok = family_tokenizer(family)
+    chat = create_renderer(tok, "template", dict(FAMILIES[family].render_kwargs))
+    assert chat.roles.developer is renders_developer
+    prompt = [{"role": "developer", "content": "Answer in French."}, PROMPT[1]]
+    gen, engine, _ = make_generator(tok, lambda p, s, i: tok("Leonardo.", add_special_tokens=False)["input_ids"]
+                                    + [chat.close_id], turns=1, chat_template_kwargs=FAMILIES[family].render_kwargs)
+    out = await gen.generate([prompt], ["scripted"], [{}], [TrajectoryID("q0", 0)])
+    assert out.rollout_metrics["generate/failed_trajectories"] == 0 and len(out) == 1
+    assert "Answer in French." in tok.decode(engine.calls[0][1])

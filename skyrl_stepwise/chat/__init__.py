@@ -7,7 +7,7 @@ from typing import Any
 
 from skyrl_stepwise.chat.base import (ChatRenderer, ConversationTurn, Message, NextPrompt, ParsedTurn, RenderError,
                                       RoleSupport, ToolCallRequest, check_observations_kept, conversation_turn,
-                                      observations_in_roles)
+                                      developer_as_system, observations_in_roles)
 from skyrl_stepwise.chat.library import LibraryRenderer, library_renderer_name, renderer_matching_template
 from skyrl_stepwise.chat.template import TemplateRenderer
 
@@ -54,5 +54,5 @@ def renderer_names() -> list[str]:
 
 
 __all__ = ["ChatRenderer", "ConversationTurn", "LibraryRenderer", "Message", "NextPrompt", "ParsedTurn", "RenderError",
-           "RoleSupport", "TemplateRenderer", "ToolCallRequest", "check_observations_kept", "conversation_turn", "observations_in_roles",
-           "create_renderer", "renderer_names"]
+           "RoleSupport", "TemplateRenderer", "ToolCallRequest", "check_observations_kept", "conversation_turn",
+           "developer_as_system", "observations_in_roles", "create_renderer", "renderer_names"]

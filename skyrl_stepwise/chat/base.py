@@ -113,6 +113,7 @@ class RoleSupport:
     or silently drops is never sent to it; observations go in `fallback_role` instead (counted)."""
 
     system: bool = True  # a leading system message (Gemma 2 refuses one)
+    developer: bool = False  # a leading `developer` message (OpenAI's name for system instructions; gpt-oss renders it)
     tool_after_call: bool = True  # a `tool` message answering a call of the previous assistant turn
     tool_without_call: bool = True  # a `tool` message after a turn without calls (Mistral, Gemma 4, gpt-oss refuse)
     fallback_role: str = "user"
@@ -186,6 +187,7 @@ def probe_role_support(render: Callable[[list[Message]], str], fallback_role: st
 
     user = {"role": "user", "content": "U"}
     return RoleSupport(system=keeps([{"role": "system", "content": PROBE_TEXT}, user], [PROBE_TEXT]),
+                       developer=keeps([{"role": "developer", "content": PROBE_TEXT}, user], [PROBE_TEXT]),
                        tool_after_call=tool_role_serves(True), tool_without_call=tool_role_serves(False),
                        fallback_role=fallback_role)
 
@@ -262,6 +264,14 @@ def rendered_turn(prompt: list[int], history: list[int], full: list[int], decode
     if full[:len(history)] != history or shared < len(history):
         return None
     return RenderedTurn(through_first_stop(full[shared:], stop_ids, close_id), decode(prompt[shared:]))
+
+
+def developer_as_system(messages: list[Message], support: RoleSupport) -> list[Message]:
+    """`developer` messages as `system` where the template does not render that role (most do not: they raise or
+    drop it), so a prompt written for OpenAI's newer role name reaches every family, as the agent endpoint does."""
+    if support.developer or not any(m.get("role") == "developer" for m in messages):
+        return messages
+    return [dict(m, role="system") if m.get("role") == "developer" else m for m in messages]
 
 
 def fold_system_into_user(messages: list[Message]) -> list[Message]:

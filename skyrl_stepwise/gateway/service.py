@@ -236,12 +236,13 @@ class Gateway:
 
     # messages -------------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[Message], answered: ParsedTurn | None) -> list[Message]:
-        """Client messages in the shape the renderer takes: `developer` as `system`, tool results named after the
-        call they answer, arguments as the template wants them (dict, or JSON text for DeepSeek R1)."""
+        """Client messages in the shape the renderer takes: `developer` as `system` where the template does not render
+        it, tool results named after the call they answer, arguments as the template wants them (dict, or JSON text
+        for DeepSeek R1)."""
         names = {i: c.name for c, i in zip(answered.tool_calls, answered.call_ids())} if answered else {}
         out = []
         for m in messages:
-            role = "system" if m["role"] == "developer" else m["role"]
+            role = "system" if m["role"] == "developer" and not self.renderer.roles.developer else m["role"]
             msg: Message = {"role": role, "content": m.get("content") or ""}
             if role == "tool":
                 if m.get("tool_call_id"):

@@ -26,7 +26,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from skyrl_stepwise.chat import ChatRenderer, conversation_turn, create_renderer
+from skyrl_stepwise.chat import ChatRenderer, conversation_turn, create_renderer, developer_as_system
 from skyrl_stepwise.envs.base import Env, Message, TurnEnv
 from skyrl_stepwise.envs.contract import EnvOutputError, check_messages, check_step_result, env_name
 from skyrl_stepwise.generator.config import GeneratorConfig
@@ -168,6 +168,7 @@ class AgentLoop:
         except Exception as e:
             raise _TrajectoryFailed("env_reset", repr(e)) from e
         messages = self._checked(check_messages, messages, f"{env_name(env)}.reset return value")
+        messages = developer_as_system(messages, chat.roles)
         tools = getattr(env, "tool_schemas", None) or None  # OpenAI function schemas the env offers, rendered
         history: list[Message] = list(messages)  # text view, for full re-renders and `retokenize`
         prompt_ids = self._render(chat.prompt_ids, history, tools)
