@@ -188,3 +188,25 @@ def test_json_lines_datasets_load_like_parquet(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": [\n')
     with pytest.raises(ValueError, match="bad.jsonl: not readable JSON lines"):
         load_prompt_dataset(tmp_path / "bad.jsonl")
+
+
+def test_openai_content_parts_in_a_dataset_are_joined_and_images_refused_naming_the_part(tmp_path):
+    """Datasets written for OpenAI's API carry `content` as parts: text parts load as one string (as the agent
+    endpoint joins them); an image part stops the load naming the file, row, message and part."""
+    import json
+
+    from skyrl_stepwise.data.dataset import load_prompt_dataset
+
+    def row(content):
+        return {"prompt": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                           {"role": "user", "content": content}], "env_class": "keyword",
+                "reward_spec": {"ground_truth": "4"}, "data_source": "t", "extra_info": {}, "instance_id": "r0"}
+
+    (tmp_path / "parts.jsonl").write_text(json.dumps(row([{"type": "text", "text": "2+2"},
+                                                          {"type": "text", "text": "?"}])) + "\n")
+    (loaded,) = load_prompt_dataset(tmp_path / "parts.jsonl")
+    assert loaded.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    (tmp_path / "image.jsonl").write_text(json.dumps(row([{"type": "text", "text": "what is this?"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])) + "\n")
+    with pytest.raises(ValueError, match=r"image.jsonl: row 0 .*'prompt'\[1\]\['content'\]\[1\]: only text parts"):
+        load_prompt_dataset(tmp_path / "image.jsonl")

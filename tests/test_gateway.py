@@ -259,6 +259,9 @@ def _error(excinfo) -> dict:
         "name": "calculator", "arguments": "{}"}}, {"role": "user", "content": "go"}]}, 400,
      "messages[1].function_call", "unsupported_parameter"),
     ({"logprobs": True, "top_logprobs": 3}, 400, "top_logprobs", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages[0].content[1]",
+     "invalid_value"),
 ])
 async def test_bad_requests_get_an_openai_error_naming_the_field(kwargs, status, param, code):
     gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [_call_ids("smollm2", chat)])

@@ -266,6 +266,31 @@ def rendered_turn(prompt: list[int], history: list[int], full: list[int], decode
     return RenderedTurn(through_first_stop(full[shared:], stop_ids, close_id), decode(prompt[shared:]))
 
 
+class ContentError(ValueError):
+    """Message content that is not text; `param` is the path of the offending value (`messages[1].content[0]`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def text_content(content: Any, where: str) -> str:
+    """A message's text: a string as is, or OpenAI content parts `[{"type": "text", "text": ...}, ...]` joined (as
+    datasets and clients written for OpenAI's API send them); any other part (an image) raises, naming it."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ContentError(f"{where}[{j}]: only text parts are supported, got {str(part)[:80]!r}",
+                                   f"{where}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ContentError(f"{where} must be a string or a list of text parts, got {type(content).__name__}: "
+                       f"{str(content)[:80]!r}", where)
+
+
 def developer_as_system(messages: list[Message], support: RoleSupport) -> list[Message]:
     """`developer` messages as `system` where the template does not render that role (most do not: they raise or
     drop it), so a prompt written for OpenAI's newer role name reaches every family, as the agent endpoint does."""

@@ -1,7 +1,7 @@
 """Our prompt dataset format (parquet) and the converter from Search-R1's parquet files.
 
 One row = one prompt. Columns:
-  prompt       list of {"role", "content"} chat messages
+  prompt       list of {"role", "content"} chat messages (content: a string, or OpenAI text parts, joined at load)
   env_class    name registered in the EnvRegistry (e.g. "search")
   reward_spec  what the row's env grades with (a dict, may be empty); the built-in search and tool envs need
                {"ground_truth": {"target": [answers, ...]}, ...}, checked at load; your own env reads what it wants
@@ -21,6 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from skyrl_stepwise.chat.base import text_content
 
 Message = dict[str, str]
 REQUIRED_COLUMNS = ("prompt", "env_class", "reward_spec", "data_source", "extra_info", "instance_id")
@@ -114,9 +116,13 @@ def _validate_row(row: dict[str, Any], i: int, path: str | Path) -> PromptRow:
     prompt = row["prompt"]
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(f"{where}: 'prompt' must be a non-empty list of chat messages, got {str(prompt)[:80]!r}")
+    messages = []
     for j, m in enumerate(prompt):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"{where}: 'prompt'[{j}] must be {{'role': str, 'content': str}}, got {str(m)[:80]!r}")
+        # OpenAI-style content parts are joined (text only): such datasets load as they are written
+        messages.append({"role": m["role"], "content": text_content(m.get("content"),
+                                                                     f"{where}: 'prompt'[{j}]['content']")})
     if not isinstance(row["env_class"], str) or not row["env_class"]:
         raise ValueError(f"{where}: 'env_class' must be a non-empty string, got {row['env_class']!r}")
     if not isinstance(row["instance_id"], str) or not row["instance_id"]:
@@ -125,7 +131,7 @@ def _validate_row(row: dict[str, Any], i: int, path: str | Path) -> PromptRow:
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: 'reward_spec' must be a dict (or null), got {str(spec)[:120]!r}")
     extra = row["extra_info"] if isinstance(row["extra_info"], dict) else {}
-    out = PromptRow([{"role": m["role"], "content": m["content"]} for m in prompt], row["env_class"], spec,
+    out = PromptRow(messages, row["env_class"], spec,
                     str(row["data_source"]), extra, row["instance_id"])
     check_reward_spec(out, where)
     return out

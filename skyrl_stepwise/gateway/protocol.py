@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from skyrl_stepwise.chat.base import ContentError, text_content
 from skyrl_stepwise.generator.config import GeneratorSamplingConfig
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -169,15 +170,11 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise bad(f"{where}.role must be one of {list(ROLES)}", f"{where}.role")
         content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"{where}.content[{j}]: only text parts are supported", f"{where}.content[{j}]")
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is not None and not isinstance(content, str):
-            raise bad(f"{where}.content must be a string, a list of text parts or null", f"{where}.content")
+        if content is not None:
+            try:
+                content = text_content(content, f"{where}.content")
+            except ContentError as e:
+                raise bad(str(e), e.param) from None
         if message.get("function_call") is not None:
             raise bad(f"{where}.function_call is the deprecated function-calling API: echo the turn's `tool_calls`",
                       f"{where}.function_call", "unsupported_parameter")
