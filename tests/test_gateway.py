@@ -273,9 +273,10 @@ async def test_bad_requests_get_an_openai_error_naming_the_field(kwargs, status,
     error = _error(excinfo)
     assert (error["param"], error["code"]) == (param, code), error
     assert engine.calls == [] and gateway.sessions[sid].failure is None  # refused before sampling, session intact
-    # the run's own settings restated are fine
+    # the run's own settings restated are fine, tool_choice auto in the Responses API's spelling too
     ok = await _client(gateway, sid).chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                                             temperature=1.0, top_p=1.0, max_tokens=8)
+                                                             temperature=1.0, top_p=1.0, max_tokens=8,
+                                                             tools=[CALC], tool_choice={"type": "auto"})
     assert ok.usage.completion_tokens <= 8
 
 

@@ -154,6 +154,8 @@ def _check_tool_choice(choice: Any, tools: list[dict] | None) -> str:
     """auto or none; forcing a call needs constrained decoding, which the trainer cannot reproduce."""
     if choice is None:
         return "auto"
+    if isinstance(choice, dict) and set(choice) == {"type"}:  # {"type": "auto"}: the Responses API's spelling
+        choice = choice["type"]
     if choice in ("auto", "none"):
         return choice
     raise bad(f"tool_choice={choice!r}: forcing a call needs constrained decoding, whose masked distribution the "
