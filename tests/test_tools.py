@@ -71,6 +71,18 @@ class SyncCallTool(Tool):
         return "x"
 
 
+
+class EchoTool:
+    """A bare ToolLike (no Tool base, so no load-time schema check) that echoes its arguments as JSON."""
+
+    config_class = None
+
+    def __init__(self, parameters: dict, name: str = "echo"):
+        self.name, self.schema = name, {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    async def call(self, arguments):
+        return json.dumps(arguments)
+
 def calc_executor(**kw) -> ToolExecutor:
     return ToolExecutor({"calculator": CalculatorTool()}, **kw)
 
@@ -560,6 +572,52 @@ def test_a_schema_requiring_an_undeclared_property_is_refused_at_load(tmp_path):
                                               r"not among the declared properties \['query'\]"):
         load_tools_yaml(path)
 
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]}
+
+
+@pytest.mark.parametrize(("parameters", "expected"), [
+    ({"type": "object", "properties": {"p": {"$ref": "#/$defs/Missing"}}},
+     r"parameters.properties.p.\$ref: '#/\$defs/Missing' does not resolve within the schema"),
+    ({"type": "object", "properties": {"p": {"$ref": "https://example.invalid/point.json"}}},
+     r"parameters.properties.p.\$ref: 'https://example.invalid/point.json' does not resolve .* nothing is fetched"),
+    ({"type": "object", "$defs": {"Q": {"type": "object", "properties": {"a": {}}, "required": ["b"]}},
+      "properties": {"q": {"$ref": "#/$defs/Q"}}},
+     r"parameters.\$defs.Q.required: \['b'\] not among the declared properties \['a'\]"),
+])
+def test_a_schema_whose_refs_no_call_can_pass_is_refused_at_load(tmp_path, parameters, expected):
+    """A `$ref` the argument check cannot follow would make every call fail on our side: refused at load, named."""
+    path = write_yaml(tmp_path, {"tools": [{"class_name": "search", "tool_schema": {
+        "type": "function", "function": {"name": "search", "parameters": parameters}}}]})
+    with pytest.raises(ToolConfigError, match=r"tools\[0\].tool_schema.function." + expected):
+        load_tools_yaml(path)
+
+
+async def test_pydantic_style_refs_and_optionals_validate_calls():
+    """What pydantic emits for a model argument and an Optional: `$defs`/`$ref`, `anyOf [.., null]`, defaults."""
+    params = {"$defs": {"Point": {**POINT, "title": "Point"}}, "type": "object", "required": ["p"],
+              "properties": {"p": {"$ref": "#/$defs/Point"}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                                                       "default": None},
+                             "unit": {"enum": ["m", "km"], "default": "m"}}, "additionalProperties": False}
+    executor = ToolExecutor({"echo": EchoTool(params)})
+    ok, none, bad, extra = await executor.execute([
+        ToolCallRequest(name="echo", arguments={"p": {"x": 1, "y": 2.5}, "unit": "km"}),
+        ToolCallRequest(name="echo", arguments={"p": {"x": 0, "y": 0}, "note": None}),
+        ToolCallRequest(name="echo", arguments={"p": {"x": "a"}, "note": 3}),
+        ToolCallRequest(name="echo", arguments={"p": {"x": 1, "y": 1}, "q": 1})])
+    assert (ok.ok, none.ok) == (True, True) and ok.content == json.dumps({"p": {"x": 1, "y": 2.5}, "unit": "km"})
+    assert bad.error_kind == "invalid_arguments" and "field 'p': 'y' is a required property" in bad.content
+    assert "field 'note': 3 is not valid under any of the given schemas" in bad.content
+    assert extra.error_kind == "invalid_arguments" and "'q' was unexpected" in extra.content
+
+
+async def test_a_tool_whose_schema_ref_does_not_resolve_answers_a_tool_error():
+    """A ToolLike built without the load-time check: the unresolvable `$ref` is the tool's error, not a crash."""
+    executor = ToolExecutor({"echo": EchoTool({"type": "object", "properties": {"p": {"$ref": "#/$defs/Nope"}}})})
+    result, = await executor.execute([ToolCallRequest(name="echo", arguments={"p": 1})])
+    assert (result.ok, result.error_kind) == (False, "tool_error") and "does not resolve" in result.content
+    assert executor.counts["echo/tool_error"] == 1
 
 def test_yaml_syntax_errors_name_line_and_column(tmp_path):
     path = write_yaml(tmp_path, "tools:\n  - class_name: calculator\n    config: {max_digits: 10\n")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jsonschema import Draft202012Validator
+from referencing.exceptions import Unresolvable
 
 from skyrl_stepwise.chat.base import Message, ParsedTurn, ToolCallRequest
 from skyrl_stepwise.tools.base import FailedCall, ToolLike, ToolUnavailable
@@ -157,7 +158,11 @@ class ToolExecutor:
         arguments, why = decode_arguments(call.arguments)
         if arguments is None:
             return fail("invalid_arguments", f"invalid arguments for tool {name!r}: {why}.")
-        why = schema_errors(self._validators[name], arguments)
+        try:
+            why = schema_errors(self._validators[name], arguments)
+        except Unresolvable as e:  # a `$ref` in the tool's own schema (built without the load-time check)
+            return fail("tool_error", f"tool {name!r} could not be run: its argument schema has a reference that "
+                                      f"does not resolve ({type(e).__name__}: {str(e)[:200]}).")
         if why is not None:
             return fail("invalid_arguments", f"invalid arguments for tool {name!r}: {why}.")
         return await self._run(tool, name, call_id, arguments)

@@ -9,6 +9,10 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+from jsonschema_specifications import REGISTRY as METASCHEMAS
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import DRAFT202012, specification_with
 
 # OpenAI's rule for function names; chat templates and tool parsers rely on it too.
 TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -73,13 +77,52 @@ def validate_tool_schema(schema: Any, where: str) -> None:
     except SchemaError as e:
         path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
         raise ToolConfigError(f"{where}.function.parameters{path}: not a valid JSON schema: {e.message}") from None
+    check_refs(parameters, f"{where}.function.parameters")
     check_satisfiable(parameters, f"{where}.function.parameters")
+
+
+# Keywords whose values are data (argument values), not subschemas: a "$ref" key inside them is not a reference.
+DATA_KEYWORDS = {"enum", "const", "default", "examples"}
+
+
+def check_refs(schema: dict, where: str) -> None:
+    """Refuse a `$ref` that does not resolve within the schema itself (`#/$defs/Missing`, a typo) or points
+    elsewhere (`https://...`, nothing is fetched): valid JSON schema, but checking a call's arguments would have to
+    follow it, so every call would fail on our side instead of reaching the tool."""
+    spec = specification_with(schema.get("$schema", ""), default=DRAFT202012) \
+        if isinstance(schema.get("$schema", ""), str) else DRAFT202012
+    root = spec.create_resource(schema)
+    resolver = Registry().with_resource(root.id() or "", root).combine(METASCHEMAS).resolver(root.id() or "")
+
+    def walk(node: Any, path: str, resolver) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{path}[{i}]", resolver)
+            return
+        if not isinstance(node, dict):
+            return
+        if node is not schema and isinstance(node.get("$id"), str):
+            resolver = resolver.in_subresource(spec.create_resource(node))
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            try:
+                resolver.lookup(ref)
+            except Unresolvable as e:
+                raise ToolConfigError(f"{where}{path}.$ref: {ref!r} does not resolve within the schema "
+                                      f"({type(e).__name__}); only references into the schema itself "
+                                      f"(e.g. '#/$defs/Name') are followed, nothing is fetched") from None
+        for key, value in node.items():
+            if key not in DATA_KEYWORDS:
+                walk(value, f"{path}.{key}", resolver)
+
+    walk(schema, "", resolver)
 
 
 def check_satisfiable(schema: dict, where: str) -> None:
     """Refuse an object schema that requires a property it does not declare: valid JSON schema, but almost always a
     typo (`required: [querry]`), and with `additionalProperties: false` no call could ever pass, so every call
-    would come back as an error while the run trains on. Nested object schemas are checked too."""
+    would come back as an error while the run trains on. Nested object schemas are checked too, and the ones
+    under `$defs`/`definitions` that a `$ref` names."""
     properties = schema.get("properties")
     required = schema.get("required") or []
     if schema.get("type") == "object" and isinstance(required, list):
@@ -93,3 +136,7 @@ def check_satisfiable(schema: dict, where: str) -> None:
             check_satisfiable(sub, f"{where}.properties.{name}")
     if isinstance(schema.get("items"), dict):
         check_satisfiable(schema["items"], f"{where}.items")
+    for defs in ("$defs", "definitions"):  # the models a `$ref` names (pydantic puts nested models there)
+        for name, sub in (schema.get(defs) or {}).items() if isinstance(schema.get(defs), dict) else ():
+            if isinstance(sub, dict):
+                check_satisfiable(sub, f"{where}.{defs}.{name}")
