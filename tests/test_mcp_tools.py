@@ -83,6 +83,22 @@ ODD_SERVER = textwrap.dedent('''
 ''')
 
 
+# A server that initializes but never answers tools/list: plain JSON-RPC over stdio (no SDK import, so it starts in
+# a fraction of the time the test waits for the listing).
+HANGING_LIST_SERVER = textwrap.dedent('''
+    import json, sys
+
+    for line in sys.stdin:
+        message = json.loads(line)
+        if message.get("method") == "initialize":
+            result = {"protocolVersion": message["params"]["protocolVersion"], "capabilities": {"tools": {}},
+                      "serverInfo": {"name": "hangs", "version": "0"}}
+            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "result": result}), flush=True)
+        elif "id" in message and message.get("method") != "tools/list":  # e.g. server/discover: not supported
+            error = {"code": -32601, "message": "Method not found"}
+            print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "error": error}), flush=True)
+''')
+
 @pytest.fixture(scope="module")
 def server_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("mcp") / "tiny_server.py"
@@ -191,3 +207,12 @@ async def test_a_trajectory_whose_server_dies_is_dropped_and_counted(server_path
         ["tool", "tool"], [extras, extras], [TrajectoryID("q", 0), TrajectoryID("r", 0)])
     assert out.rollout_metrics["generate/failed_trajectories"] == 1
     assert out.trajectory_rewards() == [1.0]  # only the healthy trajectory is trained; none scored 0 for the crash
+
+
+def test_a_server_that_never_lists_its_tools_fails_the_start_up_in_time(tmp_path):
+    """Connected, but no tools/list answer: the start-up fails within connect_timeout_s, naming why, not hangs."""
+    path = tmp_path / "hanging_server.py"
+    path.write_text(HANGING_LIST_SERVER)
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp_server: cannot list the tools of MCP server .*"
+                                              r"no answer to tools/list within connect_timeout_s=1 s"):
+        load_tools(_tools_file(tmp_path, _server(path, connect_timeout_s=1)))

@@ -209,7 +209,13 @@ def _listing(cfg: MCPServerConfig) -> list[tuple[str, str, dict]]:
         async def list_once():
             connection = MCPConnection(cfg)
             try:
-                return [(t.name, t.description or "", dict(t.input_schema)) for t in await connection.list_tools()]
+                await connection.client()  # its own connect_timeout_s
+                try:  # a server that connects but never answers tools/list must not hang the start-up
+                    listed = await asyncio.wait_for(connection.list_tools(), cfg.connect_timeout_s)
+                except asyncio.TimeoutError:
+                    raise RuntimeError(f"no answer to tools/list within connect_timeout_s="
+                                       f"{cfg.connect_timeout_s:g} s") from None
+                return [(t.name, t.description or "", dict(t.input_schema)) for t in listed]
             finally:
                 await connection.aclose()
 
