@@ -216,3 +216,12 @@ def test_a_server_that_never_lists_its_tools_fails_the_start_up_in_time(tmp_path
     with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp_server: cannot list the tools of MCP server .*"
                                               r"no answer to tools/list within connect_timeout_s=1 s"):
         load_tools(_tools_file(tmp_path, _server(path, connect_timeout_s=1)))
+
+
+def test_a_server_that_never_answers_the_handshake_fails_the_start_up_in_time(tmp_path):
+    """A started process that never answers `initialize`: unreachable after connect_timeout_s, said so, not hung."""
+    path = tmp_path / "mute_server.py"
+    path.write_text("import sys\nfor line in sys.stdin:\n    pass\n")
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp_server: cannot list the tools of MCP server .* is "
+                                              r"unreachable: no connection within connect_timeout_s=0\.5 s"):
+        load_tools(_tools_file(tmp_path, _server(path, connect_timeout_s=0.5)))

@@ -7,6 +7,7 @@ tools become tool schemas shown in the model's own template, and calls go throug
           tools: [add, lookup]                 # optional: only these of the listed tools
           prefix: ""                           # optional: prepended to each name, to avoid a clash
           call_timeout_s: 60                   # the SDK's read timeout; the tool env's timeout_s applies too
+          connect_timeout_s: 30                # the handshake, and the tools/list answer at start-up
 
 The listing happens when the tools file is loaded (start-up): an unreachable server, a tool whose input schema we
 cannot satisfy or a name clash fails then, naming the file and the entry. At run time an error the server
@@ -127,8 +128,10 @@ class MCPConnection:
                     self._client = await asyncio.wait_for(asyncio.shield(ready), self.cfg.connect_timeout_s)
                 except Exception as e:
                     self._stop.set()
-                    raise ToolUnavailable(f"MCP server {self.cfg.describe()!r} is unreachable: "
-                                          f"{type(e).__name__}: {e}") from e
+                    self._task.cancel()  # still in the handshake: a server that never answers would hold it forever
+                    why = (f"no connection within connect_timeout_s={self.cfg.connect_timeout_s:g} s"
+                           if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}")
+                    raise ToolUnavailable(f"MCP server {self.cfg.describe()!r} is unreachable: {why}") from e
         return self._client
 
     async def _hold(self, ready: asyncio.Future, stop: asyncio.Event) -> None:
@@ -139,8 +142,11 @@ class MCPConnection:
                 ready.set_result(client)
                 await stop.wait()
         except BaseException as e:  # noqa: BLE001 - reported to whoever waits for the connection
-            if not ready.done():
-                ready.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            if not ready.done():  # cancelled: the connect timed out, and nobody waits for `ready` any more
+                if isinstance(e, asyncio.CancelledError):
+                    ready.cancel()
+                else:
+                    ready.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
         finally:
             if self._client is not None and ready.done() and not ready.cancelled() \
                     and ready.exception() is None and self._client is ready.result():
@@ -236,8 +242,9 @@ def mcp_tool_specs(entry: Any, where: str, source: str) -> list[ToolSpecConfig]:
         listed = _listing(cfg)
     except Exception as e:  # noqa: BLE001 - any reason the server cannot list its tools is a start-up error
         cause = e.__cause__ or e
+        why = str(e) if isinstance(e, ToolUnavailable) else f"{type(cause).__name__}: {cause}"  # names the server
         raise ToolConfigError(f"{where}.mcp_server: cannot list the tools of MCP server {cfg.describe()!r}: "
-                              f"{type(cause).__name__}: {cause}") from None
+                              f"{why}") from None
     by_name = {name: (description, schema) for name, description, schema in listed}
     wanted = cfg.tools if cfg.tools is not None else list(by_name)
     missing = [n for n in wanted if n not in by_name]
