@@ -99,6 +99,46 @@ HANGING_LIST_SERVER = textwrap.dedent('''
             print(json.dumps({"jsonrpc": "2.0", "id": message["id"], "error": error}), flush=True)
 ''')
 
+# Results of every shape the protocol allows, and an input schema as pydantic writes it for a model argument.
+SHAPES_SERVER = textwrap.dedent('''
+    import anyio
+    import mcp_types as types
+    from mcp.server.lowlevel import Server
+    from mcp.server.stdio import stdio_server
+
+    POINT = {"$defs": {"Point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                                 "required": ["x", "y"], "title": "Point"}},
+             "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"},
+                                              "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}},
+             "required": ["p"], "additionalProperties": False}
+    TEXT = lambda text: types.TextContent(type="text", text=text)
+    RESULTS = {
+        "multi": types.CallToolResult(content=[TEXT("one"), TEXT("two")]),
+        "image": types.CallToolResult(content=[TEXT("a cat"), types.ImageContent(type="image", data="aGk=",
+                                                                                  mime_type="image/png")]),
+        "resource": types.CallToolResult(content=[types.EmbeddedResource(type="resource", resource=
+                                                  types.TextResourceContents(uri="file:///r.txt", text="inside"))]),
+        "link": types.CallToolResult(content=[types.ResourceLink(type="resource_link", uri="file:///a.txt",
+                                                                 name="a.txt")]),
+        "silent_error": types.CallToolResult(content=[], is_error=True),
+        "structured": types.CallToolResult(content=[], structured_content={"a": 2}),
+    }
+
+    async def list_tools(ctx, params):
+        return types.ListToolsResult(tools=[types.Tool(name="point", input_schema=POINT)] + [
+            types.Tool(name=name, input_schema={"type": "object"}) for name in RESULTS])
+
+    async def call_tool(ctx, params):
+        return RESULTS.get(params.name) or types.CallToolResult(content=[TEXT(repr(params.arguments))])
+
+    async def main():
+        server = Server("shapes", on_list_tools=list_tools, on_call_tool=call_tool)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(main)
+''')
+
 @pytest.fixture(scope="module")
 def server_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("mcp") / "tiny_server.py"
@@ -225,3 +265,26 @@ def test_a_server_that_never_answers_the_handshake_fails_the_start_up_in_time(tm
     with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp_server: cannot list the tools of MCP server .* is "
                                               r"unreachable: no connection within connect_timeout_s=0\.5 s"):
         load_tools(_tools_file(tmp_path, _server(path, connect_timeout_s=0.5)))
+
+
+async def test_results_of_every_shape_and_a_model_argument(tmp_path):
+    """Several blocks are joined; an embedded text resource shows its text; what the model cannot see is named; an
+    error without a message still reads as an error; a `$defs`/`$ref` schema loads and checks calls."""
+    path = tmp_path / "shapes_server.py"
+    path.write_text(SHAPES_SERVER)
+    tools = load_tools(_tools_file(tmp_path, _server(path)))
+    try:
+        results = await ToolExecutor(tools, timeout_s=60).execute(
+            [_call(name) for name in ("multi", "image", "resource", "link", "silent_error", "structured")]
+            + [_call("point", p={"x": 1, "y": 2}, note=None), _call("point", p={"x": 1})])
+        assert [(r.ok, r.content) for r in results[:4]] == [
+            (True, "one\ntwo"), (True, "a cat\n[image content]"), (True, "inside"),
+            (True, "[resource_link content: file:///a.txt]")]
+        silent = results[4]
+        assert (silent.ok, silent.error_kind) == (False, "tool_error")
+        assert silent.content == "Error: tool 'silent_error' failed: (the server gave no message)"
+        assert (results[5].ok, results[5].content) == (True, '{"a": 2}')
+        assert (results[6].ok, results[6].content) == (True, "{'p': {'x': 1, 'y': 2}, 'note': None}")
+        assert results[7].error_kind == "invalid_arguments" and "field 'p': 'y' is a required property" in results[7].content
+    finally:
+        await close_tools(tools)

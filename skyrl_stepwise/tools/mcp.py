@@ -85,11 +85,15 @@ def _transport(cfg: MCPServerConfig):
 
 
 def _result_text(result) -> str:
-    """An MCP tool result as the text of a tool message: its text parts; other parts named by type."""
+    """An MCP tool result as the text of a tool message: its text parts (an embedded text resource's text too);
+    other parts named by type (and URI), so the model knows something came back that it cannot see."""
     parts = []
     for item in result.content or []:
-        text = getattr(item, "text", None)
-        parts.append(text if isinstance(text, str) else f"[{getattr(item, 'type', 'non-text')} content]")
+        resource = getattr(item, "resource", None)  # an embedded resource: its text, if it is a text resource
+        text = getattr(item, "text", getattr(resource, "text", None))
+        uri = getattr(item, "uri", None) or getattr(resource, "uri", None)
+        parts.append(text if isinstance(text, str) else
+                     f"[{getattr(item, 'type', 'non-text')} content{f': {uri}' if uri else ''}]")
     if not parts and getattr(result, "structured_content", None) is not None:
         parts.append(json.dumps(result.structured_content))
     return "\n".join(parts)
@@ -165,7 +169,9 @@ class MCPConnection:
                                       f"{name!r}") from e
             raise
         text = _result_text(result)
-        return FailedCall(f"Error: tool {name!r} failed: {text}") if result.is_error else text
+        if result.is_error:
+            return FailedCall(f"Error: tool {name!r} failed: {text or '(the server gave no message)'}")
+        return text
 
     def _forget(self, client) -> None:
         if self._client is client:
