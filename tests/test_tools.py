@@ -619,6 +619,20 @@ async def test_a_tool_whose_schema_ref_does_not_resolve_answers_a_tool_error():
     assert (result.ok, result.error_kind) == (False, "tool_error") and "does not resolve" in result.content
     assert executor.counts["echo/tool_error"] == 1
 
+
+async def test_nan_and_infinite_numbers_are_refused_not_sent_on():
+    """`NaN`, `Infinity` and 1e400 pass Python's JSON reader and a `number` schema, but cannot be sent as JSON (an
+    MCP client turns them into null): refused as invalid arguments naming the field, the tool never runs."""
+    executor = ToolExecutor({"echo": EchoTool({"type": "object", "properties": {"x": {"type": "number"},
+                                                                                "v": {"type": "array"}}})})
+    nan, inf, big, ok = await executor.execute([
+        ToolCallRequest(name="echo", arguments='{"x": NaN}'),
+        ToolCallRequest(name="echo", arguments={"v": [1, {"y": float("-inf")}]}),
+        ToolCallRequest(name="echo", arguments='{"x": 1e400}'), ToolCallRequest(name="echo", arguments='{"x": 1e300}')])
+    assert [r.error_kind for r in (nan, inf, big)] == ["invalid_arguments"] * 3
+    assert "field 'x': NaN and infinite numbers are not JSON" in nan.content and "field 'v.1.y'" in inf.content
+    assert ok.ok and ok.content == '{"x": 1e+300}'
+
 def test_yaml_syntax_errors_name_line_and_column(tmp_path):
     path = write_yaml(tmp_path, "tools:\n  - class_name: calculator\n    config: {max_digits: 10\n")
     with pytest.raises(ToolConfigError) as info:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -93,6 +94,21 @@ def decode_arguments(arguments: dict | str | None) -> tuple[dict[str, Any] | Non
     return arguments, None
 
 
+def non_finite_field(value: Any, path: str = "") -> str | None:
+    """The path of the first NaN or infinite number in decoded arguments ("" for the top level), or None. Python's
+    JSON reader accepts `NaN`, `Infinity` and overflowing numbers (1e400); a JSON schema's `number` accepts them
+    too, but no JSON encoder can send them on (an MCP client sends `null`), so the tool would run on a value the
+    model never wrote."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = non_finite_field(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 class ToolExecutor:
     """Executes parsed tool calls against named tools; one instance may serve many trajectories at once."""
 
@@ -158,6 +174,10 @@ class ToolExecutor:
         arguments, why = decode_arguments(call.arguments)
         if arguments is None:
             return fail("invalid_arguments", f"invalid arguments for tool {name!r}: {why}.")
+        bad = non_finite_field(arguments)
+        if bad is not None:
+            return fail("invalid_arguments", f"invalid arguments for tool {name!r}: field {bad!r}: NaN and infinite "
+                                             f"numbers are not JSON; write a finite number.")
         try:
             why = schema_errors(self._validators[name], arguments)
         except Unresolvable as e:  # a `$ref` in the tool's own schema (built without the load-time check)
