@@ -83,6 +83,13 @@ class EchoTool:
     async def call(self, arguments):
         return json.dumps(arguments)
 
+
+class EchoYamlTool(Tool):
+    """EchoTool built from a tools YAML (so its schema went through the load-time checks)."""
+
+    async def call(self, arguments):
+        return json.dumps(arguments)
+
 def calc_executor(**kw) -> ToolExecutor:
     return ToolExecutor({"calculator": CalculatorTool()}, **kw)
 
@@ -632,6 +639,24 @@ async def test_nan_and_infinite_numbers_are_refused_not_sent_on():
     assert [r.error_kind for r in (nan, inf, big)] == ["invalid_arguments"] * 3
     assert "field 'x': NaN and infinite numbers are not JSON" in nan.content and "field 'v.1.y'" in inf.content
     assert ok.ok and ok.content == '{"x": 1e+300}'
+
+
+async def test_a_schema_is_checked_in_the_draft_its_schema_key_names(tmp_path):
+    """`$schema: draft-07` (as zod-to-json-schema writes for TypeScript MCP servers): a tuple `items: [...]` loads and
+    checks calls as a tuple; without `$schema` the same schema is 2020-12's and refused at load, naming the key."""
+    tuple_schema = {"type": "object", "properties": {"pair": {"type": "array", "items": [
+        {"type": "string"}, {"type": "integer"}]}}, "required": ["pair"], "additionalProperties": False}
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", **tuple_schema}
+    tools = build_tools(load_tools_yaml(write_yaml(tmp_path, {"tools": [{"class_name": "test_tools.EchoYamlTool",
+                                                                         "tool_schema": schema("echo") | {
+        "function": {"name": "echo", "parameters": draft7}}}]})))
+    ok, bad = await ToolExecutor(tools).execute([ToolCallRequest(name="echo", arguments={"pair": ["a", 1]}),
+                                                 ToolCallRequest(name="echo", arguments={"pair": [1, "a"]})])
+    assert ok.ok and bad.error_kind == "invalid_arguments" and "field 'pair.0': 1 is not of type 'string'" in bad.content
+    path = write_yaml(tmp_path, {"tools": [{"class_name": "search", "tool_schema": {
+        "type": "function", "function": {"name": "search", "parameters": tuple_schema}}}]})
+    with pytest.raises(ToolConfigError, match=r"parameters.properties.pair.items: not a valid JSON schema"):
+        load_tools_yaml(path)
 
 def test_yaml_syntax_errors_name_line_and_column(tmp_path):
     path = write_yaml(tmp_path, "tools:\n  - class_name: calculator\n    config: {max_digits: 10\n")

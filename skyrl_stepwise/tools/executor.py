@@ -26,6 +26,7 @@ from referencing.exceptions import Unresolvable
 from skyrl_stepwise.chat.base import Message, ParsedTurn, ToolCallRequest
 from skyrl_stepwise.tools.base import FailedCall, ToolLike, ToolUnavailable
 from skyrl_stepwise.tools.offloop import RUNNER, OffLoopRunner
+from skyrl_stepwise.tools.schema import validator_class
 
 # What the model is told about each parser error kind (ToolCallRequest.error).
 PARSE_HINTS = {
@@ -63,6 +64,11 @@ def call_ids(calls: list[ToolCallRequest]) -> list[str]:
     """The id each result answers: the ids `ParsedTurn.message()` gives the calls, so tool messages match the
     assistant's `tool_calls` (malformed calls included, where a template needs them there)."""
     return ParsedTurn("", tool_calls=list(calls)).call_ids()
+
+
+def validator(parameters: dict[str, Any]) -> Draft202012Validator:
+    """A call's argument checker for a tool's parameters, in the draft its `$schema` names (2020-12 by default)."""
+    return validator_class(parameters)(parameters)
 
 
 def schema_errors(validator: Draft202012Validator, arguments: dict[str, Any]) -> str | None:
@@ -125,8 +131,9 @@ class ToolExecutor:
         self.counts: Counter[str] = Counter()
         self.runner = runner or RUNNER
         # Compiled once: validating the same schema on every call is the hot path of a tool-heavy rollout.
-        self._validators = {name: Draft202012Validator(tool.schema["function"].get(
-            "parameters", {"type": "object", "properties": {}})) for name, tool in self.tools.items()}
+        self._validators = {name: validator(tool.schema["function"].get("parameters", {"type": "object",
+                                                                              "properties": {}}))
+                            for name, tool in self.tools.items()}
 
     @property
     def schemas(self) -> list[dict[str, Any]]:

@@ -4,11 +4,13 @@ the tools an MCP server lists (mcp.py), so both are held to the same rules and n
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 from jsonschema_specifications import REGISTRY as METASCHEMAS
 from referencing import Registry
 from referencing.exceptions import Unresolvable
@@ -73,7 +75,7 @@ def validate_tool_schema(schema: Any, where: str) -> None:
         raise ToolConfigError(f"{where}.function.parameters.type: must be 'object' (arguments are a JSON object), "
                               f"got {parameters.get('type')!r}")
     try:
-        Draft202012Validator.check_schema(parameters)
+        validator_class(parameters).check_schema(parameters)
     except SchemaError as e:
         path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in e.path)
         raise ToolConfigError(f"{where}.function.parameters{path}: not a valid JSON schema: {e.message}") from None
@@ -116,6 +118,14 @@ def check_refs(schema: dict, where: str) -> None:
                 walk(value, f"{path}.{key}", resolver)
 
     walk(schema, "", resolver)
+
+
+def validator_class(parameters: dict):
+    """The validator for the draft the schema names in `$schema` (a draft-07 schema's `items: [...]` is a tuple, not
+    an error), 2020-12 when it names none or one jsonschema does not know."""
+    with warnings.catch_warnings():  # an unknown `$schema` warns, then falls back to the default
+        warnings.simplefilter("ignore")
+        return validator_for(parameters, default=Draft202012Validator)
 
 
 def check_satisfiable(schema: dict, where: str) -> None:
