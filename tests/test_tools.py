@@ -658,6 +658,19 @@ async def test_a_schema_is_checked_in_the_draft_its_schema_key_names(tmp_path):
     with pytest.raises(ToolConfigError, match=r"parameters.properties.pair.items: not a valid JSON schema"):
         load_tools_yaml(path)
 
+
+async def test_arguments_nested_too_deeply_are_invalid_not_a_crash():
+    """A degenerate `[[[[...` call (or a parser's dict as deep): the model's error, never a RecursionError."""
+    deep_dict: dict = {}
+    for _ in range(5000):
+        deep_dict = {"a": deep_dict}
+    executor = ToolExecutor({"echo": EchoTool({"type": "object"})})
+    text, parsed = await executor.execute([
+        ToolCallRequest(name="echo", arguments='{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        ToolCallRequest(name="echo", arguments=deep_dict)])
+    assert text.error_kind == "invalid_arguments" and "nested too deeply to read" in text.content
+    assert parsed.error_kind == "invalid_arguments" and "nested too deeply to check" in parsed.content
+
 def test_yaml_syntax_errors_name_line_and_column(tmp_path):
     path = write_yaml(tmp_path, "tools:\n  - class_name: calculator\n    config: {max_digits: 10\n")
     with pytest.raises(ToolConfigError) as info:

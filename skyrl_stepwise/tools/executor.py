@@ -95,6 +95,8 @@ def decode_arguments(arguments: dict | str | None) -> tuple[dict[str, Any] | Non
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
             return None, f"arguments are not valid JSON ({e.msg} at position {e.pos})"
+        except RecursionError:  # `[[[[...` thousands deep: Python's reader gives up
+            return None, "arguments are nested too deeply to read"
     if not isinstance(arguments, dict):
         return None, f"arguments must be a JSON object, got {type(arguments).__name__}"
     return arguments, None
@@ -181,12 +183,14 @@ class ToolExecutor:
         arguments, why = decode_arguments(call.arguments)
         if arguments is None:
             return fail("invalid_arguments", f"invalid arguments for tool {name!r}: {why}.")
-        bad = non_finite_field(arguments)
-        if bad is not None:
-            return fail("invalid_arguments", f"invalid arguments for tool {name!r}: field {bad!r}: NaN and infinite "
-                                             f"numbers are not JSON; write a finite number.")
         try:
+            bad = non_finite_field(arguments)
+            if bad is not None:
+                return fail("invalid_arguments", f"invalid arguments for tool {name!r}: field {bad!r}: NaN and "
+                                                 f"infinite numbers are not JSON; write a finite number.")
             why = schema_errors(self._validators[name], arguments)
+        except RecursionError:  # a parser's dict nested deeper than checking can follow
+            return fail("invalid_arguments", f"invalid arguments for tool {name!r}: nested too deeply to check.")
         except Unresolvable as e:  # a `$ref` in the tool's own schema (built without the load-time check)
             return fail("tool_error", f"tool {name!r} could not be run: its argument schema has a reference that "
                                       f"does not resolve ({type(e).__name__}: {str(e)[:200]}).")
