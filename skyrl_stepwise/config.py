@@ -218,17 +218,6 @@ class RunConfig:
             changed.append("trainer.fsdp.mixed_precision=true -> false")
         return changed
 
-    def kv_cache_tokens(self) -> int:
-        """Tokens of KV the run keeps in flight at most: every trajectory of a step (all its draws' worth at
-        once is never needed: draws run one after another) or every eval prompt, each at its longest."""
-        per_trajectory = min(self.generator.max_input_length + self.generator.sampling.max_generate_length,
-                             self.engine.max_model_len)
-        train = self.data.train_batch_size * self.generator.n_samples_per_prompt
-        # rollouts ahead (trainer.max_staleness) run while an eval does: both at once, then
-        in_flight = train + self.data.max_eval_prompts if self.trainer.max_staleness > 0 else \
-            max(train, self.data.max_eval_prompts, 1)
-        return in_flight * per_trajectory
-
 
 def _has_cuda() -> bool:
     import torch

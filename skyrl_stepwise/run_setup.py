@@ -1,5 +1,5 @@
 """What every run needs before its engines start: the datasets, the start-up checks of their env classes and tools,
-the model on disk, a CPU engine's KV cache sized to the run, and the local retriever for data that searches.
+the model on disk, the run's memory plan (a CPU engine's KV cache sized to the run), and the local retriever for data that searches.
 
 Shared by the main job (train.py) and the ablation (ablate.py).
 """
@@ -43,22 +43,19 @@ def _datasets(cfg):
     return rows
 
 
-def size_kv_cache(cfg) -> None:
-    """CPU engines get the KV cache the run keeps in flight (engine.cpu_kvcache_gib=null), not a fixed guess:
-    the issue's run held 46k tokens of cache for at most 16k in use."""
-    import math
+def plan_resources(cfg, train_rows, val_rows, needs_search: bool):
+    """The run's memory plan (resource_plan.py), made once the model is on disk and before anything starts: sizes
+    a CPU engine's KV cache to what the run keeps in flight at the prompts' real lengths, clamped to what the
+    engine will accept on this host, and refuses a run that cannot fit, naming the knob. Logs the plan's line."""
+    from transformers import AutoTokenizer
 
-    import torch
-    from transformers import AutoConfig
+    from skyrl_stepwise.resource_plan import make_plan, prompt_token_lengths
 
-    from skyrl_stepwise.inference.config import kv_cache_gib
-
-    if cfg.engine.cpu_kvcache_gib is not None or cfg.engine.backend != "vllm" or torch.cuda.is_available():
-        return
-    tokens = math.ceil(cfg.kv_cache_tokens() / cfg.engine.num_engines)
-    cfg.engine.cpu_kvcache_gib = kv_cache_gib(tokens, AutoConfig.from_pretrained(cfg.engine.model_path),
-                                              cfg.engine.dtype)
-    logger.info(f"KV cache sized to the run: {tokens} tokens per engine ({cfg.engine.cpu_kvcache_gib:g} GiB)")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model_path)
+    lengths = prompt_token_lengths(tokenizer, train_rows), prompt_token_lengths(tokenizer, val_rows)
+    plan = make_plan(cfg, lengths, needs_search)
+    logger.info(plan.describe())
+    return plan
 
 
 def check_envs_and_tools(cfg, rows) -> bool:
@@ -103,7 +100,7 @@ def prepared(cfg):
     model = str(resolve_model_path(cfg.model_path))
     cfg.engine.model_path = cfg.trainer.model_path = model
     logger.info(f"model ready: {model} ({_since(start)})")
-    size_kv_cache(cfg)
+    plan_resources(cfg, train_rows, val_rows, needs_search)
     retriever = cfg.environment.retriever
     with contextlib.ExitStack() as stack:
         url = None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from skyrl_stepwise.app_config import (CONF_DIR, default_output_dir, hydra_entry, input_errors,  # noqa: F401
                                        load_config, to_run_config)
-from skyrl_stepwise.run_setup import _since, check_envs_and_tools, prepared, size_kv_cache  # noqa: F401
+from skyrl_stepwise.run_setup import _since, check_envs_and_tools, plan_resources, prepared  # noqa: F401
 
 logger = logging.getLogger("skyrl_stepwise.train")  # not __name__: `python -m` would make it "__main__"
 

@@ -264,24 +264,6 @@ def test_a_failed_run_still_gets_its_report(tmp_path):
     assert (tmp_path / "curves.png").is_file()
 
 
-def test_the_tiny_recipe_sizes_its_kv_cache_to_what_it_keeps_in_flight(model_path, monkeypatch):
-    from skyrl_stepwise.train import load_config, size_kv_cache
-
-    monkeypatch.setattr("skyrl_stepwise.hardware.cpu_bf16_is_native", lambda: True)  # the recipe's bf16, as written
-    cfg = load_config(["experiment=search_r1_tiny"])
-    cfg.engine.model_path = str(model_path)
-    assert cfg.engine.cpu_kvcache_gib is None
-    # 128 eval prompts at once (more than 4 prompts x 4 samples) x (1536 prompt + 128 generated) tokens
-    assert cfg.kv_cache_tokens() == 128 * 1664
-    size_kv_cache(cfg)
-    # SmolLM2: 30 layers x 3 KV heads x 64 dims x K and V x 2 bytes (bf16) = 23,040 bytes a token -> 4.57 GiB
-    assert cfg.engine.cpu_kvcache_gib == 4.625 and cfg.engine.kv_cache_bytes() == int(4.625 * 2**30)
-    cfg.engine.num_engines = 2  # each engine holds half
-    cfg.engine.cpu_kvcache_gib = None
-    size_kv_cache(cfg)
-    assert cfg.engine.cpu_kvcache_gib == 2.3125
-
-
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_recipes_run_float32_on_cpus_that_would_emulate_bf16(native, monkeypatch):
     import skyrl_stepwise.hardware as hardware

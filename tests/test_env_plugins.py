@@ -77,7 +77,7 @@ def test_train_fails_in_seconds_on_an_unknown_env_class_and_says_why_in_the_run_
 
     from skyrl_stepwise import run_setup
 
-    monkeypatch.setattr(run_setup, "size_kv_cache", lambda cfg: pytest.fail("got past the start-up checks"))
+    monkeypatch.setattr(run_setup, "plan_resources", lambda *a: pytest.fail("got past the start-up checks"))
     write_parquet([{"prompt": [{"role": "user", "content": "Guess."}], "env_class": "gues", "data_source": "t",
                     "extra_info": {}, "reward_spec": {"ground_truth": {"target": ["3"]}}, "instance_id": "a"}],
                   tmp_path / "train.parquet")

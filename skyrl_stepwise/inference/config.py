@@ -30,7 +30,7 @@ class EngineConfig:
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: fast start, weights reload cleanly
     # CPU only: KV cache size in GiB, fractions allowed (vLLM's kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE only
     # takes whole GiB). SmolLM2-135M in bf16 keeps 23 KiB per token: 0.5 GiB holds ~23k tokens. None: a run sizes
-    # it to what it keeps in flight (RunConfig.kv_cache_tokens); an engine started on its own takes 1 GiB.
+    # it to what it keeps in flight, clamped to what the host accepts (resource_plan.py); an engine started on its own takes 1 GiB.
     cpu_kvcache_gib: float | None = None
     num_gpus_per_engine: float | None = None  # None -> 1 if CUDA is visible, else 0
     # CPU threads the engine computes with. Ray gives an actor that reserves no CPU one OpenMP thread, so
