@@ -170,7 +170,10 @@ async def _ablate(cfg, rows) -> Path:
     out_dir = Path(cfg.ablation.output_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
     registry = build_env_registry(cfg.environment)
-    engine = create_engine(cfg.engine)
+    from skyrl_stepwise.startup_failures import starting
+
+    with starting(f"the {cfg.engine.backend} engine"):
+        engine = create_engine(cfg.engine)
     n = cfg.generator.n_samples_per_prompt
     try:
         policy = LocalPolicy(cfg.trainer)

@@ -94,13 +94,16 @@ def _with_run_dir(argv: list[str]) -> list[str]:
 
 
 def input_errors() -> tuple[type[Exception], ...]:
-    """Errors that name a bad input (an env class, a tool spec, a resume into a different job): reported as one
-    message, like a bad config key, not as a traceback."""
+    """Errors that name a bad input (an env class, a tool spec, a resume into a different job) or a start-up
+    failure's root cause (a plan that cannot fit, a component that did not start): reported as one message, like
+    a bad config key, not as a traceback (that is in run.log)."""
     from skyrl_stepwise.envs.builtin import EnvPluginError
+    from skyrl_stepwise.resource_plan import ResourcePlanError
     from skyrl_stepwise.run_record import ConfigMismatchError
+    from skyrl_stepwise.startup_failures import StartupFailure
     from skyrl_stepwise.tools.config import ToolConfigError
 
-    return EnvPluginError, ConfigMismatchError, ToolConfigError
+    return EnvPluginError, ConfigMismatchError, ToolConfigError, ResourcePlanError, StartupFailure
 
 
 def check_printed_config(argv: list[str]) -> None:

@@ -92,6 +92,7 @@ def prepared(cfg):
     from skyrl_stepwise.logging_setup import active_run_log, children_output_to
     from skyrl_stepwise.models import resolve_model_path
     from skyrl_stepwise.retrieval.launch import local_retriever
+    from skyrl_stepwise.startup_failures import starting
 
     train_rows, val_rows = _datasets(cfg)
     logger.info(f"data: {len(train_rows)} train prompts, {len(val_rows)} eval prompts")
@@ -106,7 +107,7 @@ def prepared(cfg):
         url = None
         if needs_search and retriever.start_local:
             start = time.perf_counter()
-            with children_output_to(active_run_log()):  # the server's start-up lines and index bars: run.log
+            with starting("the local retriever"), children_output_to(active_run_log()):  # its output: run.log
                 url = stack.enter_context(local_retriever(retriever.corpus, retriever.kind, retriever.port))
             cfg.environment.search.search_url = url
             logger.info(f"retriever up at {url} ({retriever.kind} over the {retriever.corpus} corpus, "

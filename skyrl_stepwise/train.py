@@ -21,6 +21,7 @@ from pathlib import Path
 from skyrl_stepwise.app_config import (CONF_DIR, default_output_dir, hydra_entry, input_errors,  # noqa: F401
                                        load_config, to_run_config)
 from skyrl_stepwise.run_setup import _since, check_envs_and_tools, plan_resources, prepared  # noqa: F401
+from skyrl_stepwise.startup_failures import StartupFailure, starting
 
 logger = logging.getLogger("skyrl_stepwise.train")  # not __name__: `python -m` would make it "__main__"
 
@@ -59,7 +60,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         layout = plan_run_layout(cfg, gpus_requested=sum(cluster_gpus().values()) > 0)
         placement_group = create_placement_group(layout, cfg.placement.ready_timeout_s)  # fails fast if it cannot fit
         logger.info(layout.describe())
-        engine = create_engine(cfg.engine, role_options(placement_group, layout.engines))
+        with starting(f"the {cfg.engine.backend} engine"):
+            engine = create_engine(cfg.engine, role_options(placement_group, layout.engines))
         hold_sigterm()
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
@@ -72,19 +74,22 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
 
             agents = AgentPrograms(tokenizer, engine, cfg.generator, eval_generator.cfg, cfg.gateway, registry,
                                    renderer=eval_generator.loop.renderer)
-            eval_generator = (await agents.start()).eval
+            with starting("the agent endpoint (gateway)"):
+                eval_generator = (await agents.start()).eval
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
                            rollout_log)
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
             await evals.run("before SFT", limit=cfg.data.max_base_eval_prompts)
             if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
                 await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
-            cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
-                                                                 role_options(placement_group, layout.policy)))
+            with starting("the SFT warm start", "failed"):
+                cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
+                                                                     role_options(placement_group, layout.policy)))
         start = time.perf_counter()
         use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
-        policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy),
-                             with_reference=use_kl)
+        with starting(f"the policy ranks ({cfg.trainer.fsdp.world_size} FSDP2)"):
+            policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy),
+                                 with_reference=use_kl)
         reference = ReferenceOnPolicyRanks(policy) if use_kl else None
         hold_sigterm()
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
@@ -291,9 +296,24 @@ def _explain_stop(cfg, out: Path, error: BaseException, launched: float) -> None
         logger.warning(f"interrupted at step {max(steps, default=0)} of {cfg.total_steps}; {resume}; "
                        f"report in {report.resolve()}")
     else:
-        logger.error(f"failed{' before step 1' if not steps else ''}: {type(error).__name__}: "
-                     f"{str(error).splitlines()[0] if str(error) else ''} (report: {report.resolve()}; "
+        _traceback_to_run_log(error)
+        what = str(error) if isinstance(error, StartupFailure) else \
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        logger.error(f"failed{' before step 1' if not steps else ''}: {what} (report: {report.resolve()}; "
                      f"details in run.log)")
+
+
+def _traceback_to_run_log(error: BaseException) -> None:
+    """The whole traceback (with its causes) into run.log only: the console keeps its one line."""
+    import traceback
+
+    from skyrl_stepwise.logging_setup import active_run_log
+
+    path = active_run_log()
+    if path is not None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("the run stopped on this error:\n")
+            traceback.print_exception(error, file=f)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -224,8 +224,16 @@ class AgentServer:
 
         config = uvicorn.Config(create_app(self.gateway), host=self.host, port=self.port, log_level="warning",
                                 lifespan="off")
+        # bound here, not by uvicorn: a taken port raises OSError naming it (uvicorn logs it and calls sys.exit,
+        # which leaves the event loop instead of failing this start)
+        try:
+            listener = socket.create_server((self.host, self.port), family=socket.AF_INET6 if ":" in self.host
+                                            else socket.AF_INET)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {self.host}:{self.port} (gateway.host, gateway.port): "
+                                   f"{e.strerror}") from e
         self._server = uvicorn.Server(config)
-        self._task = asyncio.ensure_future(self._server.serve())
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[listener]))
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises why it could not start (port taken, ...)
