@@ -42,6 +42,11 @@ class PlacementConfig:
     engine_gpu_fraction: float = 0.4
     cpus_per_bundle: float = 0  # CPUs reserved with each GPU bundle (0: none, the actors ask for no CPU)
     ready_timeout_s: float = 8.0  # how long to wait for the placement group before failing
+    # Custom Ray resources each policy rank / engine asks for, pinning the roles to nodes of a real cluster: start
+    # the nodes meant for them with `ray start --resources='{"engine_node": 1}'` and set
+    # placement.engine_resources={engine_node:0.01}. CPU layouts (mode none) only: GPU layouts place by bundles.
+    policy_resources: dict[str, float] = field(default_factory=dict)
+    engine_resources: dict[str, float] = field(default_factory=dict)
 
     def validate(self, prefix: str = "placement") -> None:
         """Bad values here surface as a hang or a Ray error far from the config; name the key instead."""
@@ -61,6 +66,10 @@ class PlacementConfig:
             raise ValueError(f"{prefix}.cpus_per_bundle must be >= 0, got {self.cpus_per_bundle}")
         if self.ready_timeout_s <= 0:
             raise ValueError(f"{prefix}.ready_timeout_s must be > 0, got {self.ready_timeout_s}")
+        for key in ("policy_resources", "engine_resources"):
+            bad = {name: amount for name, amount in getattr(self, key).items() if not amount > 0}
+            if bad:
+                raise ValueError(f"{prefix}.{key} amounts must be > 0, got {bad}")
 
 
 class Slot(NamedTuple):
@@ -141,9 +150,31 @@ def plan_run_layout(cfg, gpus_requested: bool) -> Layout:
                        cfg.engine.num_gpus_per_engine)
 
 
-def role_options(pg: PlacementGroup | None, slots: list[Slot]) -> list[dict] | None:
-    """Per-actor `.options()` for one role, or None without a placement group (the actors decide themselves)."""
-    return None if pg is None else [actor_options(pg, s.bundle, s.num_gpus) for s in slots]
+def role_options(pg: PlacementGroup | None, slots: list[Slot], resources: dict[str, float] | None = None
+                 ) -> list[dict] | None:
+    """Per-actor `.options()` for one role, or None without a placement group and node resources (the actors
+    decide themselves). `resources`: the custom Ray resources pinning the role to its nodes (CPU layouts)."""
+    if resources and pg is not None:
+        raise ValueError(f"placement.policy_resources / placement.engine_resources ({dict(resources)}) pin roles to "
+                         "nodes in CPU layouts (placement.mode=none) only; GPU layouts place actors by placement-group "
+                         "bundles")
+    if pg is None:
+        return [{"num_gpus": s.num_gpus, "resources": dict(resources)} for s in slots] if resources else None
+    return [actor_options(pg, s.bundle, s.num_gpus) for s in slots]
+
+
+def describe_nodes(roles: dict[str, list[str]]) -> str:
+    """Which node each actor runs on (`policy rank 0 on 10.0.0.1 (node 3f2a9c1b)`), for the start-up log: on a
+    cluster, where the roles landed is the first thing to check when a sync or a node fails."""
+    import ray
+
+    ips = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
+    parts = []
+    for role, node_ids in roles.items():
+        for i, node in enumerate(node_ids):
+            parts.append(f"{role} {i} on {ips.get(node, '?')} (node {str(node)[:8]})")
+    distinct = len({n for ids in roles.values() for n in ids})
+    return f"nodes: {distinct} in use; " + ", ".join(parts)
 
 
 def _colocated(world: int, engines: int, p: PlacementConfig) -> Layout:

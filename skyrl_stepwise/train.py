@@ -35,7 +35,9 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.generator import StepwiseGenerator
     from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
-    from skyrl_stepwise.placement import cluster_gpus, create_placement_group, plan_run_layout, role_options
+    from skyrl_stepwise.inference.recovery import engines_of
+    from skyrl_stepwise.placement import (cluster_gpus, create_placement_group, describe_nodes, plan_run_layout,
+                                          role_options)
     from skyrl_stepwise.run_record import save_record
     from skyrl_stepwise.run_report import fsdp_backend
     from skyrl_stepwise.trainer.warm_start import sft_model
@@ -61,7 +63,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         placement_group = create_placement_group(layout, cfg.placement.ready_timeout_s)  # fails fast if it cannot fit
         logger.info(layout.describe())
         with starting(f"the {cfg.engine.backend} engine"):
-            engine = create_engine(cfg.engine, role_options(placement_group, layout.engines))
+            engine = create_engine(cfg.engine, role_options(placement_group, layout.engines,
+                                                                cfg.placement.engine_resources))
         hold_sigterm()
         logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
                     f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
@@ -83,17 +86,21 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
                 await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
             with starting("the SFT warm start", "failed"):
-                cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
-                                                                     role_options(placement_group, layout.policy)))
+                cfg.trainer.model_path = str(await asyncio.to_thread(
+                    sft_model, cfg, logger.info,
+                    role_options(placement_group, layout.policy, cfg.placement.policy_resources)))
         start = time.perf_counter()
         use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
         with starting(f"the policy ranks ({cfg.trainer.fsdp.world_size} FSDP2)"):
-            policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy),
-                                 with_reference=use_kl)
+            policy = PolicyGroup(cfg.trainer, with_reference=use_kl, actor_options=role_options(
+                placement_group, layout.policy, cfg.placement.policy_resources))
         reference = ReferenceOnPolicyRanks(policy) if use_kl else None
         hold_sigterm()
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
                     f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
+        engine_nodes = [getattr(e, "node_id", None) for e in engines_of(engine)]
+        if None not in engine_nodes:  # Ray actors (vLLM): say where each role landed
+            logger.info(describe_nodes({"policy rank": policy.node_ids, "engine": engine_nodes}))
         weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated")
         logger.info(f"weight sync: {weight_sync.method}")
         packing = policy.call("packing_summary")

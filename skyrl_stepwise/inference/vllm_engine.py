@@ -266,6 +266,29 @@ class VLLMWorker:
         self.engine.shutdown()
 
 
+class NodeLostError(RuntimeError):
+    """An engine's node died and no live node can host its replacement: the run stops naming the node."""
+
+
+def check_a_node_can_host(dead_node_id: str | None, resources: dict[str, float]) -> None:
+    """Before restarting an engine: if its node is gone and no live node offers the custom resources it asks for
+    (placement.engine_resources), Ray would keep the new actor pending forever. Raise naming the lost node."""
+    import ray
+
+    nodes = ray.nodes()
+    lost = next((n for n in nodes if n["NodeID"] == dead_node_id and not n.get("Alive")), None)
+    if lost is None:
+        return
+    hosts = [n for n in nodes if n.get("Alive") and all(n.get("Resources", {}).get(k, 0) >= v
+                                                         for k, v in resources.items())]
+    if not hosts:
+        raise NodeLostError(
+            f"the engine's node {lost.get('NodeManagerAddress', '?')} (node {str(dead_node_id)[:8]}) is dead and no "
+            f"live node offers what an engine asks for ({resources or 'no custom resources'}, "
+            "placement.engine_resources): add a node for it (`ray start --address=... --resources=...`) and run the "
+            "same command again to resume from the last checkpoint")
+
+
 class VLLMEngine:
     """InferenceEngine client for one vLLM actor; construction blocks until the engine is up."""
 
@@ -289,6 +312,7 @@ class VLLMEngine:
         }
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
         self._start = lambda: actor_cls.options(**(actor_options or {})).remote(cfg, self.model_path)
+        self.actor_resources = dict((actor_options or {}).get("resources") or {})
         self.actor = self._start()
         self.node_id = ray.get(self.actor.ready.remote())  # startup errors surface here, not on the first generate
 
@@ -301,6 +325,7 @@ class VLLMEngine:
             ray.kill(self.actor)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        check_a_node_can_host(self.node_id, self.actor_resources)
         self.actor = self._start()
         self.node_id = await asyncio.to_thread(ray.get, self.actor.ready.remote())
 
