@@ -228,3 +228,40 @@ async def test_reset_observation_already_in_the_prompt_is_not_repeated():
         assert await env.reset(prompt, {}) == prompt
         env = _env_with(_RecordingClient({"prompt": "Now: what is 3+4?"}), mcp)
         assert (await env.reset(prompt, {}))[2:] == [{"role": "user", "content": "Now: what is 3+4?"}]
+
+
+def _readme_openenv_commands() -> list[list[str]]:
+    """The README's `skyrl-stepwise train` commands that name an OpenEnv env class, as the shell splits them."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            openenv = any("env_classes" in w and "openenv" in w for w in words)
+            if openenv and "skyrl-stepwise" in words and "train" in words:  # also after `PYTHONPATH=... `
+                commands.append(words[words.index("train") + 1:])
+    return commands
+
+
+def test_readme_openenv_commands_parse_as_hydra_overrides_and_openenv_addresses():
+    """The README's OpenEnv commands work as written: every override parses with Hydra's own override parser (an
+    unquoted `?observation_field=prompt` failed there with "mismatched input '='"), the run's config composes from
+    them, and each env class's value is an OpenEnv address the start-up check accepts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from skyrl_stepwise.app_config import load_config
+
+    commands = _readme_openenv_commands()
+    assert len(commands) >= 2
+    parser = OverridesParser.create()
+    addresses = []
+    for words in commands:
+        overrides = parser.parse_overrides([w for w in words if "=" in w and not w.startswith("-")])
+        addresses += [o.value() for o in overrides if o.key_or_group.startswith("environment.env_classes.")]
+        environment = load_config(words).environment
+        assert set(environment.env_classes) and all(v.startswith("openenv") for v in environment.env_classes.values())
+        check_env_classes(list(environment.env_classes), environment)
+    assert len(addresses) >= 4 and any("?" in a and "=" in a for a in addresses)
