@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,113 @@ async def test_a_local_server_is_started_per_run_and_stopped_with_it(tokenizer, 
     finally:
         stop_local_servers()
     assert servers["tiny_openenv_server:app"].poll() is not None and not running_local_servers()
+
+
+class _RecordingClient:
+    """Stands in for openenv-core's client: records what would reach the server, answers every call with 'pong'."""
+
+    def __init__(self, observation=None):
+        self.sent: list[dict] = []
+        self.observation = observation if observation is not None else {"prompt": "What is 2+3?"}
+
+    async def reset(self, **kwargs):
+        return SimpleNamespace(observation=self.observation, reward=None, done=False)
+
+    async def step(self, action):
+        self.sent.append(action)
+        if action.get("type") == "list_tools":
+            return SimpleNamespace(observation={"tools": []}, reward=None, done=False)
+        return SimpleNamespace(observation={"result": "pong"}, reward=None, done=False)
+
+
+def _env_with(client, mcp: bool = True):
+    from skyrl_stepwise.envs.openenv import OpenEnvConfig, OpenEnvMCPEnv, OpenEnvTextEnv
+
+    env = (OpenEnvMCPEnv if mcp else OpenEnvTextEnv)(OpenEnvConfig("http://127.0.0.1:9", mcp=mcp))
+    env.session.client = client
+
+    async def opened():  # the recording client is already "connected"
+        return None
+
+    env.session.open = opened
+    return env
+
+
+async def test_mcp_env_answers_a_malformed_call_as_our_executor_does_and_never_sends_it():
+    """A call the parser could not read, or whose arguments are not a readable JSON object, was sent as `{}`: on a
+    tool with no required argument the model read a success ('pong') for a broken call. Now each is answered with
+    exactly the message our own executor gives (same tool, same call), counted, and never reaches the server."""
+    from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+    from skyrl_stepwise.tools.executor import ToolExecutor
+
+    class Ping:
+        name, config_class = "ping", None
+        schema = {"type": "function", "function": {"name": "ping", "description": "",
+                                                   "parameters": {"type": "object", "properties": {}}}}
+
+        async def call(self, arguments):
+            return "pong"
+
+    broken = [ToolCallRequest("ping", '{"host": "a"'),  # unreadable JSON
+              ToolCallRequest("ping", "[1, 2]"),  # not an object
+              ToolCallRequest("ping", '{"n": NaN}'),  # not JSON any server can be sent
+              ToolCallRequest(None, None, raw='<tool_call>{"name": ping', error="invalid_json",
+                              expected_format='<tool_call>{"name": ..., "arguments": {...}}</tool_call>')]
+    client = _RecordingClient()
+    env = _env_with(client)
+    result = await env.step_turn(ParsedTurn("", tool_calls=broken + [ToolCallRequest("ping", "{}")]))
+    expected = await ToolExecutor({"ping": Ping()}).execute(broken)
+    assert [m["content"] for m in result.observations[:4]] == [r.content for r in expected]
+    assert all(r.error_kind in ("invalid_arguments", "invalid_json") for r in expected)
+    assert "arguments are not valid JSON" in result.observations[0]["content"]
+    assert result.observations[4]["content"] == "pong"  # the well-formed call still runs
+    assert client.sent == [{"type": "call_tool", "tool_name": "ping", "arguments": {}}]  # only that one was sent
+    assert result.metrics["openenv_invalid_calls"] == 4.0 and result.metrics["openenv_tool_calls"] == 5.0
+
+
+async def test_reset_observation_already_in_the_prompt_is_not_repeated():
+    """Rows that carry the env's question got it twice (the prompt, then reset's observation); an observation that a
+    prompt message already says is not repeated, any other still joins as a user message."""
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?\n"}]
+    for mcp in (True, False):
+        env = _env_with(_RecordingClient(), mcp)
+        assert await env.reset(prompt, {}) == prompt
+        env = _env_with(_RecordingClient({"prompt": "Now: what is 3+4?"}), mcp)
+        assert (await env.reset(prompt, {}))[2:] == [{"role": "user", "content": "Now: what is 3+4?"}]
+
+
+def _readme_openenv_commands() -> list[list[str]]:
+    """The README's `skyrl-stepwise train` commands that name an OpenEnv env class, as the shell splits them."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            openenv = any("env_classes" in w and "openenv" in w for w in words)
+            if openenv and "skyrl-stepwise" in words and "train" in words:  # also after `PYTHONPATH=... `
+                commands.append(words[words.index("train") + 1:])
+    return commands
+
+
+def test_readme_openenv_commands_parse_as_hydra_overrides_and_openenv_addresses():
+    """The README's OpenEnv commands work as written: every override parses with Hydra's own override parser (an
+    unquoted `?observation_field=prompt` failed there with "mismatched input '='"), the run's config composes from
+    them, and each env class's value is an OpenEnv address the start-up check accepts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from skyrl_stepwise.app_config import load_config
+
+    commands = _readme_openenv_commands()
+    assert len(commands) >= 2
+    parser = OverridesParser.create()
+    addresses = []
+    for words in commands:
+        overrides = parser.parse_overrides([w for w in words if "=" in w and not w.startswith("-")])
+        addresses += [o.value() for o in overrides if o.key_or_group.startswith("environment.env_classes.")]
+        environment = load_config(words).environment
+        assert set(environment.env_classes) and all(v.startswith("openenv") for v in environment.env_classes.values())
+        check_env_classes(list(environment.env_classes), environment)
+    assert len(addresses) >= 4 and any("?" in a and "=" in a for a in addresses)

@@ -91,6 +91,15 @@ def observation_text(observation: Any, field: str | None) -> str:
     return json.dumps(shown, default=str) if shown else ""
 
 
+def with_observation(prompt_messages: list[Message], text: str) -> list[Message]:
+    """The row's prompt, then reset's observation as a user message, unless it has no text or a message of the
+    prompt already says exactly that (rows that carry the env's question would otherwise show it twice)."""
+    said = {m.get("content").strip() for m in prompt_messages if isinstance(m.get("content"), str)}
+    if not text or text.strip() in said:
+        return list(prompt_messages)
+    return list(prompt_messages) + [{"role": "user", "content": text}]
+
+
 class _Session:
     """One trajectory's connection; every failure of the client becomes OpenEnvError naming the server."""
 
@@ -129,8 +138,7 @@ class OpenEnvTextEnv:
         await self.session.open()
         kwargs = dict((extras.get("extra_info") or {}).get("openenv_reset") or {})
         result = await self.session.guarded("reset", self.session.client.reset(**kwargs))
-        text = observation_text(result.observation, self.cfg.observation_field)
-        return list(prompt_messages) + ([{"role": "user", "content": text}] if text else [])
+        return with_observation(prompt_messages, observation_text(result.observation, self.cfg.observation_field))
 
     async def step(self, action_text: str) -> StepResult:
         """The turn's text as the action; the server's reward (None: 0) and done; its observation a user message."""
@@ -159,8 +167,7 @@ class OpenEnvMCPEnv:
         listed = await self.session.guarded("list_tools", self.session.client.step({"type": "list_tools"}))
         self.tool_schemas = [_function_schema(t, self.cfg.base_url) for t in (listed.observation or {}).get("tools", [])]
         self.last_reward = 0.0
-        text = observation_text(result.observation, self.cfg.observation_field)
-        return list(prompt_messages) + ([{"role": "user", "content": text}] if text else [])
+        return with_observation(prompt_messages, observation_text(result.observation, self.cfg.observation_field))
 
     async def step(self, action_text: str) -> StepResult:
         """Only reachable when nothing parsed the turn: an answer without calls ends the episode."""
@@ -170,27 +177,38 @@ class OpenEnvMCPEnv:
 
     async def step_turn(self, turn) -> StepResult:
         """Each call -> `CallToolAction` -> a tool message (its result, or the server's tool error as an error
-        message); no call -> done with the server's last reward."""
+        message); no call -> done with the server's last reward. A call the parser could not read, or whose
+        arguments are not a readable JSON object, is answered as our executor answers it and never sent: sent as
+        `{}`, a tool without required arguments ran, and the model read a success for a broken call."""
+        from skyrl_stepwise.tools.executor import parse_refusal, readable_arguments
+
         if not turn.tool_calls:
             return StepResult([], self.last_reward, True, {"openenv_answered": 1.0})
-        messages, done, errors = [], False, 0
+        messages, done, errors, invalid = [], False, 0, 0
         for call_id, call in zip(turn.call_ids(), turn.tool_calls):
-            arguments = call.arguments if isinstance(call.arguments, dict) else _json_or_empty(call.arguments)
-            result = await self.session.guarded(f"call_tool {call.name!r}", self.session.client.step(
-                {"type": "call_tool", "tool_name": call.name or "", "arguments": arguments}))
+            name = call.name or ""
+            refused = parse_refusal(call)
+            arguments, why = (None, refused[1]) if refused else readable_arguments(name, call.arguments)
+            if arguments is None:
+                invalid += 1
+                messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": f"Error: {why}"})
+                continue
+            result = await self.session.guarded(f"call_tool {name!r}", self.session.client.step(
+                {"type": "call_tool", "tool_name": name, "arguments": arguments}))
             observation = result.observation or {}
             error = observation.get("error")
             errors += error is not None
             content = f"Error: {error.get('message', error) if isinstance(error, dict) else error}" if error \
                 else _tool_result_text(observation.get("result"))
-            messages.append({"role": "tool", "tool_call_id": call_id, "name": call.name or "", "content": content})
+            messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": content})
             if result.reward is not None:
                 self.last_reward = float(result.reward)
             done = done or bool(result.done)
             if done:
                 break
         return StepResult([] if done else messages, self.last_reward if done else 0.0, done,
-                          {"openenv_tool_calls": float(len(messages)), "openenv_tool_errors": float(errors)})
+                          {"openenv_tool_calls": float(len(messages)), "openenv_tool_errors": float(errors),
+                           "openenv_invalid_calls": float(invalid)})
 
     async def aclose(self) -> None:
         """Close the session (the generator calls this however the trajectory ended)."""
@@ -202,14 +220,6 @@ def _step_result(result, cfg: OpenEnvConfig, role: str) -> StepResult:
     text = observation_text(result.observation, cfg.observation_field)
     reward = float(result.reward) if result.reward is not None else 0.0
     return StepResult([] if done or not text else [{"role": role, "content": text}], reward, done)
-
-
-def _json_or_empty(arguments) -> dict:
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else {}
-    except json.JSONDecodeError:
-        value = {}
-    return value if isinstance(value, dict) else {}
 
 
 def _tool_result_text(result: Any) -> str:

@@ -7,7 +7,6 @@ real outcome. A scorer that raises is not an outcome: the error propagates and t
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
 from skyrl_stepwise.envs.base import Message, StepResult
@@ -29,13 +28,21 @@ class ReasoningGymEnv:
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
         """Read the task and its entry from reward_spec (written by data/reasoning_gym.py); a row without them
-        fails naming what is missing."""
+        fails naming what is missing, and a row from before the lossless encoding fails asking for a rebuild (its
+        tuples and int keys are gone, so the right answer of some tasks would score like a wrong one)."""
+        from skyrl_stepwise.data.reasoning_gym import ENTRY_ENCODING, decode_entry
+
         spec = extras.get("reward_spec") or {}
         if not spec.get("task") or not spec.get("entry"):
             raise ValueError(f"instance {extras.get('instance_id')!r}: env_class reasoning_gym needs reward_spec.task "
                              "and reward_spec.entry (rows from `skyrl-stepwise data reasoning-gym`)")
+        if spec.get("entry_encoding") != ENTRY_ENCODING:
+            raise ValueError(f"instance {extras.get('instance_id')!r}: reasoning_gym row with "
+                             f"reward_spec.entry_encoding {spec.get('entry_encoding')!r}, expected {ENTRY_ENCODING!r}: "
+                             "its entry was stored by an older, lossy version; rebuild the rows with "
+                             "`skyrl-stepwise data reasoning-gym`")
         self.task = str(spec["task"])
-        self.entry = json.loads(spec["entry"]) if isinstance(spec["entry"], str) else dict(spec["entry"])
+        self.entry = decode_entry(spec["entry"])
         return list(prompt_messages)
 
     async def step(self, action_text: str) -> StepResult:

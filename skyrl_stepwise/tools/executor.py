@@ -117,6 +117,40 @@ def non_finite_field(value: Any, path: str = "") -> str | None:
     return None
 
 
+def parse_refusal(call: ToolCallRequest) -> tuple[str, str] | None:
+    """(kind, message) for a call the parser could not read: its kind, what that means, the call as written and how
+    to write one; None when it was read. `unknown_tool` is not refused here: whether a tool exists is for whoever
+    runs it (our tool list, an OpenEnv server's) to say. Shared with envs/openenv.py, so every env answers a broken
+    call in the same words."""
+    if call.error is None:
+        return None
+    kind = error_kind_of(call.error)
+    if kind == "unknown_tool":
+        return None
+    hint = PARSE_HINTS.get(kind, "the call could not be parsed")
+    raw = f" The call was: {call.raw[:200]!r}." if call.raw else ""
+    how = f" Write a tool call as {call.expected_format}." if call.expected_format else ""
+    return kind, f"tool call not understood ({kind}): {hint}.{raw}{how}"
+
+
+def readable_arguments(name: str, raw: dict | str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """(arguments, None), or (None, the `invalid_arguments` message) for arguments that are not a JSON object, are
+    nested too deeply to read, or hold NaN/infinite numbers. Never `{}` for arguments that could not be read: a
+    tool without required arguments would then run, and the model read a success for a broken call. Shared with
+    envs/openenv.py."""
+    arguments, why = decode_arguments(raw)
+    if arguments is None:
+        return None, f"invalid arguments for tool {name!r}: {why}."
+    try:
+        bad = non_finite_field(arguments)
+    except RecursionError:  # a parser's dict nested deeper than checking can follow
+        return None, f"invalid arguments for tool {name!r}: nested too deeply to check."
+    if bad is not None:
+        return None, (f"invalid arguments for tool {name!r}: field {bad!r}: NaN and infinite numbers are not JSON; "
+                      "write a finite number.")
+    return arguments, None
+
+
 class ToolExecutor:
     """Executes parsed tool calls against named tools; one instance may serve many trajectories at once."""
 
@@ -168,26 +202,16 @@ class ToolExecutor:
         if index >= self.max_calls_per_turn:
             return fail("too_many_calls", f"too many tool calls in one turn: at most {self.max_calls_per_turn} "
                                           f"are run per turn, so call #{index + 1} ({name or 'unnamed'}) was not run.")
-        if call.error is not None:
-            kind = error_kind_of(call.error)
-            if kind == "unknown_tool" and name not in self.tools:
-                return self._unknown(call_id, name)
-            if kind != "unknown_tool":  # the parser's tool list may differ from ours; ours decides
-                hint = PARSE_HINTS.get(kind, "the call could not be parsed")
-                raw = f" The call was: {call.raw[:200]!r}." if call.raw else ""
-                how = f" Write a tool call as {call.expected_format}." if call.expected_format else ""
-                return fail(kind, f"tool call not understood ({kind}): {hint}.{raw}{how}")
+        refused = parse_refusal(call)
+        if refused is not None:
+            return fail(*refused)
         tool = self.tools.get(name)
-        if tool is None:
+        if tool is None:  # also a call the parser found unknown: the parser's tool list may differ from ours
             return self._unknown(call_id, name)
-        arguments, why = decode_arguments(call.arguments)
+        arguments, why = readable_arguments(name, call.arguments)
         if arguments is None:
-            return fail("invalid_arguments", f"invalid arguments for tool {name!r}: {why}.")
+            return fail("invalid_arguments", why)
         try:
-            bad = non_finite_field(arguments)
-            if bad is not None:
-                return fail("invalid_arguments", f"invalid arguments for tool {name!r}: field {bad!r}: NaN and "
-                                                 f"infinite numbers are not JSON; write a finite number.")
             why = schema_errors(self._validators[name], arguments)
         except RecursionError:  # a parser's dict nested deeper than checking can follow
             return fail("invalid_arguments", f"invalid arguments for tool {name!r}: nested too deeply to check.")
