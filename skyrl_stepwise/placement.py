@@ -44,7 +44,7 @@ class PlacementConfig:
     ready_timeout_s: float = 8.0  # how long to wait for the placement group before failing
     # Custom Ray resources each policy rank / engine asks for, pinning the roles to nodes of a real cluster: start
     # the nodes meant for them with `ray start --resources='{"engine_node": 1}'` and set
-    # placement.engine_resources={engine_node:0.01}. CPU layouts (mode none) only: GPU layouts place by bundles.
+    # +placement.engine_resources.engine_node=0.01 (a dict: `+` adds its key). CPU layouts (mode none) only.
     policy_resources: dict[str, float] = field(default_factory=dict)
     engine_resources: dict[str, float] = field(default_factory=dict)
 

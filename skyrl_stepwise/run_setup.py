@@ -49,11 +49,10 @@ def plan_resources(cfg, train_rows, val_rows, needs_search: bool):
     engine will accept on this host, and refuses a run that cannot fit, naming the knob. Logs the plan's line."""
     from transformers import AutoTokenizer
 
-    from skyrl_stepwise.resource_plan import make_plan, prompt_token_lengths
+    from skyrl_stepwise.resource_plan import longest_prompt_tokens, make_plan
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.engine.model_path)
-    lengths = prompt_token_lengths(tokenizer, train_rows), prompt_token_lengths(tokenizer, val_rows)
-    plan = make_plan(cfg, lengths, needs_search)
+    plan = make_plan(cfg, longest_prompt_tokens(tokenizer, train_rows + val_rows), len(val_rows), needs_search)
     logger.info(plan.describe())
     return plan
 

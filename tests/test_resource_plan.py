@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from skyrl_stepwise.resource_plan import (GIB, MemoryView, ResourcePlanError, engine_node_memory, make_plan,
-                                          prompt_token_lengths)
+                                          longest_prompt_tokens)
 
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x K and V
 SMOLLM2_PARAMS = 134_515_008
@@ -25,13 +25,8 @@ def _recipe(model_path, monkeypatch, native_bf16: bool):
     return cfg
 
 
-def _lengths(n_train=200, n_eval=200, length=300):
-    return [length] * n_train, [length] * n_eval
-
-
-def _plan(cfg, host=BIG_HOST, node=FRESH_VM_NODE, lengths=None):
-    return make_plan(cfg, lengths or _lengths(), needs_search=True, host=host, engine_view=node,
-                     params=SMOLLM2_PARAMS)
+def _plan(cfg, host=BIG_HOST, node=FRESH_VM_NODE, longest=300, eval_rows=200):
+    return make_plan(cfg, longest, eval_rows, needs_search=True, host=host, engine_view=node, params=SMOLLM2_PARAMS)
 
 
 def test_a_fresh_vm_small_node_gets_a_cache_the_engine_accepts_on_a_cpu_without_bf16(model_path, monkeypatch):
@@ -59,8 +54,8 @@ def test_with_native_bf16_the_same_run_keeps_every_trajectory_in_flight(model_pa
 
 
 def test_real_prompt_lengths_not_the_maximum_size_the_cache(model_path, monkeypatch):
-    short = _plan(_recipe(model_path, monkeypatch, native_bf16=True), lengths=_lengths(length=100))
-    long = _plan(_recipe(model_path, monkeypatch, native_bf16=True), lengths=_lengths(length=600))
+    short = _plan(_recipe(model_path, monkeypatch, native_bf16=True), longest=100)
+    long = _plan(_recipe(model_path, monkeypatch, native_bf16=True), longest=600)
     assert short.demand.tokens_each == 100 + 3 * 128 + 2 * 256
     # never past the input limit + one generation
     assert long.demand.tokens_each == min(600 + 896, 1536 + 128)
@@ -117,10 +112,16 @@ def test_our_node_view_is_vllms_on_this_host():
     assert abs(ours.available - theirs.available_memory) < 256 << 20  # read a moment apart
 
 
-def test_prompt_lengths_are_the_rendered_prompts(tokenizer):
+def test_the_longest_prompt_is_measured_rendered(tokenizer):
     from skyrl_stepwise.data.dataset import PromptRow
 
-    row = PromptRow(prompt=[{"role": "user", "content": "What is the capital of France?"}], env_class="search",
-                    reward_spec={}, data_source="t")
-    rendered = tokenizer.apply_chat_template(row.prompt, tokenize=False, add_generation_prompt=True)
-    assert prompt_token_lengths(tokenizer, [row]) == [len(tokenizer(rendered, add_special_tokens=False)["input_ids"])]
+    rows = [PromptRow(prompt=[{"role": "user", "content": text}], env_class="search", reward_spec={}, data_source="t")
+            for text in ("Hi?", "What is the capital of France, and which river runs through it?", "Why?")]
+    rendered = tokenizer.apply_chat_template(rows[1].prompt, tokenize=False, add_generation_prompt=True)
+    assert longest_prompt_tokens(tokenizer, rows) == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    assert longest_prompt_tokens(tokenizer, rows, candidates=1) == longest_prompt_tokens(tokenizer, rows)
+
+
+def test_fewer_validation_rows_than_max_eval_prompts_are_what_is_in_flight(model_path, monkeypatch):
+    cfg = _recipe(model_path, monkeypatch, native_bf16=True)
+    assert _plan(cfg, eval_rows=20).demand.trajectories == 20  # > 4 prompts x 4 samples, < 128

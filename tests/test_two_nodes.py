@@ -63,8 +63,8 @@ def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_ADDRESS=cluster.address,
                PYTHONPATH=os.pathsep.join([str(OWN_TASK), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    command = _command(data, out, 3) + ["trainer.fsdp.world_size=1", "placement.policy_resources={policy_node:0.01}",
-                                        "placement.engine_resources={engine_node:0.01}"]
+    command = _command(data, out, 3) + ["trainer.fsdp.world_size=1", "+placement.policy_resources.policy_node=0.01",
+                                        "+placement.engine_resources.engine_node=0.01"]
     console = tmp_path / "run1.log"
     try:
         with open(console, "w") as log:
