@@ -79,8 +79,9 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             await evals.run("before SFT", limit=cfg.data.max_base_eval_prompts)
             if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
                 await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
-            cfg.trainer.model_path = str(await asyncio.to_thread(sft_model, cfg, logger.info,
-                                                                 role_options(placement_group, layout.policy)))
+            cfg.trainer.model_path = str(await asyncio.to_thread(
+                sft_model, cfg, logger.info, role_options(placement_group, layout.policy),
+                Path(cfg.logging.output_dir) / "sft_metrics.jsonl"))
         start = time.perf_counter()
         use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
         policy = PolicyGroup(cfg.trainer, actor_options=role_options(placement_group, layout.policy),
