@@ -98,6 +98,40 @@ def test_gguf_is_converted_with_the_chosen_template_and_provenance(tmp_path, mon
     assert prepare_gguf(gguf_file, "chatml", cache_dir=tmp_path / "cache") != folder  # another template, another folder
 
 
+def test_train_repeats_the_base_model_warning_of_model_prepare(tmp_path, monkeypatch, caplog):
+    """`model prepare` warned once (maybe days before); `train` on the prepared folder says it again at start-up.
+    An instruct model, a folder used as it is and a folder prepared before the flag was recorded are judged too."""
+    import logging
+
+    from skyrl_stepwise import run_setup
+    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.models.prepare import prepared_base_model
+
+    monkeypatch.setattr(prepare, "convert_gguf", lambda info, template, out_dir, name=None:
+                        (out_dir / "config.json").write_text("{}"))
+    base = prepare_gguf(_header_only_gguf(tmp_path / "g.gguf", "gemma3"), cache_dir=tmp_path / "cache")
+    instruct = prepare_gguf(_header_only_gguf(tmp_path / "i.gguf", "gemma3", template="{{ x }}", name="M-it"),
+                            cache_dir=tmp_path / "cache")
+    assert json.loads((base / "skyrl_prepare.json").read_text())["base_model"] is True
+    assert "g.gguf looks like a base (non-instruct) model" in prepared_base_model(base)
+    assert prepared_base_model(instruct) is None and prepared_base_model(tmp_path) is None
+    old = tmp_path / "old"  # prepared by an earlier version: no flag, its template guessed from the architecture
+    old.mkdir()
+    (old / "skyrl_prepare.json").write_text(json.dumps({"source": "/x/gemma.gguf", "chat_template":
+                                                        "the gemma family template (the file carries none; ...)"}))
+    assert "gemma.gguf looks like a base" in prepared_base_model(old)
+
+    cfg = load_config(["experiment=search_r1_tiny"])
+    cfg.model_path = str(base)
+    monkeypatch.setattr(run_setup, "_datasets", lambda cfg: ([], []))
+    monkeypatch.setattr(run_setup, "check_envs_and_tools", lambda cfg, rows: False)
+    monkeypatch.setattr(run_setup, "size_kv_cache", lambda cfg: None)
+    with caplog.at_level(logging.INFO, logger="skyrl_stepwise.train"), run_setup.prepared(cfg):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("looks like a base (non-instruct) model" in w and "sft.enabled=true" in w for w in warnings), warnings
+
+
 def test_start_up_line_says_how_a_template_without_system_or_tools_was_adapted():
     from family_tokenizers import family_tokenizer
 
