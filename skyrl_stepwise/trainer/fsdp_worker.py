@@ -29,7 +29,7 @@ from skyrl_stepwise.trainer import checkpoint
 from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forward_logprobs, pack_micro_batch,
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
-from skyrl_stepwise.trainer.losses import policy_loss
+from skyrl_stepwise.trainer.losses import no_gradient, policy_loss
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.trainer.packing.selfcheck import check_packing_precisely, refusal
 
@@ -348,6 +348,8 @@ class PolicyWorker:
             raise ValueError(f"train_step objective must be 'ppo' or 'sft', got {objective!r}")
         start = time.perf_counter()
         batch.validate()
+        if objective == "ppo" and no_gradient(batch, self.cfg.algorithm):
+            return self._zero_gradient_step(batch, start)
         self.model.train()
         mine, per_rank = self._micro_batches(batch)
         num_tokens = batch.num_loss_tokens()
@@ -389,6 +391,24 @@ class PolicyWorker:
         out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skipped),
                     "train/loss_tokens": num_tokens, "train/step_time_s": time.perf_counter() - start})
         release_host_memory(self.device)
+        return out
+
+    def _zero_gradient_step(self, batch: TrainBatch, start: float) -> dict[str, float]:
+        """The update of a mini-batch whose gradient is exactly 0 (no_gradient), without the forward and backward
+        that would compute it: AdamW steps on zero gradients, so momentum and weight decay move the weights
+        exactly as after the full pass (bitwise), and the schedule advances as for any step taken."""
+        for param in self.model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {"train/grad_norm": 0.0, "train/lr": lr, "train/skipped_step": 0.0, "train/forward_skipped": 1.0,
+               "train/loss_tokens": batch.num_loss_tokens(), "policy/loss": 0.0, "policy/pg_loss": 0.0,
+               "train/step_time_s": time.perf_counter() - start}
+        if batch.old_logprobs is None:  # on-policy: ratio 1, nothing clipped, no movement (entropy: not computed)
+            out.update({"policy/clip_frac": 0.0, "policy/ppo_kl": 0.0})
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
