@@ -282,6 +282,26 @@ def sft_section(run_dir: Path) -> list[str]:
     return lines + [""]
 
 
+def failures_section(run_dir: Path, history: list[dict]) -> list[str]:
+    """How many trajectories failed (env or engine errors: not trained) and why, or nothing when none did: a
+    step line reading `samples=4` otherwise looks like a clean run on 4 samples."""
+    steps = [r for r in history if r.get("generate/failed_trajectories")]
+    if not steps:
+        return []
+    total = sum(r["generate/failed_trajectories"] for r in steps)
+    causes: dict[str, float] = {}
+    for r in steps:
+        for k, v in r.items():
+            if k.startswith("generate/failed_trajectories/") and v:
+                causes[k.rsplit("/", 1)[1]] = causes.get(k.rsplit("/", 1)[1], 0.0) + v
+    by_cause = ", ".join(f"{cause} {n:.0f}" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]))
+    where = ", ".join(f"step {r['step']}: {r['generate/failed_trajectories']:.0f}" for r in steps)
+    return [f"**{total:.0f} trajectories failed** on {len(steps)} of {len(history)} steps ({by_cause}; {where}): "
+            "an env or engine error ended them, so they were not trained and their steps trained on fewer samples "
+            f"than were drawn (`generate/failed_trajectories`). `skyrl-stepwise show {run_dir} --failed` prints what "
+            "each did up to its failure, and why.", ""]
+
+
 def _never_fired_why(ctx, max_input_length: int) -> str:
     """What the policy waits for, with this run's values: why a policy that never fired did nothing."""
     if ctx.policy == "truncate":
@@ -438,6 +458,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
              _status(steps, cfg.total_steps, failure, ckpts, cfg.trainer.ckpt_interval), "",
              *sft_section(run_dir),
              *skipped_section(steps),
+             *failures_section(run_dir, steps),
              *context_section(cfg, steps),
              *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",

@@ -26,7 +26,12 @@ def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
     kept = [r for r in results if r.failure is None]
     out = GeneratorOutput([], [], [], [], stop_reasons=[], rollout_logprobs=[], trajectory_ids=[],
                           is_last_step=[], turn_indices=[],
-                          failed_trajectory_ids=[r.trajectory_id for r in results if r.failure])
+                          failed_trajectory_ids=[r.trajectory_id for r in results if r.failure],
+                          failed_trajectories=[{"trajectory": r.trajectory_id.key(), "cause": r.failure,
+                                                "message": r.failure_message,
+                                                "samples": [[s.prompt_ids, s.response_ids, s.loss_mask]
+                                                            for s in r.partial_steps]}
+                                               for r in results if r.failure])
     dropped = 0
     for traj in kept:
         for i, step in enumerate(traj.steps):
