@@ -284,3 +284,47 @@ async def test_a_failed_trajectory_is_shown_up_to_its_failure_and_reported(token
     assert "**4 trajectories failed** on 1 of 1 steps (" in text and "env_step 1" in text
     assert f"skyrl-stepwise show {tmp_path} --failed" in text
     assert "[FAILED, not trained" in text  # among the last step's samples
+
+
+class _EngineThatShutsDown:
+    """Holds every request until cancelled; a request cancelled after the engine shut down fails as Ray's do then
+    (`ray.cancel` with Ray gone)."""
+
+    def __init__(self) -> None:
+        self.down = False
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        import asyncio
+
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if self.down:
+                raise RuntimeError("No owner found for object 0x1234") from None
+            raise
+
+
+async def test_trajectories_in_flight_when_the_run_stops_are_cancelled_not_failed(tokenizer, caplog):
+    """Ctrl-C / SIGTERM cancels the step awaiting the rollouts; the trajectories still sampling were cancelled only
+    after the engines and Ray shut down, and logged as failed (`No owner found for object`) on the way out."""
+    import asyncio
+    import logging
+
+    from skyrl_stepwise.trainer.loop import expand
+
+    caplog.set_level(logging.WARNING)
+    engine = _EngineThatShutsDown()
+    registry = EnvRegistry()
+    registry.register("faulty", lambda: FaultyEnv())
+    gen = StepwiseGenerator(tokenizer, engine, registry, _generator_config())
+    step = asyncio.ensure_future(gen.generate(*expand([_row(r) for r in ROWS], REPS, "t")))
+    await asyncio.sleep(0.2)  # every trajectory is waiting for its first turn
+    step.cancel()  # what the stop does to the step
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    engine.down = True  # the run's `finally`: engines and Ray shut down
+    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in leftover:  # then asyncio.run cancels whatever is left
+        task.cancel()
+    await asyncio.gather(*leftover, return_exceptions=True)
+    assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
