@@ -146,6 +146,53 @@ def test_start_up_line_says_how_a_template_without_system_or_tools_was_adapted()
     assert describe_chat_adaptation(Library()) == "chat format of the model: renderer 'qwen3'"
 
 
+def test_start_up_line_names_a_default_system_prompt_the_template_injects(tokenizer):
+    """SmolLM2's template adds its own system prompt to a conversation without one (the recipe's "no system
+    prompt" is not what the model sees): the start-up line says so, quoting it; Gemma's and Llama's add none."""
+    from family_tokenizers import family_tokenizer
+
+    from skyrl_stepwise.chat.adaptation import injected_system_prompt
+
+    line = describe_chat_adaptation(TemplateRenderer(tokenizer))
+    assert "NOTE: the template adds its default system prompt 'You are a helpful AI assistant named SmolLM" in line
+    assert injected_system_prompt(family_tokenizer("qwen2.5")).startswith("You are Qwen")
+    for family in ("gemma-2", "llama-3.1", "qwen3"):
+        assert injected_system_prompt(family_tokenizer(family)) is None, family
+        assert "NOTE" not in describe_chat_adaptation(TemplateRenderer(family_tokenizer(family)))
+
+
+async def test_the_roles_an_env_answers_in_are_named_not_assumed(tokenizer, caplog):
+    """The start-up line said `observations as tool messages` for a run whose env answers in `user` messages:
+    it now says how each role renders, and the loop names the role each env class uses at its first answer."""
+    import logging
+
+    from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+    from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+    from skyrl_stepwise.inference.scripted import ScriptedEngine
+
+    class UserAnswers:
+        async def reset(self, prompt_messages, extras):
+            return list(prompt_messages)
+
+        async def step(self, action_text):
+            return StepResult([{"role": "user", "content": "higher"}], 0.0, False)
+
+    line = describe_chat_adaptation(TemplateRenderer(tokenizer))
+    assert "; observations as `tool` messages" not in line and "`user` ones as `user`" in line
+    caplog.set_level(logging.INFO, logger="skyrl_stepwise")
+    registry = EnvRegistry()
+    registry.register("guess", UserAnswers)
+    engine = ScriptedEngine(lambda p, s, i: tokenizer.encode("5", add_special_tokens=False) + [tokenizer.eos_token_id],
+                            tokenizer)
+    gen = StepwiseGenerator(tokenizer, engine, registry, GeneratorConfig(
+        max_turns=3, n_samples_per_prompt=1, show_progress=False,
+        sampling=GeneratorSamplingConfig(max_generate_length=4)))
+    await gen.generate([[{"role": "user", "content": "Guess"}]] * 2, ["guess"] * 2, [{}, {}],
+                       [TrajectoryID("a", 0), TrajectoryID("b", 0)])
+    said = [r.getMessage() for r in caplog.records if "observations as" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("UserAnswers: observations as `user` messages"), said
+
+
 def test_bundled_gemma_template_renders_tool_use_through_our_renderer():
     from family_tokenizers import family_tokenizer
 

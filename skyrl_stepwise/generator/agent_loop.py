@@ -120,6 +120,20 @@ def _turn_seed(base_seed: int | None, trajectory_id: TrajectoryID, turn: int) ->
     return zlib.crc32(f"{base_seed}:{trajectory_id.key()}:{turn}".encode()) & 0x7FFFFFFF
 
 
+_ROLES_SAID: set[tuple[str, tuple[str, ...]]] = set()  # (env class, roles) already named, once per process
+
+
+def say_observation_roles(env, observations: list[Message]) -> None:
+    """Name, once per env class and set of roles, the roles its observations come in: the start-up line can only
+    say how the template renders each role (chat/adaptation.py); which one the env uses is the env's."""
+    roles = tuple(sorted({str(m.get("role")) for m in observations}))
+    key = (env_name(env), roles)
+    if not roles or key in _ROLES_SAID:
+        return
+    _ROLES_SAID.add(key)
+    logger.info("env %s: observations as %s messages", key[0], " and ".join(f"`{r}`" for r in roles))
+
+
 class AgentLoop:
     """Runs trajectories against one engine and one renderer; stateless across trajectories."""
 
@@ -243,6 +257,7 @@ class AgentLoop:
                 break
 
             observations = step.observations
+            say_observation_roles(env, observations)
             if cfg.use_conversation_multi_turn:
                 observations = self._observe(observations, len(steps), stats)
                 parsed = turn_parsed or self._render(chat.parse, response, prompt_ids, tools)
