@@ -52,7 +52,7 @@ class SFTConfig:
     # Before the first step SFT measures the model's mean loss on the demonstrations' terminators; above this
     # many nats (10: a probability below 5e-5, under uniform over a 22k vocabulary) it trains at
     # `unseen_terminator_lr` (when lower than lr) with at least `unseen_terminator_warmup_steps` warm-up steps
-    # (at most the run's steps), and says so. An instruct model pays < 1 nat. null: always lr / num_warmup_steps.
+    # (at most the run's steps), and says so. SmolLM2-135M-Instruct pays 1.0 nat. null: always lr / num_warmup_steps.
     unseen_terminator_nats: float | None = 10.0
     unseen_terminator_lr: float = 1.0e-5
     unseen_terminator_warmup_steps: int = 8

@@ -140,7 +140,8 @@ class Tracker:
             rest = [seg for seg in s.segments[1:]]
             completion = "\n".join(f"[{seg.role}] {seg.text}" for seg in rest)
             calls = json.dumps([c for seg in rest for c in seg.tool_calls])
-            table.add_data(s.step, s.stage, s.trajectory, s.pick, s.reward, s.stop_reason, s.turns, s.prompt,
+            reward = float("nan") if s.reward is None else s.reward  # a failed trajectory: one column type
+            table.add_data(s.step, s.stage, s.trajectory, s.pick, reward, s.stop_reason, s.turns, s.prompt,
                            completion, calls)
         key = "rollouts/train" if stage == "train" else "rollouts/eval"
         self.wandb.log({key: table}, step=max(step, self._last_wandb_step))
