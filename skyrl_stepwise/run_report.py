@@ -221,16 +221,30 @@ def config_summary(cfg) -> list[str]:
     return lines
 
 
-def _status(history: list[dict], total_steps: int, failure: BaseException | None) -> str:
+def failure_text(failure: BaseException, limit: int = 2000) -> str:
+    """The error's whole first line (the guard's message is one long line: cut at 300 characters it stopped
+    mid-sentence); a line past `limit` is cut after its last full sentence within it."""
+    line = str(failure).splitlines()[0] if str(failure) else ""
+    if len(line) <= limit:
+        return line
+    end = line.rfind(". ", 0, limit)
+    return (line[:end + 1] if end > 0 else line[:limit]) + " [...]"
+
+
+def _status(history: list[dict], total_steps: int, failure: BaseException | None,
+            checkpoints: list[str] | None = None, ckpt_interval: int | None = None) -> str:
     done = max((r["step"] for r in history), default=0)
     if failure is None:
         return f"finished: {done} of {total_steps} steps."
     import asyncio
 
     if isinstance(failure, (KeyboardInterrupt, asyncio.CancelledError)):  # Ctrl-C or SIGTERM
-        return (f"**interrupted at step {done}** of {total_steps}; the steps below were logged before that. The same "
-                "command resumes from the last complete checkpoint (see Files).")
-    what = f"failed with `{type(failure).__name__}: {str(failure).splitlines()[0][:300] if str(failure) else ''}`"
+        resume = (f"The same command resumes from the last complete checkpoint, {checkpoints[-1]} (see Files)."
+                  if checkpoints else
+                  f"No checkpoint was saved before that (trainer.ckpt_interval={ckpt_interval}), so the same command "
+                  "starts again from step 1 (a finished SFT warm start is cached and reused).")
+        return f"**interrupted at step {done}** of {total_steps}; the steps below were logged before that. {resume}"
+    what = f"failed with `{type(failure).__name__}: {failure_text(failure)}`"
     if done == 0:
         return f"**{what}** before step 1 of {total_steps}; nothing was trained (details in run.log)."
     return f"**{what}** after step {done} of {total_steps}; the steps below were logged before that."
@@ -246,6 +260,46 @@ def skipped_section(history: list[dict]) -> list[str]:
     steps = "; ".join(f"step {step}: {what}" for step, what in skipped)
     return [f"**{len(skipped)} of {len(history)} steps skipped optimizer updates** ({steps}): a non-finite gradient "
             "norm or nothing to train on, so their batches' gradients were lost (`train/skipped_step`).", ""]
+
+
+SFT_COLUMNS = [("sft/loss", "loss"), ("train/grad_norm", "grad norm"), ("sft/entropy", "entropy"),
+               ("train/lr", "lr"), ("train/step_time_s", "s")]
+
+
+def sft_section(run_dir: Path) -> list[str]:
+    """The warm start's steps (sft_metrics.jsonl, written as they happen): a warm start that diverged or was
+    stopped shows where, not only on the console."""
+    steps = load_history(run_dir / "sft_metrics.jsonl")
+    if not steps:
+        return []
+    head = ["SFT step"] + [t for k, t in SFT_COLUMNS if any(k in r for r in steps)]
+    keys = [k for k, _ in SFT_COLUMNS if any(k in r for r in steps)]
+    formats = {k: "{:.3g}" for k in keys}
+    lines = ["## SFT warm start", "", f"{len(steps)} SFT steps logged (`sft_metrics.jsonl`).", "",
+             "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    lines += ["| " + " | ".join([str(r["step"])] + [_cell(r.get(k), formats[k]) for k in keys]) + " |"
+              for r in steps]
+    return lines + [""]
+
+
+def failures_section(run_dir: Path, history: list[dict]) -> list[str]:
+    """How many trajectories failed (env or engine errors: not trained) and why, or nothing when none did: a
+    step line reading `samples=4` otherwise looks like a clean run on 4 samples."""
+    steps = [r for r in history if r.get("generate/failed_trajectories")]
+    if not steps:
+        return []
+    total = sum(r["generate/failed_trajectories"] for r in steps)
+    causes: dict[str, float] = {}
+    for r in steps:
+        for k, v in r.items():
+            if k.startswith("generate/failed_trajectories/") and v:
+                causes[k.rsplit("/", 1)[1]] = causes.get(k.rsplit("/", 1)[1], 0.0) + v
+    by_cause = ", ".join(f"{cause} {n:.0f}" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]))
+    where = ", ".join(f"step {r['step']}: {r['generate/failed_trajectories']:.0f}" for r in steps)
+    return [f"**{total:.0f} trajectories failed** on {len(steps)} of {len(history)} steps ({by_cause}; {where}): "
+            "an env or engine error ended them, so they were not trained and their steps trained on fewer samples "
+            f"than were drawn (`generate/failed_trajectories`). `skyrl-stepwise show {run_dir} --failed` prints what "
+            "each did up to its failure, and why.", ""]
 
 
 def _never_fired_why(ctx, max_input_length: int) -> str:
@@ -305,6 +359,7 @@ def _files(cfg, run_dir: Path) -> list[str]:
 
     lines = [f"Run directory: `{run_dir.resolve()}`", ""]
     entries = [(run_dir / "metrics.jsonl", "every step's metrics, one JSON object per line"),
+               (run_dir / "sft_metrics.jsonl", "every SFT warm-start step's metrics, written as they happened"),
                (run_dir / "curves.png", "the plots above"),
                (run_dir / "rollouts.jsonl", "decoded trajectories of every step and eval (`skyrl-stepwise show`)"),
                (run_dir / "run.log", "vLLM, Ray, transformers and retrieval-server output, our own log lines"),
@@ -395,8 +450,15 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
     steps = load_history(run_dir / "metrics.jsonl", history)
     title = f"{cfg.logging.run_name}: {Path(str(cfg.model_path)).name}, {len(steps)} of {cfg.total_steps} steps"
     plot_curves(steps, run_dir / "curves.png", title)
-    parts = [f"# Run report: {cfg.logging.run_name}", "", _status(steps, cfg.total_steps, failure), "",
+    from skyrl_stepwise.trainer.checkpoint import complete_checkpoints
+
+    ckpt_dir = Path(cfg.trainer.ckpt_dir)
+    ckpts = [c.name for c in complete_checkpoints(ckpt_dir)] if ckpt_dir.is_dir() else []
+    parts = [f"# Run report: {cfg.logging.run_name}", "",
+             _status(steps, cfg.total_steps, failure, ckpts, cfg.trainer.ckpt_interval), "",
+             *sft_section(run_dir),
              *skipped_section(steps),
+             *failures_section(run_dir, steps),
              *context_section(cfg, steps),
              *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",

@@ -100,6 +100,10 @@ def prepared(cfg):
     model = str(resolve_model_path(cfg.model_path))
     cfg.engine.model_path = cfg.trainer.model_path = model
     logger.info(f"model ready: {model} ({_since(start)})")
+    from skyrl_stepwise.models.prepare import prepared_base_model
+
+    if (base := prepared_base_model(model)) is not None:  # said at `model prepare`, maybe long ago: again here
+        logger.warning(base)
     plan_resources(cfg, train_rows, val_rows, needs_search)
     retriever = cfg.environment.retriever
     with contextlib.ExitStack() as stack:

@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="this training step (default: the last one logged)")
     parser.add_argument("--stage", choices=("all", "train", "eval"), default="all",
                         help="training rollouts, eval rollouts, or both (default)")
+    parser.add_argument("--failed", action="store_true",
+                        help="only failed trajectories (env or engine errors, never trained), up to their failure: "
+                             "of every step unless --step is given")
     parser.add_argument("--max-chars", type=int, default=4000, help="shorten longer texts in the middle")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     samples = load_rollouts(args.run_dir)
@@ -30,9 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.stage != "all":
         samples = [s for s in samples if (s["stage"] == "train") == (args.stage == "train")]
+    if args.failed:
+        samples = [s for s in samples if s.get("pick") == "failed"]
+        if not samples:
+            print(f"{args.run_dir / FILE}: no failed trajectory was recorded", file=sys.stderr)
+            return 1
     steps = sorted({s["step"] for s in samples})
     step = steps[-1] if args.step is None else args.step
-    chosen = [s for s in samples if s["step"] == step]
+    chosen = [s for s in samples if s["step"] == step or (args.failed and args.step is None)]
     if not chosen:
         print(f"no samples for step {step}; steps with samples: {steps}", file=sys.stderr)
         return 1

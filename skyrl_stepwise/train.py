@@ -88,7 +88,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             with starting("the SFT warm start", "failed"):
                 cfg.trainer.model_path = str(await asyncio.to_thread(
                     sft_model, cfg, logger.info,
-                    role_options(placement_group, layout.policy, cfg.placement.policy_resources)))
+                    role_options(placement_group, layout.policy, cfg.placement.policy_resources),
+                    Path(cfg.logging.output_dir) / "sft_metrics.jsonl"))
         start = time.perf_counter()
         use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
         with starting(f"the policy ranks ({cfg.trainer.fsdp.world_size} FSDP2)"):

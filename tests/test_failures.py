@@ -241,3 +241,90 @@ def test_the_env_contract_names_each_field():
         with pytest.raises(EnvOutputError, match=re.escape(f"BadOutputEnv.step_turn {field}")):
             check_step_result(result, env, "step_turn")
     assert check_step_result(StepResult([], True, True, {"n": 2}), env).reward is True  # bools and ints are numbers
+
+
+async def test_a_failed_trajectory_is_shown_up_to_its_failure_and_reported(tokenizer, tmp_path, capsys):
+    """report.md said nothing of failed trajectories (12 in one run read as a clean run on 4 samples) and `show`
+    could not show one: its turns up to the failure (the turn the env failed on included) and the cause are in
+    rollouts.jsonl, `show --failed` prints them, and the report counts them by cause."""
+    import json
+
+    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run_report import write_run_report
+    from skyrl_stepwise.show import main as show
+    from skyrl_stepwise.trainer.loop import expand
+    from skyrl_stepwise.trainer.rollout_samples import RolloutLog
+    from skyrl_stepwise.trainer.tracking import Tracker
+
+    engine, registry = _setup(tokenizer, "t")
+    gen = StepwiseGenerator(tokenizer, engine, registry, _generator_config())
+    out = await gen.generate(*expand([_row(r) for r in ROWS], REPS, "t"))
+    by_key = {f["trajectory"]: f for f in out.failed_trajectories}
+    step_failure = by_key["t/a/0_0"]  # the env raised on the model's first turn: that turn is kept
+    assert step_failure["cause"] == "env_step" and "timed out" in step_failure["message"]
+    assert len(step_failure["samples"]) == 1 and tokenizer.decode(step_failure["samples"][0][1]).startswith("yes")
+    assert by_key["t/b/1_0"]["samples"] == []  # reset failed: no turn
+
+    log = RolloutLog(tmp_path, gen.loop.renderer, num_samples=8)
+    log.record(out, 1, "train")
+    tracker = Tracker(tmp_path, "p", "r", "disabled", {})
+    tracker.log(dict(out.rollout_metrics), 1)
+    tracker.finish()
+    assert show([str(tmp_path), "--failed"]) == 0
+    printed = capsys.readouterr().out
+    assert "t/a/0_0 (failed) | reward not scored | stop failed: env_step" in printed
+    assert "[FAILED, not trained: env_step: TimeoutError(" in printed and "yes" in printed
+    assert "(no turn before the failure)" in printed  # env_reset
+    recorded = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert sum(r["pick"] == "failed" for r in recorded) == 4
+
+    cfg = RunConfig()
+    cfg.total_steps, cfg.trainer.ckpt_dir = 1, str(tmp_path / "ckpts")
+    text = write_run_report(cfg, tmp_path).read_text()
+    assert "**4 trajectories failed** on 1 of 1 steps (" in text and "env_step 1" in text
+    assert f"skyrl-stepwise show {tmp_path} --failed" in text
+    assert "[FAILED, not trained" in text  # among the last step's samples
+
+
+class _EngineThatShutsDown:
+    """Holds every request until cancelled; a request cancelled after the engine shut down fails as Ray's do then
+    (`ray.cancel` with Ray gone)."""
+
+    def __init__(self) -> None:
+        self.down = False
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        import asyncio
+
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if self.down:
+                raise RuntimeError("No owner found for object 0x1234") from None
+            raise
+
+
+async def test_trajectories_in_flight_when_the_run_stops_are_cancelled_not_failed(tokenizer, caplog):
+    """Ctrl-C / SIGTERM cancels the step awaiting the rollouts; the trajectories still sampling were cancelled only
+    after the engines and Ray shut down, and logged as failed (`No owner found for object`) on the way out."""
+    import asyncio
+    import logging
+
+    from skyrl_stepwise.trainer.loop import expand
+
+    caplog.set_level(logging.WARNING)
+    engine = _EngineThatShutsDown()
+    registry = EnvRegistry()
+    registry.register("faulty", lambda: FaultyEnv())
+    gen = StepwiseGenerator(tokenizer, engine, registry, _generator_config())
+    step = asyncio.ensure_future(gen.generate(*expand([_row(r) for r in ROWS], REPS, "t")))
+    await asyncio.sleep(0.2)  # every trajectory is waiting for its first turn
+    step.cancel()  # what the stop does to the step
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    engine.down = True  # the run's `finally`: engines and Ray shut down
+    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in leftover:  # then asyncio.run cancels whatever is left
+        task.cancel()
+    await asyncio.gather(*leftover, return_exceptions=True)
+    assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]

@@ -154,3 +154,76 @@ def test_agreement_gap_is_measured_on_loss_masked_tokens_before_the_update():
         assert m["agreement/logprob_abs_diff_max"] == pytest.approx(0.4)
     _, _, m = _loss([-1.0], [-1.0], [1.0], [1])
     assert "agreement/logprob_abs_diff_mean" not in m  # no engine logprobs: nothing measured, nothing made up
+
+
+def _zero_signal_batch(advantage: float = 0.0):
+    from skyrl_stepwise.trainer.batching import TrainBatch
+
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    responses = [[8, 9, 10, 11, 12], [13, 14, 15]]
+    masks = [[1, 1, 0, 1, 1], [1, 1, 1]]
+    advantages = [[advantage] * 5, [advantage] * 3]
+    advantages[0][2] = 0.7  # an observation token: untrained, its advantage is never read
+    return TrainBatch(prompt_ids=prompts, response_ids=responses, loss_masks=masks, instance_ids=["a", "b"],
+                      advantages=advantages)
+
+
+def test_a_batch_without_signal_skips_forward_and_backward_with_the_weights_of_the_full_pass(tiny_model_dir,
+                                                                                            monkeypatch):
+    """Every trained advantage 0 and no KL term: the gradient is exactly 0, so the update skips its forward and
+    backward (2.5 min a step on the issue's box) and AdamW steps on zeros: weights bitwise those of the full
+    pass (momentum and weight decay still move them); with a KL term, or one non-zero advantage, it runs."""
+    from skyrl_stepwise.trainer import fsdp_worker
+    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.trainer.losses import no_gradient
+
+    def worker(use_kl: bool = False):
+        cfg = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_tokens=64)
+        cfg.fsdp.mixed_precision = False
+        cfg.optim.lr = 1e-2
+        cfg.algorithm.use_kl_loss, cfg.algorithm.tis_ratio_clip_high = use_kl, None  # no rollout logprobs here
+        return PolicyWorker(cfg)
+
+    batch = _zero_signal_batch()
+    assert no_gradient(batch, worker().cfg.algorithm)
+    assert not no_gradient(_zero_signal_batch(0.5), worker().cfg.algorithm)
+    assert not no_gradient(batch, worker(use_kl=True).cfg.algorithm)
+
+    full = worker()  # a nudge first, so AdamW has momentum that a zero-gradient step carries on
+    full.train_step(_zero_signal_batch(0.5))
+    skipping = worker()
+    skipping.train_step(_zero_signal_batch(0.5))
+    with monkeypatch.context() as m:
+        m.setattr(fsdp_worker, "no_gradient", lambda batch, algorithm: False)
+        ran = full.train_step(batch)
+    forward_calls = []
+    real_forward = fsdp_worker.forward_logprobs
+    monkeypatch.setattr(fsdp_worker, "forward_logprobs",
+                        lambda *a, **k: forward_calls.append(1) or real_forward(*a, **k))
+    skipped = skipping.train_step(batch)
+    assert ran["train/grad_norm"] == 0.0 and "train/forward_skipped" not in ran
+    assert skipped["train/forward_skipped"] == 1.0 and skipped["train/grad_norm"] == 0.0 and forward_calls == []
+    assert skipped["train/lr"] == ran["train/lr"]
+    assert skipping.weights_checksum() == full.weights_checksum()
+    before = skipping.weights_checksum()
+    skipping.train_step(batch)
+    assert skipping.weights_checksum() != before  # momentum and weight decay: the step was taken, not dropped
+
+
+def test_the_step_line_says_the_update_was_skipped_and_counts_failed_trajectories(tmp_path, caplog):
+    import logging
+
+    from skyrl_stepwise.trainer.tracking import Tracker
+
+    caplog.set_level(logging.INFO, logger="skyrl_stepwise")
+    tracker = Tracker(tmp_path, "p", "r", "disabled", {})
+    tracker.log({"reward/mean": 0.0, "train/forward_skipped": 2.0, "train/optimizer_steps": 2.0,
+                 "train/skipped_step": 0.0, "generate/failed_trajectories": 3.0,
+                 "generate/failed_trajectories/env_step": 3.0, "generate/failed_trajectories/env_reset": 0.0}, 1)
+    tracker.log({"reward/mean": 0.5, "train/optimizer_steps": 1.0, "generate/failed_trajectories": 0.0}, 2)
+    tracker.finish()
+    lines = [r.message for r in caplog.records if r.message.startswith("step ")]
+    assert "no signal: forward/backward skipped on 2 of 2 update(s)" in lines[0]
+    assert "3 trajectories failed (env_step 3; not trained)" in lines[0]
+    assert "|" not in lines[1]

@@ -98,6 +98,40 @@ def test_gguf_is_converted_with_the_chosen_template_and_provenance(tmp_path, mon
     assert prepare_gguf(gguf_file, "chatml", cache_dir=tmp_path / "cache") != folder  # another template, another folder
 
 
+def test_train_repeats_the_base_model_warning_of_model_prepare(tmp_path, monkeypatch, caplog):
+    """`model prepare` warned once (maybe days before); `train` on the prepared folder says it again at start-up.
+    An instruct model, a folder used as it is and a folder prepared before the flag was recorded are judged too."""
+    import logging
+
+    from skyrl_stepwise import run_setup
+    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.models.prepare import prepared_base_model
+
+    monkeypatch.setattr(prepare, "convert_gguf", lambda info, template, out_dir, name=None:
+                        (out_dir / "config.json").write_text("{}"))
+    base = prepare_gguf(_header_only_gguf(tmp_path / "g.gguf", "gemma3"), cache_dir=tmp_path / "cache")
+    instruct = prepare_gguf(_header_only_gguf(tmp_path / "i.gguf", "gemma3", template="{{ x }}", name="M-it"),
+                            cache_dir=tmp_path / "cache")
+    assert json.loads((base / "skyrl_prepare.json").read_text())["base_model"] is True
+    assert "g.gguf looks like a base (non-instruct) model" in prepared_base_model(base)
+    assert prepared_base_model(instruct) is None and prepared_base_model(tmp_path) is None
+    old = tmp_path / "old"  # prepared by an earlier version: no flag, its template guessed from the architecture
+    old.mkdir()
+    (old / "skyrl_prepare.json").write_text(json.dumps({"source": "/x/gemma.gguf", "chat_template":
+                                                        "the gemma family template (the file carries none; ...)"}))
+    assert "gemma.gguf looks like a base" in prepared_base_model(old)
+
+    cfg = load_config(["experiment=search_r1_tiny"])
+    cfg.model_path = str(base)
+    monkeypatch.setattr(run_setup, "_datasets", lambda cfg: ([], []))
+    monkeypatch.setattr(run_setup, "check_envs_and_tools", lambda cfg, rows: False)
+    monkeypatch.setattr(run_setup, "size_kv_cache", lambda cfg: None)
+    with caplog.at_level(logging.INFO, logger="skyrl_stepwise.train"), run_setup.prepared(cfg):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("looks like a base (non-instruct) model" in w and "sft.enabled=true" in w for w in warnings), warnings
+
+
 def test_start_up_line_says_how_a_template_without_system_or_tools_was_adapted():
     from family_tokenizers import family_tokenizer
 
@@ -110,6 +144,53 @@ def test_start_up_line_says_how_a_template_without_system_or_tools_was_adapted()
         name = "qwen3"
 
     assert describe_chat_adaptation(Library()) == "chat format of the model: renderer 'qwen3'"
+
+
+def test_start_up_line_names_a_default_system_prompt_the_template_injects(tokenizer):
+    """SmolLM2's template adds its own system prompt to a conversation without one (the recipe's "no system
+    prompt" is not what the model sees): the start-up line says so, quoting it; Gemma's and Llama's add none."""
+    from family_tokenizers import family_tokenizer
+
+    from skyrl_stepwise.chat.adaptation import injected_system_prompt
+
+    line = describe_chat_adaptation(TemplateRenderer(tokenizer))
+    assert "NOTE: the template adds its default system prompt 'You are a helpful AI assistant named SmolLM" in line
+    assert injected_system_prompt(family_tokenizer("qwen2.5")).startswith("You are Qwen")
+    for family in ("gemma-2", "llama-3.1", "qwen3"):
+        assert injected_system_prompt(family_tokenizer(family)) is None, family
+        assert "NOTE" not in describe_chat_adaptation(TemplateRenderer(family_tokenizer(family)))
+
+
+async def test_the_roles_an_env_answers_in_are_named_not_assumed(tokenizer, caplog):
+    """The start-up line said `observations as tool messages` for a run whose env answers in `user` messages:
+    it now says how each role renders, and the loop names the role each env class uses at its first answer."""
+    import logging
+
+    from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+    from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
+    from skyrl_stepwise.inference.scripted import ScriptedEngine
+
+    class UserAnswers:
+        async def reset(self, prompt_messages, extras):
+            return list(prompt_messages)
+
+        async def step(self, action_text):
+            return StepResult([{"role": "user", "content": "higher"}], 0.0, False)
+
+    line = describe_chat_adaptation(TemplateRenderer(tokenizer))
+    assert "; observations as `tool` messages" not in line and "`user` ones as `user`" in line
+    caplog.set_level(logging.INFO, logger="skyrl_stepwise")
+    registry = EnvRegistry()
+    registry.register("guess", UserAnswers)
+    engine = ScriptedEngine(lambda p, s, i: tokenizer.encode("5", add_special_tokens=False) + [tokenizer.eos_token_id],
+                            tokenizer)
+    gen = StepwiseGenerator(tokenizer, engine, registry, GeneratorConfig(
+        max_turns=3, n_samples_per_prompt=1, show_progress=False,
+        sampling=GeneratorSamplingConfig(max_generate_length=4)))
+    await gen.generate([[{"role": "user", "content": "Guess"}]] * 2, ["guess"] * 2, [{}, {}],
+                       [TrajectoryID("a", 0), TrajectoryID("b", 0)])
+    said = [r.getMessage() for r in caplog.records if "observations as" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("UserAnswers: observations as `user` messages"), said
 
 
 def test_bundled_gemma_template_renders_tool_use_through_our_renderer():

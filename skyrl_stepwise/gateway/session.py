@@ -55,7 +55,8 @@ class Session:
         if self.failure is None and self.reward is None:
             self.fail("agent_no_reward", "the agent program returned no reward and none was posted")
         if self.failure is not None:
-            return TrajectoryResult(self.trajectory_id, [], self.stats, self.failure, self.failure_message)
+            return TrajectoryResult(self.trajectory_id, [], self.stats, self.failure, self.failure_message,
+                                    partial_steps=list(self.steps))
         last = self.steps[-1]
         if not last.response_ids or last.response_ids[-1] not in stop_ids:
             last.response_ids.append(close_id)

@@ -92,6 +92,9 @@ class TrajectoryResult:
     stats: TrajectoryStats
     failure: str | None = None
     failure_message: str = ""
+    # a failed trajectory's turns up to the failure (the turn the env failed on included): never trained, kept so
+    # `show` and rollouts.jsonl can show what the model wrote before the env or engine failed
+    partial_steps: list[StepSample] = field(default_factory=list)
 
 
 class _TrajectoryFailed(Exception):
@@ -115,6 +118,20 @@ def _turn_seed(base_seed: int | None, trajectory_id: TrajectoryID, turn: int) ->
     if base_seed is None:
         return None
     return zlib.crc32(f"{base_seed}:{trajectory_id.key()}:{turn}".encode()) & 0x7FFFFFFF
+
+
+_ROLES_SAID: set[tuple[str, tuple[str, ...]]] = set()  # (env class, roles) already named, once per process
+
+
+def say_observation_roles(env, observations: list[Message]) -> None:
+    """Name, once per env class and set of roles, the roles its observations come in: the start-up line can only
+    say how the template renders each role (chat/adaptation.py); which one the env uses is the env's."""
+    roles = tuple(sorted({str(m.get("role")) for m in observations}))
+    key = (env_name(env), roles)
+    if not roles or key in _ROLES_SAID:
+        return
+    _ROLES_SAID.add(key)
+    logger.info("env %s: observations as %s messages", key[0], " and ".join(f"`{r}`" for r in roles))
 
 
 class AgentLoop:
@@ -141,11 +158,12 @@ class AgentLoop:
                   trajectory_id: TrajectoryID) -> TrajectoryResult:
         """Roll out one trajectory; a failure stays in this trajectory and the engine session is always released."""
         stats = TrajectoryStats()
+        steps: list[StepSample] = []  # filled turn by turn: on a failure, what happened before it
         try:
-            steps = await self._rollout(env, prompt_messages, extras, trajectory_id, stats)
+            await self._rollout(env, prompt_messages, extras, trajectory_id, stats, steps)
         except _TrajectoryFailed as failed:
             logger.warning("trajectory %s failed (%s); it is counted and not trained", trajectory_id.key(), failed)
-            return TrajectoryResult(trajectory_id, [], stats, failed.cause, str(failed))
+            return TrajectoryResult(trajectory_id, [], stats, failed.cause, str(failed), partial_steps=steps)
         finally:
             end_session = getattr(self.engine, "end_session", None)  # a pool forgets the sticky route
             if end_session is not None:
@@ -160,8 +178,9 @@ class AgentLoop:
         return TrajectoryResult(trajectory_id, steps, stats)
 
     async def _rollout(self, env: Env, prompt_messages: list[Message], extras: dict, trajectory_id: TrajectoryID,
-                       stats: TrajectoryStats) -> list[StepSample]:
-        """The loop itself; never emits a step whose prompt exceeds max_input_length."""
+                       stats: TrajectoryStats, steps: list[StepSample]) -> list[StepSample]:
+        """The loop itself, appending each turn to `steps`; never emits a step whose prompt exceeds
+        max_input_length. A turn the env fails on is appended before the failure is raised (never trained)."""
         cfg, chat = self.cfg, self.renderer
         try:
             messages = await self._bounded(env.reset(prompt_messages, {**extras, "max_turns": cfg.max_turns}))
@@ -173,7 +192,6 @@ class AgentLoop:
         history: list[Message] = list(messages)  # text view, for full re-renders and `retokenize`
         prompt_ids = self._render(chat.prompt_ids, history, tools)
         single_message_text = ""  # single-message mode: the one growing assistant message
-        steps: list[StepSample] = []
         limit_stop: str | None = None
         initial, kept = list(messages), []  # what a context policy sees: first messages, then kept turns
         budget = cfg.context.token_budget
@@ -210,11 +228,17 @@ class AgentLoop:
                                      "generator.use_conversation_multi_turn=true")
                 turn_parsed = self._render(chat.parse, sampled, prompt_ids, tools)
             t0 = time.perf_counter()
+            failed_turn = StepSample(prompt_ids, list(sampled), [1] * len(sampled), logprobs, 0.0, "env_failed")
             try:
                 step = await self._bounded(env.step_turn(turn_parsed) if takes_turns else env.step(action_text))
             except Exception as e:
+                steps.append(failed_turn)
                 raise _TrajectoryFailed("env_step", repr(e)) from e
-            step = self._checked(check_step_result, step, env, "step_turn" if takes_turns else "step")
+            try:
+                step = self._checked(check_step_result, step, env, "step_turn" if takes_turns else "step")
+            except _TrajectoryFailed:
+                steps.append(failed_turn)
+                raise
             stats.env_seconds += time.perf_counter() - t0
             for k, v in step.metrics.items():
                 stats.env_metrics[k] = stats.env_metrics.get(k, 0.0) + float(v)
@@ -233,6 +257,7 @@ class AgentLoop:
                 break
 
             observations = step.observations
+            say_observation_roles(env, observations)
             if cfg.use_conversation_multi_turn:
                 observations = self._observe(observations, len(steps), stats)
                 parsed = turn_parsed or self._render(chat.parse, response, prompt_ids, tools)

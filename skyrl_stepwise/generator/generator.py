@@ -26,7 +26,12 @@ def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
     kept = [r for r in results if r.failure is None]
     out = GeneratorOutput([], [], [], [], stop_reasons=[], rollout_logprobs=[], trajectory_ids=[],
                           is_last_step=[], turn_indices=[],
-                          failed_trajectory_ids=[r.trajectory_id for r in results if r.failure])
+                          failed_trajectory_ids=[r.trajectory_id for r in results if r.failure],
+                          failed_trajectories=[{"trajectory": r.trajectory_id.key(), "cause": r.failure,
+                                                "message": r.failure_message,
+                                                "samples": [[s.prompt_ids, s.response_ids, s.loss_mask]
+                                                            for s in r.partial_steps]}
+                                               for r in results if r.failure])
     dropped = 0
     for traj in kept:
         for i, step in enumerate(traj.steps):
@@ -124,6 +129,17 @@ def context_metrics(kept: list[TrajectoryResult], stats: list) -> dict[str, floa
     }
 
 
+async def cancel_in_flight(tasks: list[asyncio.Future]) -> None:
+    """Cancel the batch's unfinished trajectories and wait until each has ended. A run stopped by Ctrl-C or SIGTERM
+    cancels the step that awaits them; left pending, they were only cancelled after the engines and Ray had shut
+    down, and failed on the way out (`No owner found for object`), logged as failed trajectories. Cancelled here,
+    each ends as cancelled while the engines still answer: no failure, no warning. A second cancel (another
+    Ctrl-C) stops the wait."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class StepwiseGenerator:
     """Turns prompts into training samples: step-wise, merged, or one per trajectory."""
 
@@ -145,10 +161,14 @@ class StepwiseGenerator:
         envs = [self.env_registry.make(name) for name in env_classes]
         tasks = [asyncio.ensure_future(self.loop.run(env, p, x, t))
                  for env, p, x, t in zip(envs, prompts, env_extras, trajectory_ids)]
-        with tqdm(total=n, desc="rollouts", unit="traj", disable=not self.cfg.show_progress) as bar:
-            for done in asyncio.as_completed(tasks):
-                await done
-                bar.update(1)
+        try:
+            with tqdm(total=n, desc="rollouts", unit="traj", disable=not self.cfg.show_progress) as bar:
+                for done in asyncio.as_completed(tasks):
+                    await done
+                    bar.update(1)
+        except BaseException:  # Ctrl-C / SIGTERM (a cancelled step): end them now, while the engines still answer
+            await cancel_in_flight(tasks)
+            raise
         results = [t.result() for t in tasks]  # input order, not completion order
         if results and all(r.failure is not None for r in results):
             causes = sorted({r.failure for r in results})

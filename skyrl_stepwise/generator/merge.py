@@ -141,6 +141,7 @@ def merge_stepwise_output(output: GeneratorOutput) -> GeneratorOutput:
         turn_indices=None if output.turn_indices is None else [g.turns for g in groups],
         rollout_metrics=metrics,
         failed_trajectory_ids=list(output.failed_trajectory_ids),
+        failed_trajectories=list(output.failed_trajectories),
         context_events=list(output.context_events),
     )
     merged.validate()

@@ -36,6 +36,9 @@ class GeneratorOutput:
     # Trajectories whose infrastructure failed: no samples here, but their groups lost a member, which the
     # advantage baseline must know (a group left with one trajectory has nothing to compare against).
     failed_trajectory_ids: list[TrajectoryID] = field(default_factory=list)
+    # What each failed trajectory did before it failed, for reading only (rollouts.jsonl, `show`), never trained:
+    # {"trajectory": key, "cause", "message", "samples": [[prompt_ids, response_ids, loss_mask], ...]}
+    failed_trajectories: list[dict] = field(default_factory=list)
     # Where a context policy edited a trajectory's context and what it dropped or summarised (generator/context.py):
     # {"trajectory": key, "before_step": i, "policy", "kind", "tokens_dropped", "note"}; for `show` and rollouts.jsonl.
     context_events: list[dict] = field(default_factory=list)

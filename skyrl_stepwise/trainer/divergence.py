@@ -5,8 +5,11 @@ nats and the grad norm to 448, the model then sampled `<unused>` tokens, and eve
 while the run looked normal. The guard compares each step's grad norm, entropy and loss with their start (the
 median of the first `baseline_steps` steps, so one odd first batch does not set it) and raises DivergenceError
 naming the step, the metric, its start and the threshold key. Each check is judged from the second step on, so a
-divergence in the very first update is caught at the next one. Thresholds only stop a run: they never change what
-is trained, so they are not part of the SFT cache key (trainer/warm_start.py).
+divergence in the very first update is caught at the next one. A start that is itself wild (Gemma 3 270M base:
+grad norm 487 at step 1, when every later norm is compared with that) hides any later blow-up from the relative
+check, so the grad norm also has an absolute ceiling (`grad_norm_max`), judged at every step, the first included.
+Thresholds only stop a run: they never change what is trained, so they are not part of the SFT cache key
+(trainer/warm_start.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ class DivergenceConfig:
     # are mostly 0) makes any ordinary later norm a large multiple of it. max_grad_norm is 1: a norm of 10 is
     # already clipped 10x, i.e. the gradient is no longer the one the loss describes.
     grad_norm_floor: float = 10.0
+    # Grad norm (before clipping) past this absolute value, at any step, the first included: the relative check
+    # has no sane start when step 1 is already wild. max_grad_norm is 1, so a norm of 1000 is clipped 1000x;
+    # healthy SFT on Gemma 3 270M started at 48, the base model meeting a terminator it never produced at 487;
+    # a step past 1000 is no longer a gradient the loss describes.
+    grad_norm_max: float | None = 1000.0
     # Token-mean entropy (nats) rising more than this above its start. RL and SFT drift it by tenths of a nat over
     # many steps (RL usually lowers it); a jump of 2 nats is a distribution ~7x flatter per token (Gemma: +4.2).
     # Only a rise is judged: a falling entropy is what training towards demonstrations or rewards does.
@@ -55,6 +63,8 @@ class DivergenceConfig:
                 raise ValueError(f"{prefix}.{key} must be > 1 (or null: off), got {value}")
         if self.entropy_rise_nats is not None and self.entropy_rise_nats <= 0:
             raise ValueError(f"{prefix}.entropy_rise_nats must be > 0 (or null: off), got {self.entropy_rise_nats}")
+        if self.grad_norm_max is not None and self.grad_norm_max <= 0:
+            raise ValueError(f"{prefix}.grad_norm_max must be > 0 (or null: off), got {self.grad_norm_max}")
         if self.grad_norm_floor < 0:
             raise ValueError(f"{prefix}.grad_norm_floor must be >= 0, got {self.grad_norm_floor}")
 
@@ -85,11 +95,25 @@ class DivergenceGuard:
             value = metrics.get(key) if key else None
             if value is None or not math.isfinite(value):  # a non-finite grad norm: the worker skipped the step
                 continue
+            if name == "grad_norm":
+                self._ceiling(step, key, value)
             start = self.start(name)
             if start is not None:
                 self._judge(step, name, key, value, start)
             if not (name == "grad_norm" and value <= 0):
                 self.seen[name].append(value)
+
+    def _ceiling(self, step: int, key: str, value: float) -> None:
+        """The absolute grad-norm bound: judged with or without a start (step 1 included)."""
+        limit = self.cfg.grad_norm_max
+        if limit is not None and value > limit:
+            raise DivergenceError(
+                f"{self.what} {step}: {key} = {value:.4g}, past {self.prefix}.grad_norm_max={limit:g} (an absolute "
+                f"bound, judged from the first step: the gradient is {value / limit:.1f}x past it before clipping): "
+                f"the update diverged or the data is far from anything the model produces. Usual causes: a "
+                f"learning rate too high for this model, no warm-up (num_warmup_steps), or a base model trained on "
+                f"a chat format it never saw. Stopping instead of training on a broken model; this step's metrics "
+                f"are logged. Set {self.prefix}.grad_norm_max=null (or {self.prefix}.enabled=false) to train anyway.")
 
     def _judge(self, step: int, name: str, key: str, value: float, start: float) -> None:
         c = self.cfg

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from skyrl_stepwise.trainer import checkpoint
 from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forward_logprobs, pack_micro_batch,
                                              packing_stats, rank_micro_batches)
-from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, TrainerConfig
-from skyrl_stepwise.trainer.losses import policy_loss
+from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
+from skyrl_stepwise.trainer.losses import no_gradient, policy_loss
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.trainer.packing.selfcheck import check_packing_precisely, refusal
 
@@ -217,8 +217,6 @@ class PolicyWorker:
     """
 
     def __init__(self, cfg: TrainerConfig, trainable: bool = True, with_reference: bool = False):
-        from transformers import get_scheduler
-
         cfg.validate()
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
@@ -245,13 +243,30 @@ class PolicyWorker:
                 self.reference = load_sharded_model(cfg, self.device, trainable=False)
         self.optimizer = self.scheduler = None
         if trainable:
-            o = cfg.optim
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                               weight_decay=o.weight_decay)
-            self.scheduler = get_scheduler(o.scheduler, self.optimizer, num_warmup_steps=o.num_warmup_steps,
-                                           num_training_steps=o.num_training_steps if o.num_training_steps > 0
-                                           else None)
+            self._build_optimizer()
         self._snapshot: dict | None = None
+
+    def _build_optimizer(self) -> None:
+        """AdamW and its transformers LR schedule from cfg.optim."""
+        from transformers import get_scheduler
+
+        o = self.cfg.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = get_scheduler(o.scheduler, self.optimizer, num_warmup_steps=o.num_warmup_steps,
+                                       num_training_steps=o.num_training_steps if o.num_training_steps > 0 else None)
+
+    def set_optim(self, optim: OptimConfig) -> None:
+        """New optimizer settings before the first step: the SFT warm start picks its lr and warm-up from the
+        model's own loss on the demonstrations, which only this worker can measure. Refused once a step was
+        taken (AdamW's moments and the schedule's position would be thrown away)."""
+        if self.optimizer is None:
+            raise RuntimeError("set_optim called on a PolicyWorker built with trainable=False")
+        if self.optimizer.state or self.scheduler.last_epoch > 0:
+            raise RuntimeError("set_optim after an optimizer step: the settings must be chosen before training")
+        optim.validate()
+        self.cfg = replace(self.cfg, optim=optim)
+        self._build_optimizer()
 
     def _self_check(self, packing: str):
         """The start-up packing self-check for `packing` on this model; a model that cannot even run our packed
@@ -333,6 +348,8 @@ class PolicyWorker:
             raise ValueError(f"train_step objective must be 'ppo' or 'sft', got {objective!r}")
         start = time.perf_counter()
         batch.validate()
+        if objective == "ppo" and no_gradient(batch, self.cfg.algorithm):
+            return self._zero_gradient_step(batch, start)
         self.model.train()
         mine, per_rank = self._micro_batches(batch)
         num_tokens = batch.num_loss_tokens()
@@ -374,6 +391,24 @@ class PolicyWorker:
         out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skipped),
                     "train/loss_tokens": num_tokens, "train/step_time_s": time.perf_counter() - start})
         release_host_memory(self.device)
+        return out
+
+    def _zero_gradient_step(self, batch: TrainBatch, start: float) -> dict[str, float]:
+        """The update of a mini-batch whose gradient is exactly 0 (no_gradient), without the forward and backward
+        that would compute it: AdamW steps on zero gradients, so momentum and weight decay move the weights
+        exactly as after the full pass (bitwise), and the schedule advances as for any step taken."""
+        for param in self.model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {"train/grad_norm": 0.0, "train/lr": lr, "train/skipped_step": 0.0, "train/forward_skipped": 1.0,
+               "train/loss_tokens": batch.num_loss_tokens(), "policy/loss": 0.0, "policy/pg_loss": 0.0,
+               "train/step_time_s": time.perf_counter() - start}
+        if batch.old_logprobs is None:  # on-policy: ratio 1, nothing clipped, no movement (entropy: not computed)
+            out.update({"policy/clip_frac": 0.0, "policy/ppo_kl": 0.0})
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

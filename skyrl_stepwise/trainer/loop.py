@@ -33,6 +33,7 @@ from skyrl_stepwise.trainer.data_fingerprint import check_same_data, data_finger
 from skyrl_stepwise.trainer.divergence import DivergenceGuard
 from skyrl_stepwise.trainer.engine_recovery import recover_engines
 from skyrl_stepwise.trainer.evaluation import EvalResult, eval_result, eval_subset
+from skyrl_stepwise.trainer.losses import no_gradient
 from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
 from skyrl_stepwise.trainer.weight_sync import WeightSync, probe_logprobs
 
@@ -96,7 +97,7 @@ def reward_metrics(output: GeneratorOutput, prefix: str) -> dict[str, float]:
 # Train metrics that are counts over the whole batch: summed over mini-batches (everything else is averaged).
 SUMMED_TRAIN_KEYS = ("train/real_tokens", "train/packed_tokens", "train/num_micro_batches", "train/loss_tokens",
                      "train/padded_batch_tokens", "train/step_time_s", "train/skipped_step", "train/forward_tokens",
-                     "train/unique_tokens", "train/tree_split_groups")
+                     "train/unique_tokens", "train/tree_split_groups", "train/forward_skipped")
 
 
 def combine_train_metrics(per_mini_batch: list[dict[str, float]]) -> dict[str, float]:
@@ -346,7 +347,9 @@ class RLTrainer:
         if cfg.trainer.algorithm.use_kl_loss:
             with timer.phase("ref_logprobs"), bar.phase("ref logprobs"):
                 batch.ref_logprobs = await self._call(self.reference, "compute_logprobs", batch)
-        if len(mini_batches) > 1:  # later mini-batches are off-policy: score them before any update
+        # later mini-batches are off-policy: score them before any update (nothing reads the scores when every
+        # advantage is 0 and no KL term is on: each update then skips its forward, fsdp_worker._zero_gradient_step)
+        if len(mini_batches) > 1 and not no_gradient(batch, cfg.trainer.algorithm):
             with timer.phase("old_logprobs"), bar.phase("old logprobs"):
                 batch.old_logprobs = await self._call(self.policy, "compute_logprobs", batch)
         with timer.phase("train"):

@@ -100,3 +100,15 @@ def policy_loss(
     if entropy is not None:
         metrics["policy/entropy"] = (entropy.detach() * mask).sum().item() / denom
     return loss, metrics
+
+
+def no_gradient(batch, algorithm: AlgorithmConfig) -> bool:
+    """Whether the RL loss of `batch` has an exactly zero gradient whatever the weights: every trained token's
+    advantage is 0 and no KL term is on (the policy loss is -advantage x ratio; the KL term is the only other
+    one). A step of a batch whose prompt groups all scored alike is such a batch: its forward and backward
+    (minutes on a CPU box) cannot change what the optimizer does."""
+    if algorithm.use_kl_loss or batch.advantages is None:
+        return False
+    if algorithm.use_tis and batch.rollout_logprobs is None:  # the full pass refuses it: no skip hides that
+        return False
+    return all(a == 0.0 for adv, mask in zip(batch.advantages, batch.loss_masks) for a, m in zip(adv, mask) if m)

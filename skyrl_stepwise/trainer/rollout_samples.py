@@ -40,13 +40,14 @@ class RolloutSample:
     step: int
     stage: str  # "train" or the eval's stage ("step 3", "before SFT", ...)
     trajectory: str
-    pick: str  # why it was chosen: best / worst of its group, or only (a group of one)
-    reward: float
+    pick: str  # why it was chosen: best / worst of its group, only (a group of one), or failed
+    reward: float | None  # None: a failed trajectory (never scored, never trained)
     stop_reason: str | None
     turns: int
     segments: list[Segment]
     # where a context policy edited the context and what it dropped or summarised (GeneratorOutput.context_events)
     context_events: list[dict] = field(default_factory=list)
+    failure: str | None = None  # why a failed trajectory failed ("env_step: ValueError(...)")
 
     @property
     def prompt(self) -> str:
@@ -126,11 +127,27 @@ def pick_trajectories(scores: dict[TrajectoryID, float], n: int) -> list[tuple[T
     return picked[:n]
 
 
+def failed_samples(output: GeneratorOutput, renderer, step: int, stage: str, n: int,
+                   tools: list[dict] | None = None) -> list[RolloutSample]:
+    """Up to n failed trajectories, decoded up to their failure (the turn the env failed on included): what the
+    model wrote before it, and why it failed. Never trained, so never among the picks above."""
+    out = []
+    for failed in output.failed_trajectories[:max(n, 0)]:
+        samples = [(list(p), list(r), list(m)) for p, r, m in failed["samples"]]
+        segments = decode_trajectory(renderer, samples, tools) if samples else []
+        out.append(RolloutSample(step, stage, failed["trajectory"], "failed", None,
+                                 f"failed: {failed['cause']}", sum(s.role == "model" for s in segments), segments,
+                                 failure=failed["message"]))
+    return out
+
+
 def rollout_samples(output: GeneratorOutput, renderer, step: int, stage: str, n: int,
                     tools: list[dict] | None = None) -> list[RolloutSample]:
-    """Up to n decoded trajectories of `output` (see pick_trajectories); `tools`: the run's tool schemas."""
+    """Up to n decoded trajectories of `output` (see pick_trajectories), then up to n failed ones
+    (failed_samples); `tools`: the run's tool schemas."""
+    failed = failed_samples(output, renderer, step, stage, n, tools)
     if n <= 0 or len(output) == 0 or output.trajectory_ids is None:
-        return []
+        return failed
     by_traj: dict[TrajectoryID, list[int]] = defaultdict(list)
     for i, tid in enumerate(output.trajectory_ids):
         by_traj[tid].append(i)
@@ -146,7 +163,7 @@ def rollout_samples(output: GeneratorOutput, renderer, step: int, stage: str, n:
                   if e.get("trajectory") == tid.key()]
         out.append(RolloutSample(step, stage, tid.key(), pick, scores[tid], stop,
                                  sum(s.role == "model" for s in segments), segments, events))
-    return out
+    return out + failed
 
 
 class RolloutLog:
@@ -210,8 +227,13 @@ def format_sample(sample: dict[str, Any], max_chars: int = 2000) -> str:
     def clip(text: str) -> str:
         return text if len(text) <= max_chars else text[: max_chars // 2] + " [...] " + text[-max_chars // 2:]
 
+    reward = "not scored" if sample.get("reward") is None else f"{sample['reward']:g}"
     lines = [f"--- step {sample['step']} {sample['stage']} | {sample['trajectory']} ({sample['pick']}) | "
-             f"reward {sample['reward']:g} | stop {sample['stop_reason']} | {sample['turns']} turn(s)"]
+             f"reward {reward} | stop {sample['stop_reason']} | {sample['turns']} turn(s)"]
+    if sample.get("failure"):
+        lines.append(f"[FAILED, not trained: {sample['failure']}]")
+        if not sample["segments"]:
+            lines.append("(no turn before the failure)")
     for seg in sample["segments"]:
         lines.append(f"[{seg['role']}]")
         lines.append(clip(seg["text"]).rstrip())

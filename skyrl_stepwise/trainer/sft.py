@@ -46,6 +46,16 @@ class SFTConfig:
     # 448). transformers' schedule gives step 1 lr 0 (the moments see a gradient before any update), then rises.
     # Part of the SFT cache key: it changes the weights.
     num_warmup_steps: int | None = None
+    # A model that has never produced the chat format's turn terminator (a base model: Gemma 3 270M pays 15-30
+    # nats for `<end_of_turn>`) gets a gradient dominated by it, and with short answers half the trained tokens
+    # are terminators: at lr 5e-5 after one warm-up step that SFT diverged (entropy 3.8 -> 8.5 nats by step 3).
+    # Before the first step SFT measures the model's mean loss on the demonstrations' terminators; above this
+    # many nats (10: a probability below 5e-5, under uniform over a 22k vocabulary) it trains at
+    # `unseen_terminator_lr` (when lower than lr) with at least `unseen_terminator_warmup_steps` warm-up steps
+    # (at most the run's steps), and says so. SmolLM2-135M-Instruct pays 1.0 nat. null: always lr / num_warmup_steps.
+    unseen_terminator_nats: float | None = 10.0
+    unseen_terminator_lr: float = 1.0e-5
+    unseen_terminator_warmup_steps: int = 8
     seed: int = 0
     # optimizer steps between checkpoints (next to the cached model: <cache>/sft/<key>.ckpts); an interrupted SFT
     # continues from the last one, exactly. 0 disables (a save stages weights + AdamW: ~1.6 GiB for SmolLM2).
@@ -71,10 +81,63 @@ class SFTConfig:
                 raise ValueError(f"{prefix}.{key} must be > 0, got {getattr(self, key)}")
         if self.lr <= 0:
             raise ValueError(f"{prefix}.lr must be > 0, got {self.lr}")
+        if self.unseen_terminator_nats is not None and self.unseen_terminator_nats <= 0:
+            raise ValueError(f"{prefix}.unseen_terminator_nats must be > 0 (or null: off), "
+                             f"got {self.unseen_terminator_nats}")
+        if self.unseen_terminator_lr <= 0:
+            raise ValueError(f"{prefix}.unseen_terminator_lr must be > 0, got {self.unseen_terminator_lr}")
+        if self.unseen_terminator_warmup_steps < 0:
+            raise ValueError(f"{prefix}.unseen_terminator_warmup_steps must be >= 0, "
+                             f"got {self.unseen_terminator_warmup_steps}")
         if self.num_warmup_steps is not None and self.num_warmup_steps < 0:
             raise ValueError(f"{prefix}.num_warmup_steps must be >= 0 (or null: a quarter of the steps), "
                              f"got {self.num_warmup_steps}")
         self.divergence.validate(f"{prefix}.divergence")
+
+
+@dataclass
+class WarmStartSettings:
+    """The lr and warm-up SFT trains with, and why: the recipe's, or lowered for a terminator the model never
+    produced (`terminator_nats`: the model's mean loss on the demonstrations' terminators, None: not measured)."""
+
+    lr: float
+    warmup_steps: int
+    terminator: str
+    terminator_nats: float | None
+    adjusted: bool
+
+    def describe(self, cfg: SFTConfig, default_warmup: int) -> str:
+        """The one start-up line saying what SFT chose and from what it saw."""
+        plural = "s" if self.warmup_steps != 1 else ""
+        if self.terminator_nats is None:
+            return f"sft: lr {self.lr:g}, warm-up {self.warmup_steps} step{plural} (sft.lr, sft.num_warmup_steps)"
+        seen = f"terminator {self.terminator!r} costs {self.terminator_nats:.1f} nats"
+        if not self.adjusted:
+            return (f"sft: warm start: {seen} -> lr {self.lr:g}, warm-up {self.warmup_steps} step{plural} "
+                    f"(sft.lr, sft.num_warmup_steps)")
+        return (f"sft: warm start: base model ({seen}, above sft.unseen_terminator_nats="
+                f"{cfg.unseen_terminator_nats:g}: it has never ended a turn this way) -> lr {self.lr:g}, warm-up "
+                f"{self.warmup_steps} step{plural} (instead of sft.lr={cfg.lr:g} after {default_warmup}; "
+                f"sft.unseen_terminator_lr / _warmup_steps; sft.unseen_terminator_nats=null keeps sft.lr)")
+
+
+def terminator_nats(loss_masks: list[list[int]], response_ids: list[list[int]], logprobs: list[list[float]],
+                    terminator_id: int) -> float | None:
+    """The model's mean loss (nats) on the trained terminator tokens of the demonstrations; None without any."""
+    costs = [-lp for mask, ids, lps in zip(loss_masks, response_ids, logprobs)
+             for m, t, lp in zip(mask, ids, lps) if m and t == terminator_id]
+    return sum(costs) / len(costs) if costs else None
+
+
+def warm_start_settings(cfg: SFTConfig, total_steps: int, terminator: str, nats: float | None) -> WarmStartSettings:
+    """sft.lr and the warm-up, or, for a model whose terminator costs more than sft.unseen_terminator_nats, the
+    lower unseen-terminator lr with the longer warm-up (never beyond the run's steps: the lr would never arrive)."""
+    warmup = cfg.warmup_steps(total_steps)
+    limit = cfg.unseen_terminator_nats
+    if limit is None or nats is None or nats <= limit:
+        return WarmStartSettings(cfg.lr, warmup, terminator, nats, False)
+    longer = max(warmup, min(cfg.unseen_terminator_warmup_steps, total_steps))
+    return WarmStartSettings(min(cfg.lr, cfg.unseen_terminator_lr), longer, terminator, nats, True)
 
 
 def split_turns(conversation: list[Message]) -> tuple[list[Message], list[Message], list[list[Message]]]:
@@ -234,6 +297,12 @@ def turn_as_sampled(chat, messages: list[Message], index: int, tools: list[dict]
     return alone
 
 
+def sft_renderer(tokenizer, gen_cfg: GeneratorConfig):
+    """The run's renderer, as the generator builds it: its `close_id` is the turn terminator SFT trains."""
+    return create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention,
+                           gen_cfg.tool_parser)
+
+
 _PREFILL_WARNED: set[str] = set()  # renderers already warned about (once per process, not once per demonstration)
 
 
@@ -246,8 +315,7 @@ def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg:
     config: renderer, stop strings, history mode) decides everything else, exactly as in RL. `tools`: the run's
     tool schemas, rendered into the prompt of every conversation that uses tools, so SFT prompts equal RL prompts.
     """
-    chat = create_renderer(tokenizer, gen_cfg.renderer, dict(gen_cfg.chat_template_kwargs), gen_cfg.thinking_retention,
-                           gen_cfg.tool_parser)
+    chat = sft_renderer(tokenizer, gen_cfg)
     turns = [[assistant_turn_ids(chat, c, j, tools if uses_tools(c) else None)
               for j, m in enumerate(c) if m["role"] == "assistant"] for c in conversations]
     conversations = [keyed_to_parsed_calls(chat, c, ts, tools) if uses_tools(c) else c
@@ -290,7 +358,7 @@ def sft_batches(samples: GeneratorOutput, batch_size: int, epochs: int, seed: in
 
 
 def train_sft(policy, batches: list[TrainBatch], ckpt_interval: int = 0, ckpt_dir: str | None = None,
-              on_step=None, guard=None) -> list[dict[str, float]]:
+              on_step=None, guard=None, on_restored=None) -> list[dict[str, float]]:
     """One optimizer step per batch with the cross-entropy objective; returns each step's metrics.
 
     With `ckpt_interval`, the policy checkpoints itself (into its own `ckpt_dir`, which must be `ckpt_dir`) every
@@ -298,7 +366,8 @@ def train_sft(policy, batches: list[TrainBatch], ckpt_interval: int = 0, ckpt_di
     weights, AdamW, schedule, RNG and the metrics so far come back, and the batches are a pure function of the
     seed, so the resumed run ends with exactly the weights of an uninterrupted one.
     `guard` (a DivergenceGuard) judges every step after `on_step` has logged it; a resumed run re-judges the
-    steps it restored, so its start values are those of the uninterrupted run.
+    steps it restored, so its start values are those of the uninterrupted run; `on_restored(step, metrics)` gets each
+    restored step (to write it to a metrics file again), `on_step` only the steps trained now.
     """
     from skyrl_stepwise.trainer.checkpoint import lineage_entry
     from skyrl_stepwise.trainer.checkpoint_verify import resume_checkpoint
@@ -313,6 +382,8 @@ def train_sft(policy, batches: list[TrainBatch], ckpt_interval: int = 0, ckpt_di
         lineage = list(state["lineage"]) + [lineage_entry(state["step"], state["run_id"])]
     for step, batch in enumerate(batches, 1):
         if step <= len(history):
+            if on_restored is not None:
+                on_restored(step, history[step - 1])
             if guard is not None:
                 guard.check(step, history[step - 1])
             continue

@@ -38,6 +38,23 @@ def skipped_updates(metrics: dict) -> str | None:
     return f"skipped {skipped:.0f} of {skipped + ran:.0f} optimizer update(s)"
 
 
+def step_notes(metrics: dict) -> list[str]:
+    """What the numbers on a step line do not say: trajectories that failed (not trained, so `samples` alone
+    reads like a clean run on fewer of them) and updates whose forward and backward were skipped (no signal)."""
+    notes = []
+    failed = metrics.get("generate/failed_trajectories", 0.0)
+    if failed:
+        causes = ", ".join(f"{k.rsplit('/', 1)[1]} {v:.0f}" for k, v in sorted(metrics.items())
+                           if k.startswith("generate/failed_trajectories/") and v)
+        notes.append(f"{failed:.0f} trajectories failed ({causes}; not trained)")
+    skipped = metrics.get("train/forward_skipped", 0.0)
+    if skipped:
+        updates = metrics.get("train/optimizer_steps", 0.0) + metrics.get("train/skipped_step", 0.0)
+        notes.append(f"no signal: forward/backward skipped on {skipped:.0f} of {max(updates, skipped):.0f} "
+                     "update(s) (every advantage 0, no KL term; AdamW stepped on a zero gradient)")
+    return notes
+
+
 def _step_of(line: str) -> float:
     """The step a metrics.jsonl line records; a line cut short by a kill mid-write belongs to no kept step."""
     try:
@@ -92,6 +109,7 @@ class Tracker:
             self.wandb.log(metrics, step=step)
             self._last_wandb_step = max(self._last_wandb_step, step)
         shown = " ".join(f"{label}={metrics[k]:.4g}" for label, k in CONSOLE_KEYS.items() if k in metrics)
+        shown += "".join(f" | {note}" for note in step_notes(metrics))
         skipped = skipped_updates(metrics)
         if skipped is None:
             logger.info(f"step {step}: {shown}")
@@ -122,7 +140,8 @@ class Tracker:
             rest = [seg for seg in s.segments[1:]]
             completion = "\n".join(f"[{seg.role}] {seg.text}" for seg in rest)
             calls = json.dumps([c for seg in rest for c in seg.tool_calls])
-            table.add_data(s.step, s.stage, s.trajectory, s.pick, s.reward, s.stop_reason, s.turns, s.prompt,
+            reward = float("nan") if s.reward is None else s.reward  # a failed trajectory: one column type
+            table.add_data(s.step, s.stage, s.trajectory, s.pick, reward, s.stop_reason, s.turns, s.prompt,
                            completion, calls)
         key = "rollouts/train" if stage == "train" else "rollouts/eval"
         self.wandb.log({key: table}, step=max(step, self._last_wandb_step))

@@ -117,16 +117,20 @@ def export_hf_config(base_model: str | Path, out_dir: Path) -> None:
             shutil.copy2(f, out_dir / f.name)
 
 
-def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
+def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_path: Path | None = None) -> Path:
     """The warm-started model folder for this config: from the cache, or trained now (then cached).
 
-    `actor_options`: the policy ranks' placement (placement.py), so SFT runs on the GPUs the run reserved."""
+    `actor_options`: the policy ranks' placement (placement.py), so SFT runs on the GPUs the run reserved.
+    `metrics_path`: each SFT step's metrics are appended there as they happen (the run dir's sft_metrics.jsonl),
+    so a warm start that diverges or is killed leaves its evidence on disk, not only on the console."""
     from transformers import AutoTokenizer
 
     from skyrl_stepwise.models.prepare import cache_root
     from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.trainer.batching import TrainBatch
     from skyrl_stepwise.trainer.divergence import DivergenceGuard
-    from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, train_sft, uses_tools
+    from skyrl_stepwise.trainer.sft import (conversation_samples, sft_batches, sft_renderer, terminator_nats,
+                                            train_sft, uses_tools, warm_start_settings)
     from skyrl_stepwise.trainer.worker_group import PolicyGroup
 
     conversations, digest = _conversations(cfg)
@@ -142,20 +146,43 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
     samples = conversation_samples(tokenizer, conversations, cfg.generator, tools)
     batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
     trained = sum(sum(m) for m in samples.loss_masks)
-    warmup = cfg.sft.warmup_steps(len(batches))
     log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "
-        f"({cfg.sft.epochs} epochs of {cfg.sft.batch_size}), lr {cfg.sft.lr:g} after {warmup} warm-up steps")
-    optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant_with_warmup",
-                                num_warmup_steps=warmup)
+        f"({cfg.sft.epochs} epochs of {cfg.sft.batch_size})")
     ckpts = out.with_name(out.name + ".ckpts")  # an interrupted SFT resumes from here
+    optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant_with_warmup",
+                                num_warmup_steps=cfg.sft.warmup_steps(len(batches)))
     policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
                                              ckpt_interval=cfg.sft.ckpt_interval), actor_options=actor_options)
     try:
-        history = train_sft(policy, batches, cfg.sft.ckpt_interval, str(ckpts), on_step=lambda step, m: log(
-            f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g} "
-            f"entropy={m.get('sft/entropy', float('nan')):.3f} ({m['train/step_time_s']:.0f} s)"),
-            guard=DivergenceGuard(cfg.sft.divergence, "sft.divergence", loss_key="sft/loss",
-                                  entropy_key="sft/entropy", what="sft step"))
+        # the lr and warm-up follow from what the model pays for the turn terminator (a pure function of the
+        # cache key's inputs, so a resumed or cached warm start chose the same)
+        close_id = sft_renderer(tokenizer, cfg.generator).close_id
+        nats = None
+        if cfg.sft.unseen_terminator_nats is not None:
+            nats = terminator_nats(samples.loss_masks, samples.response_ids,
+                                   policy.call("compute_logprobs", TrainBatch.from_output(samples)), close_id)
+        chosen = warm_start_settings(cfg.sft, len(batches), tokenizer.decode([close_id]), nats)
+        log(chosen.describe(cfg.sft, optim.num_warmup_steps))
+        if (chosen.lr, chosen.warmup_steps) != (optim.lr, optim.num_warmup_steps):
+            policy.call("set_optim", dataclasses.replace(optim, lr=chosen.lr, num_warmup_steps=chosen.warmup_steps))
+        if metrics_path is not None:
+            Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(metrics_path).write_text("")  # this warm start's steps only (a resumed one re-writes its restored)
+
+        def record(step: int, m: dict) -> None:
+            if metrics_path is not None:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps({"step": step, **m}) + "\n")
+
+        def on_step(step: int, m: dict) -> None:
+            log(f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g} "
+                f"entropy={m.get('sft/entropy', float('nan')):.3f} lr={m.get('train/lr', float('nan')):.3g} "
+                f"({m['train/step_time_s']:.0f} s)")
+            record(step, m)
+
+        history = train_sft(policy, batches, cfg.sft.ckpt_interval, str(ckpts), on_step=on_step, on_restored=record,
+                            guard=DivergenceGuard(cfg.sft.divergence, "sft.divergence", loss_key="sft/loss",
+                                                  entropy_key="sft/entropy", what="sft step"))
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
