@@ -588,3 +588,71 @@ async def test_a_tool_result_with_an_id_naming_no_call_answers_the_call_at_its_p
     assert "R5" in chat.decode(engine.calls[1][1])
     gateway.post_reward(sid, 1.0)
     _assert_exact(gateway.close_session(sid), engine)
+
+
+def _http(gateway: Gateway, headers: dict | None = None) -> httpx.AsyncClient:
+    """A raw HTTP client of the endpoint (what a harness posting rewards, or a stranger, sends)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gateway",
+                             headers={"Authorization": "Bearer skyrl"} if headers is None else headers)
+
+
+async def test_an_infinite_reward_or_a_bad_metric_is_a_400_and_stores_nothing():
+    """`{"reward": Infinity}` parses as JSON and was stored: its group's advantages became NaN and the step's update
+    was skipped. A metric that is not a number was a 500 after the reward had been stored. Both are 400s naming the
+    field now, checked before anything is stored."""
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    async with _http(gateway) as http:
+        for body, param in (('{"reward": Infinity}', "reward"), ('{"reward": -Infinity}', "reward"),
+                            ('{"reward": NaN}', "reward"), ('{"reward": true}', "reward"),
+                            ('{"reward": 1.0, "metrics": {"turns": "three"}}', "metrics.turns"),
+                            ('{"reward": 1.0, "metrics": {"turns": Infinity}}', "metrics.turns"),
+                            ('{"reward": 1.0, "metrics": [1]}', "metrics")):
+            r = await http.post(f"/s/{sid}/reward", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            assert gateway.sessions[sid].reward is None and gateway.sessions[sid].metrics == {}, body
+        r = await http.post(f"/s/{sid}/reward", json={"reward": 0.5, "metrics": {"turns": 3}})
+        assert r.status_code == 200 and gateway.sessions[sid].reward == 0.5
+    assert gateway.metrics()["gateway/refused/invalid_reward"] == 7
+
+
+async def _infinite_agent(task):
+    await _chat_once(task)
+    return float("inf")
+
+
+async def _bad_metric_agent(task):
+    await _chat_once(task)
+    return {"reward": 1.0, "metrics": {"turns": float("-inf")}}
+
+
+async def _good_agent(task):
+    await _chat_once(task)
+    return {"reward": 1.0, "metrics": {"turns": 1}}
+
+
+async def _chat_once(task):
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    await client.chat.completions.create(model=task.model, messages=task.messages)
+
+
+async def test_an_agent_returning_an_infinite_reward_fails_its_trajectory_only_named_and_counted(caplog):
+    """An agent returning inf (or an infinite metric) fails its own trajectory (`agent_bad_return`, the message
+    naming the field), counted and warned; the other trajectories of the batch train."""
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]
+                                                                 + [chat.close_id]])
+    rows = [f"{__name__}:_infinite_agent", f"{__name__}:_bad_metric_agent", f"{__name__}:_good_agent"]
+    extras = [{"extra_info": {"agent": a}} for a in rows]
+    with caplog.at_level("WARNING"):
+        async with AgentServer(gateway) as url:
+            out = await AgentProgramGenerator(gateway, url).generate(
+                [[{"role": "user", "content": "2+3?"}]] * 3, ["keyword"] * 3, extras,
+                [TrajectoryID(f"q{i}", 0) for i in range(3)])
+    assert sorted(t.instance_id for t in out.failed_trajectory_ids) == ["q0", "q1"]
+    assert out.trajectory_rewards() == [1.0]
+    assert out.rollout_metrics["gateway/failed_trajectories/agent_bad_return"] == 2
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert "q0" in warned and "reward must be a finite number, got float: inf" in warned, warned
+    assert "q1" in warned and "metrics.turns must be a finite number" in warned, warned

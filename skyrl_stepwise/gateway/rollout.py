@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from skyrl_stepwise.envs.base import EnvRegistry, Message
 from skyrl_stepwise.envs.builtin import EnvPluginError, import_object
-from skyrl_stepwise.gateway.service import Gateway
+from skyrl_stepwise.gateway.service import Gateway, RewardError, checked_outcome
 from skyrl_stepwise.generator.generator import steps_to_output, trajectory_metrics
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.metrics import sample_metrics
@@ -139,8 +139,7 @@ class AgentProgramGenerator:
                                           f"{gateway.gateway.agent_timeout_s}")
         except _BadReturn as e:
             session.fail("agent_bad_return", str(e))
-        except Exception as e:  # noqa: BLE001 - the agent's own failure ends its trajectory only
-            logger.warning("agent for %s failed: %r", trajectory_id.key(), e)
+        except Exception as e:  # noqa: BLE001 - the agent's own failure ends its trajectory only (warned at close)
             session.fail("agent_error", repr(e))
         return gateway.close_session(sid)
 
@@ -179,20 +178,17 @@ async def _call(agent: Callable, task: AgentTask, threads: ThreadPoolExecutor | 
 
 
 def _outcome(value: Any) -> tuple[float | None, dict[str, float]]:
-    """A float, {"reward": float, "metrics": {...}}, or None (posted, or scored by the env)."""
+    """A float, {"reward": float, "metrics": {...}}, or None (posted, or scored by the env); anything else, an
+    infinite or NaN reward or a metric that is not a finite number included, is a bad return naming the field."""
     if value is None:
         return None, {}
-    if isinstance(value, dict):
-        if "reward" not in value:
-            raise _BadReturn(f"the agent returned a dict without 'reward': {sorted(value)}")
-        return _number(value["reward"]), {k: _number(v) for k, v in (value.get("metrics") or {}).items()}
-    return _number(value), {}
-
-
-def _number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise _BadReturn(f"the agent returned {value!r}; a reward must be a finite number")
-    return float(value)
+    reward, metrics = (value.get("reward"), value.get("metrics")) if isinstance(value, dict) else (value, None)
+    if isinstance(value, dict) and "reward" not in value:
+        raise _BadReturn(f"the agent returned a dict without 'reward': {sorted(value)}")
+    try:
+        return checked_outcome(reward, metrics)
+    except RewardError as e:
+        raise _BadReturn(f"the agent's return value: {e}") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 from skyrl_stepwise.chat import (ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer,
                                  observations_in_roles)
+from skyrl_stepwise.envs.contract import EnvOutputError, check_reward
 from skyrl_stepwise.gateway.config import GatewayConfig
 from skyrl_stepwise.gateway.matching import Key, assistant_echoes, break_reason, find_match, message_key
 from skyrl_stepwise.gateway.reasoning import split_reasoning
@@ -69,12 +70,17 @@ class Gateway:
         return session
 
     def post_reward(self, session_id: str, reward: Any, metrics: dict | None = None) -> None:
-        """The agent (or its harness) reports the trajectory's reward instead of returning it."""
+        """The agent (or its harness) reports the trajectory's reward instead of returning it. Reward and metrics
+        are checked together before either is stored (an infinite reward would make its group's advantages NaN
+        and skip the whole step), so a refused post leaves the session as it was."""
         session = self.session(session_id)
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or reward != reward:
-            raise GatewayError(400, f"reward must be a finite number, got {reward!r}", "reward")
-        session.reward = float(reward)
-        session.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
+        try:
+            value, numbers = checked_outcome(reward, metrics)
+        except RewardError as e:
+            self.count("refused/invalid_reward")
+            raise GatewayError(400, str(e), e.param) from None
+        session.reward = value
+        session.metrics.update(numbers)
 
     def close_session(self, session_id: str) -> TrajectoryResult:
         """The trajectory of the session (failed ones carry their cause and no samples); the engine route is
@@ -87,6 +93,9 @@ class Gateway:
         result = session.result(self.renderer.stop_ids, self.renderer.close_id)
         if result.failure is not None:
             self.count(f"failed_trajectories/{result.failure}")
+            # as the agent loop warns of a failed env trajectory: a timeout or a bad return is not only a counter
+            logger.warning("agent trajectory %s failed (%s: %s); it is counted and not trained",
+                           session.trajectory_id.key(), result.failure, result.failure_message)
         return result
 
     def count(self, name: str, by: float = 1) -> None:
@@ -316,6 +325,34 @@ class Gateway:
             after.extend(self._template_messages([m], last_turn))
         place()
         return out
+
+
+class RewardError(ValueError):
+    """A reward or metric outside the contract; `param` names the field (`reward`, `metrics.<key>`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def checked_outcome(reward: Any, metrics: Any = None) -> tuple[float, dict[str, float]]:
+    """A trajectory's reward and metrics as finite floats, by the env contract's own check (envs/contract.py), or a
+    RewardError naming the field: a NaN or infinite reward poisons its group's advantages, a metric that is not a
+    number fails the step's logging. A bool is refused too: `True` is a verdict, not a reward."""
+    def number(value: Any, param: str) -> float:
+        if isinstance(value, bool):
+            raise RewardError(f"{param} must be a finite number, got a bool: {value!r}", param)
+        try:
+            return check_reward(value, param)
+        except EnvOutputError:
+            raise RewardError(f"{param} must be a finite number, got {type(value).__name__}: {value!r}",
+                              param) from None
+
+    if metrics is not None and not isinstance(metrics, dict):
+        raise RewardError(f"metrics must be an object of numbers, got {type(metrics).__name__}: {metrics!r}",
+                          "metrics")
+    numbers = {str(k): number(v, f"metrics.{k}") for k, v in (metrics or {}).items()}
+    return number(reward, "reward"), numbers
 
 
 def reply_message(parsed: ParsedTurn, tool_choice: str) -> Message:
