@@ -656,3 +656,43 @@ async def test_an_agent_returning_an_infinite_reward_fails_its_trajectory_only_n
     warned = "\n".join(r.getMessage() for r in caplog.records)
     assert "q0" in warned and "reward must be a finite number, got float: inf" in warned, warned
     assert "q1" in warned and "metrics.turns must be a finite number" in warned, warned
+
+
+async def test_every_route_checks_the_api_key_when_one_is_set():
+    """gateway.api_key was handed to agents but never checked: anyone reaching the port with a guessed session id
+    could sample and post rewards. Every route (models, chat, reward, an unknown path) answers 401 naming the header
+    without `Authorization: Bearer <key>`; the right key passes; api_key=null checks nothing."""
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "2+3?"}]}
+    routes = [("get", "/v1/models", None), ("get", f"/s/{sid}/v1/models", None),
+              ("post", f"/s/{sid}/v1/chat/completions", chat), ("post", "/v1/chat/completions", chat),
+              ("post", f"/s/{sid}/reward", {"reward": 1.0}), ("get", "/nowhere", None)]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "skyrl"}, {"X-Api-Key": "skyrl"}):
+        async with _http(gateway, headers) as http:
+            for method, path, body in routes:
+                r = await http.request(method, path, json=body)
+                assert r.status_code == 401, (headers, path, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key" and "Authorization: Bearer" in r.text
+    assert gateway.sessions[sid].reward is None and not gateway.sessions[sid].calls
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"http://gateway/s/{sid}/v1", api_key="guess", max_retries=0,
+                                 http_client=_http(gateway, {})).chat.completions.create(**chat)
+    r = await _client(gateway, sid).chat.completions.create(**chat)  # the run's key (an OpenAI client's api_key)
+    assert r.choices[0].message.content == "5"
+    gateway.gateway.api_key = None
+    async with _http(gateway, {}) as http:
+        assert (await http.get("/v1/models")).status_code == 200
+
+
+def test_a_non_loopback_host_needs_a_key_of_its_own():
+    from skyrl_stepwise.app_config import load_config
+
+    for host in ("0.0.0.0", "192.168.1.5", "::", "gpu-box.example.com"):
+        for key in ("", "null", "skyrl"):
+            with pytest.raises(ValueError, match=r"gateway.host=.*gateway.api_key"):
+                load_config([f"gateway.host={host!r}" if ":" in host else f"gateway.host={host}",
+                             f"gateway.api_key={key}"])
+    assert load_config(["gateway.host=0.0.0.0", "gateway.api_key=s3cret"]).gateway.api_key == "s3cret"
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        GatewayConfig(host=host, api_key=None).validate()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
+
+DEFAULT_API_KEY = "skyrl"
 
 
 @dataclass
@@ -12,8 +15,10 @@ class GatewayConfig:
     enabled: bool = False  # rows naming an `agent` run through the endpoint only when this is on
     # model names a request may ask for; empty: the tokenizer's name_or_path and "policy"
     model_names: list[str] = field(default_factory=list)
-    api_key: str = "skyrl"  # handed to agent programs; the endpoint serves only this process, so it is not a secret
-    host: str = "127.0.0.1"
+    # handed to agent programs and checked on every route (`Authorization: Bearer <key>`); null: no check (loopback
+    # hosts only). The default is public: a host other than loopback needs a key of your own.
+    api_key: str | None = DEFAULT_API_KEY
+    host: str = "127.0.0.1"  # a non-loopback address (0.0.0.0, a LAN IP) serves other machines: needs api_key
     port: int = 0  # 0: a free port picked at start-up
     agent_timeout_s: float = 600.0  # an agent program running longer fails its trajectory (counted)
 
@@ -23,3 +28,18 @@ class GatewayConfig:
             raise ValueError(f"gateway.agent_timeout_s must be > 0, got {self.agent_timeout_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"gateway.port must be in [0, 65535], got {self.port}")
+        if not is_loopback(self.host) and (not self.api_key or self.api_key == DEFAULT_API_KEY):
+            which = "no gateway.api_key" if not self.api_key else f"the built-in gateway.api_key={DEFAULT_API_KEY!r}"
+            raise ValueError(f"gateway.host={self.host!r} serves the agent endpoint beyond this machine with {which}: "
+                             "anyone who reaches the port could sample from the policy and post rewards. Set "
+                             "gateway.api_key to a secret of your own, or gateway.host=127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to anything
+        return False

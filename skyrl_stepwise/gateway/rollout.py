@@ -36,7 +36,7 @@ class AgentTask:
     """What an agent program gets for one trajectory: where to send its chat calls, and the row."""
 
     base_url: str  # an OpenAI base URL for this trajectory's session: `.../s/{session}/v1`
-    api_key: str
+    api_key: str  # send it as `Authorization: Bearer <api_key>` (an OpenAI client's api_key does)
     model: str
     session: str
     reward_url: str  # POST {"reward": float, "metrics": {...}} here instead of returning it
@@ -124,8 +124,8 @@ class AgentProgramGenerator:
                    trajectory_id: TrajectoryID, threads: ThreadPoolExecutor | None = None):
         gateway = self.gateway
         sid = gateway.open_session(trajectory_id)
-        task = AgentTask(f"{self.server_url}/s/{sid}/v1", gateway.gateway.api_key, gateway.model_names[0], sid,
-                         f"{self.server_url}/s/{sid}/reward", list(prompt), dict(extras))
+        task = AgentTask(f"{self.server_url}/s/{sid}/v1", gateway.gateway.api_key or "none", gateway.model_names[0],
+                         sid, f"{self.server_url}/s/{sid}/reward", list(prompt), dict(extras))
         session = gateway.sessions[sid]
         try:
             value = await asyncio.wait_for(_call(agent, task, threads), gateway.gateway.agent_timeout_s)
