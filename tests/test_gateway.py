@@ -696,3 +696,32 @@ def test_a_non_loopback_host_needs_a_key_of_its_own():
     assert load_config(["gateway.host=0.0.0.0", "gateway.api_key=s3cret"]).gateway.api_key == "s3cret"
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         GatewayConfig(host=host, api_key=None).validate()
+
+
+async def test_a_refused_request_changes_neither_the_chain_nor_a_counter(caplog):
+    """A request refused with 400 (a prompt past max_input_length, after a dropped message) counted a chain break
+    and logged 'a new chain starts'. Now only the refusal is counted; the next good request continues the chain."""
+    def turns(chat, tok):
+        return [_call_ids("smollm2", chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("smollm2", "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    call = r.choices[0].message.tool_calls[0]
+    messages += [_mangled_echo(r.choices[0].message), {"role": "tool", "tool_call_id": "my-id", "content": "5"}]
+    gateway.metrics()
+    with caplog.at_level("INFO"):
+        for refused in ([messages[1], {"role": "user", "content": "word " * 5000}],  # a break, too long
+                        messages[:-1] + [{"role": "tool", "tool_call_id": "x", "content": "word " * 5000}]):
+            with pytest.raises(openai.BadRequestError) as excinfo:
+                await client.chat.completions.create(model="policy", messages=refused, tools=[CALC])
+            assert _error(excinfo)["code"] == "context_length_exceeded"
+    assert "a new chain starts" not in caplog.text
+    assert gateway.metrics() == {"gateway/refused/context_length_exceeded": 2}
+    stats = gateway.sessions[sid].stats
+    assert stats.chain_breaks == 0 and stats.observation_role_fallbacks == 0 and len(engine.calls) == 1
+    messages[-1]["tool_call_id"] = call.id
+    await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    assert gateway.metrics() == {"gateway/extended": 1, "gateway/calls": 1}

@@ -16,6 +16,7 @@ import re
 import time
 import uuid
 import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_stepwise.chat import (ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer,
@@ -124,52 +125,66 @@ class Gateway:
             if session.failure is not None:
                 raise GatewayError(409, f"session {session_id!r} has failed ({session.failure}); its trajectory is "
                                         "not trained", "session", "session_failed")
-            prompt_ids, history = self._prompt(session, request)
-            if len(prompt_ids) > self.cfg.max_input_length:
+            prompt = self._prompt(session, request)
+            if len(prompt.ids) > self.cfg.max_input_length:
                 self.count("refused/context_length_exceeded")
-                raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens, more than the run's "
+                raise GatewayError(400, f"the prompt has {len(prompt.ids)} tokens, more than the run's "
                                         f"generator.max_input_length={self.cfg.max_input_length}", "messages",
                                    "context_length_exceeded")
-            call = await self._sample(session, request, prompt_ids, history)
+            call = await self._sample(session, request, prompt.ids, prompt.history)
+            self._account(session, prompt)
         self.count("calls")
         return request, self._response(session, request, call)
 
-    def _prompt(self, session: Session, request: ChatRequest) -> tuple[list[int], list[Message]]:
+    def _prompt(self, session: Session, request: ChatRequest) -> Prompt:
         """The engine input: the earlier call's ids extended by the new messages where the request continues one,
-        else the template's rendering (a new chain, counted by reason)."""
+        else the template's rendering (a new chain, with its reason). Nothing is counted here: what serving the
+        call means for the chain is applied by `_account` once it is served, so a refused request changes
+        nothing."""
         chat, tools_key = self.renderer, _tools_key(request.tools)
         calls = [(c.request_keys, c.reply, c.tools_key) for c in session.calls]
+        counts: list[str] = []
         if calls:
             match = find_match(request.messages, calls, tools_key)
             if match is not None:
                 call = session.calls[match.index]
                 if match.index != len(calls) - 1:
-                    self.count("branches")  # continues an earlier call (a retry or a fork): still exact
+                    counts.append("branches")  # continues an earlier call (a retry or a fork): still exact
                 if match.repeated:
-                    self.count("repeated_prompts")
-                    return list(call.prompt_ids), list(call.history)
-                new = self._template_messages(self._tie_tool_results(call.parsed.call_ids(), match.new), call.parsed)
+                    return Prompt(list(call.prompt_ids), list(call.history), counts + ["repeated_prompts"])
+                new = self._template_messages(self._tie_tool_results(call.parsed.call_ids(), match.new, counts),
+                                              call.parsed)
                 turn = conversation_turn(call.parsed, new, chat.roles)
-                session.stats.observation_role_fallbacks += turn.role_fallbacks
                 history = call.history + [turn.assistant] + turn.observations
                 nxt = self._render(session, chat.next_prompt, call.prompt_ids, call.response_ids, history,
                                    turn.observations, request.tools, call.parsed.malformed)
-                if nxt.extended:
-                    self.count("extended")
-                else:  # the template rewrites history (Qwen3 drops past reasoning): what the agent loop does too
-                    self.count(f"bridge_fallbacks/{nxt.reason}")
-                    session.stats.bridge_fallbacks += 1
-                    session.stats.fallback_reasons[nxt.reason] = session.stats.fallback_reasons.get(nxt.reason, 0) + 1
-                return nxt.ids, history
+                # else the template rewrites history (Qwen3 drops past reasoning): what the agent loop does too
+                return Prompt(nxt.ids, history, counts + (["extended"] if nxt.extended else []),
+                              role_fallbacks=turn.role_fallbacks, bridge_fallback=None if nxt.extended else nxt.reason)
             reason = break_reason(request.messages, calls, tools_key)
-            self.count("chain_breaks")
-            self.count(f"chain_breaks/{reason}")
-            session.stats.chain_breaks += 1
-            logger.info("session %s: the client changed its history (%s); a new chain starts", session.id, reason)
         else:
-            self.count("chain_starts")
-        history = self._client_history(request.messages, session)
-        return self._render(session, chat.prompt_ids, history, request.tools), history
+            counts.append("chain_starts")
+            reason = None
+        history, moved = self._client_history(request.messages, session, counts)
+        return Prompt(self._render(session, chat.prompt_ids, history, request.tools), history, counts,
+                      role_fallbacks=moved, chain_break=reason)
+
+    def _account(self, session: Session, prompt: Prompt) -> None:
+        """What a served call did to its session's chain: counters, the trajectory's stats, the new-chain line."""
+        for name in prompt.counts:
+            self.count(name)
+        session.stats.observation_role_fallbacks += prompt.role_fallbacks
+        if prompt.bridge_fallback is not None:
+            reason = prompt.bridge_fallback
+            self.count(f"bridge_fallbacks/{reason}")
+            session.stats.bridge_fallbacks += 1
+            session.stats.fallback_reasons[reason] = session.stats.fallback_reasons.get(reason, 0) + 1
+        if prompt.chain_break is not None:
+            self.count("chain_breaks")
+            self.count(f"chain_breaks/{prompt.chain_break}")
+            session.stats.chain_breaks += 1
+            logger.info("session %s: the client changed its history (%s); a new chain starts", session.id,
+                        prompt.chain_break)
 
     async def _sample(self, session: Session, request: ChatRequest, prompt_ids: list[int],
                       history: list[Message]) -> SampledCall:
@@ -266,19 +281,19 @@ class Gateway:
             out.append(msg)
         return out
 
-    def _tie_tool_results(self, call_ids: list[str], messages: list[Message]) -> list[Message]:
+    def _tie_tool_results(self, call_ids: list[str], messages: list[Message], counts: list[str]) -> list[Message]:
         """The `tool` messages that open `messages` answer the calls `call_ids` of the turn before them: one whose
         `tool_call_id` names none of them (a client that numbers calls its own way, or echoes a stale id) is tied
         to the call at its position, counted in `gateway/tool_call_id_mismatches`, so the template renders it as
         that call's result (Mistral refuses a result that answers no call; others would render it as answering
-        nothing)."""
+        nothing). The count goes to `counts` (applied when the call is served)."""
         known, out = set(call_ids), []
         for k, m in enumerate(messages):
             if m.get("role") != "tool":
                 out.extend(messages[k:])
                 break
             if call_ids and m.get("tool_call_id") not in known and k < len(call_ids):
-                self.count("tool_call_id_mismatches")
+                counts.append("tool_call_id_mismatches")
                 m = {**m, "tool_call_id": call_ids[k]}
             out.append(m)
         return out
@@ -294,19 +309,24 @@ class Gateway:
         return {"type": "function", "id": call.get("id") or "", "function": {"name": fn["name"],
                                                                             "arguments": arguments}}
 
-    def _client_history(self, messages: list[Message], session: Session) -> list[Message]:
+    def _client_history(self, messages: list[Message], session: Session,
+                        counts: list[str]) -> tuple[list[Message], int]:
         """A new chain's messages: the client's, except that an assistant turn this server sampled is rendered from
-        its parsed ids (as the agent loop's history holds it), not from the client's re-serialised echo."""
+        its parsed ids (as the agent loop's history holds it), not from the client's re-serialised echo; and how
+        many observations went in a fallback role."""
         out: list[Message] = []
+        moved_total = 0
         last_turn: ParsedTurn | None = None
         assistant: Message | None = None
         after: list[Message] = []  # the messages since the last assistant turn, placed in roles at the next one
 
         def place() -> None:
             # a `tool` message the template refuses or drops goes in its fallback role, as in a continued chain
+            nonlocal moved_total
             ids = [c.get("id") for c in (assistant or {}).get("tool_calls") or []]
-            placed, moved = observations_in_roles(assistant, self._tie_tool_results(ids, after), self.renderer.roles)
-            session.stats.observation_role_fallbacks += moved
+            placed, moved = observations_in_roles(assistant, self._tie_tool_results(ids, after, counts),
+                                                  self.renderer.roles)
+            moved_total += moved
             out.extend(placed)
             after.clear()
 
@@ -324,7 +344,20 @@ class Gateway:
                 continue
             after.extend(self._template_messages([m], last_turn))
         place()
-        return out
+        return out, moved_total
+
+
+@dataclass
+class Prompt:
+    """An engine input and what serving it means for its session's chain, applied only once the call is served
+    (Gateway._account): a refused request (too long, unrenderable) leaves every counter and the chain as they were."""
+
+    ids: list[int]
+    history: list[Message]
+    counts: list[str] = field(default_factory=list)  # gateway/* counters (extended, chain_starts, branches, ...)
+    role_fallbacks: int = 0  # observations placed in a fallback role
+    bridge_fallback: str | None = None  # the template rewrote history: the reason
+    chain_break: str | None = None  # the client changed its history: the reason (a new chain starts)
 
 
 class RewardError(ValueError):
