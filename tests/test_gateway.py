@@ -725,3 +725,134 @@ async def test_a_refused_request_changes_neither_the_chain_nor_a_counter(caplog)
     messages[-1]["tool_call_id"] = call.id
     await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
     assert gateway.metrics() == {"gateway/extended": 1, "gateway/calls": 1}
+
+
+_LATE: dict = {}
+
+
+def _abandoned_agent(task):
+    """A sync agent whose call is still in flight when its timeout fails the trajectory, and which calls again."""
+    client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=30)
+    for key in ("in_flight", "after"):
+        try:
+            client.chat.completions.create(model=task.model, messages=task.messages)
+            _LATE[key] = (200, "answered")
+        except openai.APIStatusError as e:
+            _LATE[key] = (e.status_code, e.message)
+    _LATE["done"].set()
+
+
+async def test_a_timed_out_agent_is_warned_and_its_late_calls_are_refused_at_once(caplog):
+    """An agent dropped for gateway.agent_timeout_s had no warning line, and a call it had in flight was answered
+    200 long after its session had failed. Now the failure is warned like an env failure, and the in-flight call and
+    every later one get a 409 naming the session and why it ended; the engine is not asked again."""
+    import asyncio
+    import threading
+
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]
+                                                                      + [chat.close_id]])
+    gateway.gateway.agent_timeout_s = 5.0  # the quick agent must finish well within it on a loaded box
+    release, scripted = asyncio.Event(), engine.generate
+
+    async def slow_for_one(prompt_ids, sampling, session_id=None):
+        if session_id.startswith("slow"):
+            await release.wait()
+        return await scripted(prompt_ids, sampling, session_id=session_id)
+    engine.generate = slow_for_one
+    _LATE.clear()
+    _LATE["done"] = threading.Event()
+    extras = [{"extra_info": {"agent": f"{__name__}:_abandoned_agent"}}, {"extra_info": {"agent": f"{__name__}:_good_agent"}}]
+    with caplog.at_level("WARNING"):
+        async with AgentServer(gateway) as url:
+            out = await AgentProgramGenerator(gateway, url).generate(
+                [[{"role": "user", "content": "2+3?"}]] * 2, ["keyword"] * 2, extras,
+                [TrajectoryID("slow", 0), TrajectoryID("quick", 0)])
+            release.set()
+            for _ in range(600):
+                if _LATE["done"].is_set():
+                    break
+                await asyncio.sleep(0.05)
+    assert [t.instance_id for t in out.failed_trajectory_ids] == ["slow"] and out.trajectory_rewards() == [1.0]
+    assert out.rollout_metrics["gateway/failed_trajectories/agent_timeout"] == 1
+    for key in ("in_flight", "after"):
+        status, message = _LATE[key]
+        assert status == 409 and "slow_0-" in message and "agent_timeout" in message, (key, _LATE[key])
+    assert sum(session == "slow_0" for session, _ in engine.calls) == 1  # the late call never reached the engine
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("slow_0" in w and "agent_timeout" in w and "gateway.agent_timeout_s" in w for w in warned), warned
+
+
+async def _one_call_agent(task):
+    await _chat_once(task)
+    return 1.0
+
+
+async def _out_of_context_agent(task):
+    """One call, then one past generator.max_input_length (refused: 400), then it gives up with a reward."""
+    await _chat_once(task)
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded|max_input_length"):
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "word " * 3000}])
+    return 1.0
+
+
+async def test_agent_programs_follow_overlong_filtering_and_mask_limit_stops():
+    """Under gateway.enabled, generator.apply_overlong_filtering and generator.context.mask_limit_stops were not
+    applied: a turn cut by max_tokens trained on whatever reward the agent made up. Now the agent loop's own filter
+    runs on the sessions' trajectories: a trajectory whose last turn was cut by length, or that ended at the context
+    limit (its last request refused as too long: `context_exhausted`), gets no gradient, counted."""
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    def script(chat, tok):
+        five = tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]
+        return lambda prompt, session, i: tok("word " * 40, add_special_tokens=False)["input_ids"] \
+            if session.startswith("cut") else five
+
+    tok = family_tokenizer("smollm2")
+    chat = TemplateRenderer(tok, dict(FAMILIES["smollm2"].render_kwargs), "all")
+    engine = ScriptedEngine(script(chat, tok), tok)
+    cfg = GeneratorConfig(thinking_retention="all", max_input_length=1024,
+                          sampling=GeneratorSamplingConfig(max_generate_length=8))
+    gateway = Gateway(tok, engine, cfg, GatewayConfig(), renderer=chat)
+    agents = [f"{__name__}:_one_call_agent", f"{__name__}:_out_of_context_agent", f"{__name__}:_one_call_agent"]
+    extras = [{"extra_info": {"agent": a}} for a in agents]
+    ids = [TrajectoryID("cut", 0), TrajectoryID("long", 0), TrajectoryID("fine", 0)]
+
+    async def trained(**flags) -> tuple[dict[str, int], float]:
+        cfg.apply_overlong_filtering = flags.get("overlong", False)
+        cfg.context.mask_limit_stops = flags.get("limits", False)
+        out = await AgentProgramGenerator(gateway, url).generate([[{"role": "user", "content": "2+3?"}]] * 3,
+                                                                 ["keyword"] * 3, extras, ids)
+        assert not out.failed_trajectory_ids
+        tokens: dict[str, int] = {}
+        for t, mask in zip(out.trajectory_ids, out.loss_masks):
+            tokens[t.instance_id] = tokens.get(t.instance_id, 0) + sum(mask)
+        return tokens, out.rollout_metrics["generate/overlong_filtered_trajectories"]
+
+    async with AgentServer(gateway) as url:
+        tokens, filtered = await trained()
+        assert all(tokens.values()) and filtered == 0, tokens
+        tokens, filtered = await trained(overlong=True)
+        assert tokens["cut"] == 0 and tokens["long"] == 0 and tokens["fine"] > 0 and filtered == 2, tokens
+        tokens, filtered = await trained(limits=True)
+        assert tokens["cut"] > 0 and tokens["long"] == 0 and tokens["fine"] > 0 and filtered == 1, tokens
+
+
+def test_context_settings_agent_programs_cannot_follow_are_refused_naming_the_key():
+    """generator.context.* and token_budget had no effect under gateway.enabled, while load_config accepted them."""
+    from skyrl_stepwise.app_config import load_config
+
+    for override, key in (("generator.context.policy=truncate", "generator.context.policy"),
+                          ("generator.context.token_budget=500", "generator.context.token_budget"),
+                          ("generator.context.window=3", "generator.context.window")):
+        with pytest.raises(ValueError, match=rf"{key}=.* no effect with gateway.enabled=true"):
+            load_config(["gateway.enabled=true", override])
+        load_config([override])  # our own agent loop applies it
+    assert load_config(["gateway.enabled=true", "generator.context.mask_limit_stops=true"]).generator.context \
+        .mask_limit_stops
+    from skyrl_stepwise.generator.config import ContextConfig
+
+    with pytest.raises(ValueError, match="generator.context.token_budget"):
+        _setup("smollm2", "all", [[1]], context=ContextConfig(token_budget=10))

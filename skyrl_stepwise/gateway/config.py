@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 from dataclasses import dataclass, field
 
@@ -43,3 +44,25 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name other than localhost may resolve to anything
         return False
+
+
+# generator.context keys the endpoint applies: a session ended by the context limit (its last request refused as
+# longer than generator.max_input_length) stops with `context_exhausted`, as in the agent loop
+GATEWAY_CONTEXT_KEYS = ("mask_limit_stops",)
+
+
+def check_generator_for_gateway(generator) -> None:
+    """Refuse, naming the key, generator.context settings the endpoint cannot apply: an agent program builds its own
+    context (the endpoint samples what it is sent, and editing it would break the chain it continues) and counts
+    its own tokens, so a context policy or a token budget would be accepted and do nothing. The defaults pass."""
+    from skyrl_stepwise.generator.config import ContextConfig
+
+    default = ContextConfig()
+    for f in dataclasses.fields(ContextConfig):
+        value = getattr(generator.context, f.name)
+        if f.name in GATEWAY_CONTEXT_KEYS or value == getattr(default, f.name):
+            continue
+        raise ValueError(f"generator.context.{f.name}={value!r} has no effect with gateway.enabled=true: an agent "
+                         "program builds its own context and counts its own tokens (the endpoint samples exactly what "
+                         f"it is sent). Remove the override (default {getattr(default, f.name)!r}); of "
+                         f"generator.context only {', '.join(GATEWAY_CONTEXT_KEYS)} applies to agent programs")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from skyrl_stepwise.envs.base import EnvRegistry, Message
 from skyrl_stepwise.envs.builtin import EnvPluginError, import_object
 from skyrl_stepwise.gateway.service import Gateway, RewardError, checked_outcome
-from skyrl_stepwise.generator.generator import steps_to_output, trajectory_metrics
+from skyrl_stepwise.generator.generator import filter_limit_stops, steps_to_output, trajectory_metrics
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.metrics import sample_metrics
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
@@ -111,8 +111,10 @@ class AgentProgramGenerator:
                 for p, c, x, t in zip(prompts, env_classes, env_extras, trajectory_ids)])
         finally:
             threads.shutdown(wait=False)  # an agent past its timeout keeps its thread until it returns
+        overlong = filter_limit_stops(results, self.cfg)  # the loop's rules hold for agent programs too
         output = steps_to_output(results)
         output.rollout_metrics.update(trajectory_metrics(results))
+        output.rollout_metrics["generate/overlong_filtered_trajectories"] = overlong
         output.rollout_metrics.update(self.gateway.metrics())
         if not self.cfg.step_wise_trajectories or self.cfg.merge_stepwise_output:
             output = merge_stepwise_output(output)
@@ -130,7 +132,9 @@ class AgentProgramGenerator:
         try:
             value = await asyncio.wait_for(_call(agent, task, threads), gateway.gateway.agent_timeout_s)
             reward, metrics = _outcome(value)
-            if reward is not None:
+            if session.failure is not None:
+                pass  # a call failed it (engine error): the failure stands, whatever the agent made of it
+            elif reward is not None:
                 gateway.post_reward(sid, reward, metrics)
             elif session.reward is None and self.env_registry is not None and session.calls:
                 session.reward = await self._score(env_class, prompt, extras, session)

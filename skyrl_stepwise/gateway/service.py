@@ -16,13 +16,14 @@ import re
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_stepwise.chat import (ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer,
                                  observations_in_roles)
 from skyrl_stepwise.envs.contract import EnvOutputError, check_reward
-from skyrl_stepwise.gateway.config import GatewayConfig
+from skyrl_stepwise.gateway.config import GatewayConfig, check_generator_for_gateway
 from skyrl_stepwise.gateway.matching import Key, assistant_echoes, break_reason, find_match, message_key
 from skyrl_stepwise.gateway.reasoning import split_reasoning
 from skyrl_stepwise.gateway.protocol import ChatRequest, GatewayError, parse_request
@@ -33,6 +34,7 @@ from skyrl_stepwise.generator.output import TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
+MAX_ENDED_SESSIONS = 100_000  # how many ended sessions a late call is still told about (then: unknown session)
 
 
 class Gateway:
@@ -43,6 +45,7 @@ class Gateway:
         if not cfg.use_conversation_multi_turn or cfg.history != "exact":
             raise ValueError("the agent endpoint serves chat turns with exact history: it needs "
                              "generator.use_conversation_multi_turn=true and generator.history=exact")
+        check_generator_for_gateway(cfg)
         self.cfg, self.engine = cfg, engine
         self.gateway = gateway or GatewayConfig()
         self.renderer = renderer or create_renderer(tokenizer, cfg.renderer, dict(cfg.chat_template_kwargs),
@@ -50,6 +53,9 @@ class Gateway:
         self.model_names = list(self.gateway.model_names) or [tokenizer.name_or_path, "policy"]
         self.sessions: dict[str, Session] = {}
         self.counters: dict[str, float] = {}
+        # why each recently closed session ended: an abandoned agent (timed out, its thread still running) calling
+        # again gets that answer at once, not a sample nobody trains
+        self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # session -> (why, error code)
 
     # sessions -------------------------------------------------------------------------------------------------
     def open_session(self, trajectory_id: TrajectoryID, session_id: str | None = None) -> str:
@@ -62,13 +68,28 @@ class Gateway:
         return sid
 
     def session(self, session_id: str) -> Session:
-        """The open session, or the OpenAI-style 404 an agent with a wrong URL gets."""
+        """The open session; a 409 naming why it ended where it did (failed, or closed for training); or the
+        OpenAI-style 404 an agent with a wrong URL gets."""
         session = self.sessions.get(session_id)
-        if session is None or session.closed:
+        if session is not None:
+            self._check_live(session)
+        elif session_id in self.ended:
+            raise self._ended(session_id, *self.ended[session_id])
+        if session is None:
             self.count("refused/unknown_session")
             raise GatewayError(404, f"unknown session {session_id!r}: open one per trajectory (its id is the path "
                                     f"segment /s/{{session}}/v1)", "session", "session_not_found")
         return session
+
+    def _check_live(self, session: Session) -> None:
+        """A failed or closed session takes no more calls (409 naming it and why): its trajectory is not trained,
+        so a sample for it would only spend engine time."""
+        if session.closed or session.failure is not None:
+            raise self._ended(session.id, *_why_ended(session))
+
+    def _ended(self, session_id: str, why: str, code: str) -> GatewayError:
+        self.count(f"refused/{code}")
+        return GatewayError(409, f"session {session_id!r} has ended: {why}", "session", code)
 
     def post_reward(self, session_id: str, reward: Any, metrics: dict | None = None) -> None:
         """The agent (or its harness) reports the trajectory's reward instead of returning it. Reward and metrics
@@ -88,6 +109,9 @@ class Gateway:
         released."""
         session = self.sessions.pop(session_id)
         session.closed = True
+        self.ended[session_id] = _why_ended(session)
+        while len(self.ended) > MAX_ENDED_SESSIONS:
+            self.ended.popitem(last=False)
         end_session = getattr(self.engine, "end_session", None)
         if end_session is not None:
             end_session(session.trajectory_id.key())
@@ -122,16 +146,18 @@ class Gateway:
             self.count(f"refused/{e.code or 'invalid'}")
             raise
         async with session.lock:
-            if session.failure is not None:
-                raise GatewayError(409, f"session {session_id!r} has failed ({session.failure}); its trajectory is "
-                                        "not trained", "session", "session_failed")
+            self._check_live(session)  # it may have ended while this call waited for the one before
             prompt = self._prompt(session, request)
             if len(prompt.ids) > self.cfg.max_input_length:
+                # the trajectory has reached the run's context limit: if the agent stops here, it stopped at a
+                # limit (generator.context.mask_limit_stops), as the agent loop's trajectory would
+                session.limit_stop = "context_exhausted"
                 self.count("refused/context_length_exceeded")
                 raise GatewayError(400, f"the prompt has {len(prompt.ids)} tokens, more than the run's "
                                         f"generator.max_input_length={self.cfg.max_input_length}", "messages",
                                    "context_length_exceeded")
             call = await self._sample(session, request, prompt.ids, prompt.history)
+            session.limit_stop = None  # the agent went on within the limit (it shortened its history)
             self._account(session, prompt)
         self.count("calls")
         return request, self._response(session, request, call)
@@ -204,6 +230,7 @@ class Gateway:
             session.fail("engine_error", repr(e))
             raise GatewayError(502, f"the engine failed: {e!r}", None, "engine_error", "server_error") from e
         session.stats.engine_seconds += time.perf_counter() - t0
+        self._check_live(session)  # ended while the engine sampled (the agent timed out): not answered, not recorded
         if result.finish_reason == "abort":  # a half-sampled turn is neither answered nor trained
             session.fail("engine_abort", f"request aborted after {len(result.token_ids)} tokens")
             raise GatewayError(502, "the engine aborted the request", None, "engine_abort", "server_error")
@@ -345,6 +372,14 @@ class Gateway:
             after.extend(self._template_messages([m], last_turn))
         place()
         return out, moved_total
+
+
+def _why_ended(session: Session) -> tuple[str, str]:
+    """How a session ended, for the answer to a call that comes after, and the error code."""
+    if session.failure is not None:
+        return (f"its trajectory failed ({session.failure}: {session.failure_message}) and is not trained; "
+                "the agent program should stop", "session_failed")
+    return "its trajectory was collected for training; later calls are not part of it", "session_ended"
 
 
 @dataclass
