@@ -856,3 +856,34 @@ def test_context_settings_agent_programs_cannot_follow_are_refused_naming_the_ke
 
     with pytest.raises(ValueError, match="generator.context.token_budget"):
         _setup("smollm2", "all", [[1]], context=ContextConfig(token_budget=10))
+
+
+async def test_the_endpoint_is_announced_when_it_serves_and_refuses_at_once_before(caplog):
+    """The endpoint was announced ~70 s before it answered (the run's start-up blocked the event loop), and requests
+    in that window hung. Now each stage serves from its first rollout on and is announced then, once it answers;
+    before that a connection is refused at once."""
+    from skyrl_stepwise.gateway.programs import AgentPrograms
+
+    tok = family_tokenizer("smollm2")
+    chat = TemplateRenderer(tok, dict(FAMILIES["smollm2"].render_kwargs), "all")
+    engine = ScriptedEngine(lambda prompt, session, i: tok("5", add_special_tokens=False)["input_ids"]
+                            + [chat.close_id], tok)
+    cfg = GeneratorConfig(thinking_retention="all")
+    programs = AgentPrograms(tok, engine, cfg, cfg, GatewayConfig(), None, renderer=chat)
+    try:
+        with caplog.at_level("INFO", logger="skyrl_stepwise"):
+            await programs.start()
+            assert "agent endpoint" not in caplog.text
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://127.0.0.1:{programs.train.server.port or 9}/v1/models", timeout=5)
+            out = await programs.train.generate([[{"role": "user", "content": "2+3?"}]], ["keyword"],
+                                                [{"extra_info": {"agent": f"{__name__}:_good_agent"}}],
+                                                [TrajectoryID("q", 0)])
+        assert out.trajectory_rewards() == [1.0]
+        url = programs.train.server_url
+        assert f"agent endpoint (train): {url}/s/{{session}}/v1" in caplog.text and ":0" not in url
+        assert "agent endpoint (eval)" not in caplog.text  # not serving: not announced
+        async with httpx.AsyncClient(headers={"Authorization": "Bearer skyrl"}) as http:  # the server is in this loop
+            assert (await http.get(f"{url}/v1/models")).status_code == 200
+    finally:
+        await programs.stop()

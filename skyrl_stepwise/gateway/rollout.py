@@ -88,8 +88,10 @@ class AgentProgramGenerator:
     """The generator's `generate()` for rows that name agents: one session per trajectory on `gateway`, served at
     `server_url`; the result is the GeneratorOutput the trainer consumes, built by the generator's own functions."""
 
-    def __init__(self, gateway: Gateway, server_url: str, env_registry: EnvRegistry | None = None) -> None:
-        self.gateway, self.server_url = gateway, server_url.rstrip("/")
+    def __init__(self, gateway: Gateway, server: "AgentServer | str", env_registry: EnvRegistry | None = None) -> None:
+        # an AgentServer is started by the first generate() (announced when it serves); a URL is served already
+        self.server = server if isinstance(server, AgentServer) else None
+        self.gateway, self.server_url = gateway, (server.url if self.server else server).rstrip("/")
         self.env_registry = env_registry
         self.cfg = gateway.cfg
 
@@ -97,6 +99,8 @@ class AgentProgramGenerator:
                        trajectory_ids: list[TrajectoryID]) -> GeneratorOutput:
         """Run every row's agent concurrently; each trajectory is what its session sampled, exactly."""
         agents = load_agents(env_extras)
+        if self.server is not None:
+            self.server_url = await self.server.serve()
         missing = [i for i, x in enumerate(env_extras) if agent_path(x) is None]
         if missing:
             raise ValueError(f"rows {missing[:5]} name no agent (extra_info.agent): AgentProgramGenerator runs "
@@ -195,21 +199,19 @@ def _outcome(value: Any) -> tuple[float | None, dict[str, float]]:
         raise _BadReturn(f"the agent's return value: {e}") from None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (gateway.port=0)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class AgentServer:
     """The endpoint served by uvicorn in this event loop (so agents in threads or subprocesses can reach it);
-    `async with AgentServer(gateway) as url:`."""
+    `async with AgentServer(gateway) as url:`, or `await serve()` where it is first needed.
 
-    def __init__(self, gateway: Gateway) -> None:
+    Its URL is known at construction but nothing listens until `serve()`, which `announce`s the URL only once the
+    server answers: a run's start-up blocks its event loop for minutes (worker start, SFT), and an endpoint announced
+    then would leave early requests hanging; before `serve()` they are refused at once (connection refused)."""
+
+    def __init__(self, gateway: Gateway, announce: Callable[[str], None] | None = None) -> None:
         self.gateway = gateway
         self.host = gateway.gateway.host
-        self.port = gateway.gateway.port or free_port(self.host)
+        self.port = gateway.gateway.port  # 0: the free port the socket is bound to by serve()
+        self.announce = announce
         self._server = None
         self._task: asyncio.Task | None = None
 
@@ -217,21 +219,48 @@ class AgentServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def __aenter__(self) -> str:
+    @property
+    def serving(self) -> bool:
+        return self._server is not None and self._server.started
+
+    async def serve(self) -> str:
+        """Start serving (once; later calls return at once) and announce; the URL it serves at. The socket is
+        bound here, not by uvicorn: a port that cannot be bound is an OSError naming it (uvicorn would exit the
+        process), and gateway.port=0 binds a free port with no race."""
+        if self.serving:
+            return self.url
         import uvicorn
 
         from skyrl_stepwise.gateway.app import create_app
 
-        config = uvicorn.Config(create_app(self.gateway), host=self.host, port=self.port, log_level="warning",
-                                lifespan="off")
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"the agent endpoint cannot listen on gateway.host={self.host!r}, gateway.port="
+                          f"{self.port}: {e}") from e
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.gateway), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._task = asyncio.ensure_future(self._server.serve())
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
-                self._task.result()  # raises why it could not start (port taken, ...)
+                self._server = None
+                sock.close()
+                self._task.result()  # raises why it could not start
+                raise OSError(f"the agent endpoint stopped before it served on {self.url}")
             await asyncio.sleep(0.01)
+        if self.announce is not None:
+            self.announce(self.url)
         return self.url
 
+    async def __aenter__(self) -> str:
+        return await self.serve()
+
     async def __aexit__(self, *exc) -> None:
-        self._server.should_exit = True
-        await self._task
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = None
