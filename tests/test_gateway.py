@@ -874,14 +874,16 @@ async def test_the_endpoint_is_announced_when_it_serves_and_refuses_at_once_befo
         with caplog.at_level("INFO", logger="skyrl_stepwise"):
             await programs.start()
             assert "agent endpoint" not in caplog.text
+            port = programs.train.server.port  # taken (bound) at start-up, so a taken port fails it there
+            assert port and f":{port}" in programs.train.server_url
             with pytest.raises(httpx.ConnectError):
-                httpx.get(f"http://127.0.0.1:{programs.train.server.port or 9}/v1/models", timeout=5)
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
             out = await programs.train.generate([[{"role": "user", "content": "2+3?"}]], ["keyword"],
                                                 [{"extra_info": {"agent": f"{__name__}:_good_agent"}}],
                                                 [TrajectoryID("q", 0)])
         assert out.trajectory_rewards() == [1.0]
         url = programs.train.server_url
-        assert f"agent endpoint (train): {url}/s/{{session}}/v1" in caplog.text and ":0" not in url
+        assert f"agent endpoint (train): {url}/s/{{session}}/v1" in caplog.text and url.endswith(f":{port}")
         assert "agent endpoint (eval)" not in caplog.text  # not serving: not announced
         async with httpx.AsyncClient(headers={"Authorization": "Bearer skyrl"}) as http:  # the server is in this loop
             assert (await http.get(f"{url}/v1/models")).status_code == 200
@@ -903,3 +905,21 @@ def test_every_gateway_key_is_documented_in_the_readme_endpoint_section():
         shown = f"{default:g}" if isinstance(default, float) else default if isinstance(default, str) \
             else json.dumps(default)  # false, 0, [] as YAML spells them
         assert f"`{shown}`" == row.split("|")[2].strip(), (row, default)
+
+
+async def test_a_port_that_cannot_be_bound_fails_start_up_naming_the_keys():
+    import socket
+
+    from skyrl_stepwise.gateway.programs import AgentPrograms
+
+    tok = family_tokenizer("smollm2")
+    chat = TemplateRenderer(tok, dict(FAMILIES["smollm2"].render_kwargs), "all")
+    cfg = GeneratorConfig(thinking_retention="all")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        programs = AgentPrograms(tok, ScriptedEngine(lambda *a: [], tok), cfg, cfg,
+                                 GatewayConfig(port=taken.getsockname()[1]), None, renderer=chat)
+        with pytest.raises(OSError, match=r"gateway.host='127.0.0.1', gateway.port=\d+"):
+            await programs.start()
+        await programs.stop()

@@ -20,9 +20,10 @@ logger = logging.getLogger("skyrl_stepwise.train")
 
 
 class AgentPrograms:
-    """`await start()` builds both stages; `train` and `eval` are the generators the trainer gets, each serving its
-    endpoint from its first rollout on (announced then, when it answers: the start-up that follows blocks the
-    event loop for minutes); `stop()` shuts the servers down (safe to call after a failed start)."""
+    """`await start()` builds both stages and binds their ports (a port that cannot be bound fails start-up);
+    `train` and `eval` are the generators the trainer gets, each serving its endpoint from its first rollout on
+    (announced then, when it answers: the start-up that follows blocks the event loop for minutes); `stop()` shuts
+    the servers down (safe to call after a failed start)."""
 
     def __init__(self, tokenizer, engine, generator_cfg, eval_generator_cfg, gateway_cfg, registry,
                  renderer=None) -> None:

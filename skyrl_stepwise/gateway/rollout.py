@@ -91,7 +91,7 @@ class AgentProgramGenerator:
     def __init__(self, gateway: Gateway, server: "AgentServer | str", env_registry: EnvRegistry | None = None) -> None:
         # an AgentServer is started by the first generate() (announced when it serves); a URL is served already
         self.server = server if isinstance(server, AgentServer) else None
-        self.gateway, self.server_url = gateway, (server.url if self.server else server).rstrip("/")
+        self.gateway, self.server_url = gateway, (server.bind() if self.server else server).rstrip("/")
         self.env_registry = env_registry
         self.cfg = gateway.cfg
 
@@ -201,17 +201,19 @@ def _outcome(value: Any) -> tuple[float | None, dict[str, float]]:
 
 class AgentServer:
     """The endpoint served by uvicorn in this event loop (so agents in threads or subprocesses can reach it);
-    `async with AgentServer(gateway) as url:`, or `await serve()` where it is first needed.
+    `async with AgentServer(gateway) as url:`, or `bind()` at start-up and `await serve()` where it is first needed.
 
-    Its URL is known at construction but nothing listens until `serve()`, which `announce`s the URL only once the
-    server answers: a run's start-up blocks its event loop for minutes (worker start, SFT), and an endpoint announced
-    then would leave early requests hanging; before `serve()` they are refused at once (connection refused)."""
+    `bind()` takes the port (a port that cannot be bound fails then, naming it) but nothing listens until `serve()`,
+    which `announce`s the URL only once the server answers: a run's start-up blocks its event loop for minutes
+    (worker start, SFT), and an endpoint announced then would leave early requests hanging; before `serve()` a
+    connection is refused at once."""
 
     def __init__(self, gateway: Gateway, announce: Callable[[str], None] | None = None) -> None:
         self.gateway = gateway
         self.host = gateway.gateway.host
-        self.port = gateway.gateway.port  # 0: the free port the socket is bound to by serve()
+        self.port = gateway.gateway.port  # 0: the free port bind() gets
         self.announce = announce
+        self._socket: socket.socket | None = None
         self._server = None
         self._task: asyncio.Task | None = None
 
@@ -223,32 +225,37 @@ class AgentServer:
     def serving(self) -> bool:
         return self._server is not None and self._server.started
 
+    def bind(self) -> str:
+        """Take the port, not listening yet (once); the URL. The socket is bound here, not by uvicorn: a port that
+        cannot be bound is an OSError naming the keys (uvicorn would exit the process), and gateway.port=0 gets
+        a free port with no race."""
+        if self._socket is None:
+            sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((self.host, self.port))
+            except OSError as e:
+                sock.close()
+                raise OSError(f"the agent endpoint cannot listen on gateway.host={self.host!r}, gateway.port="
+                              f"{self.port}: {e}") from e
+            self._socket, self.port = sock, sock.getsockname()[1]
+        return self.url
+
     async def serve(self) -> str:
-        """Start serving (once; later calls return at once) and announce; the URL it serves at. The socket is
-        bound here, not by uvicorn: a port that cannot be bound is an OSError naming it (uvicorn would exit the
-        process), and gateway.port=0 binds a free port with no race."""
+        """Start serving (once; later calls return at once) and announce; the URL it serves at."""
         if self.serving:
             return self.url
         import uvicorn
 
         from skyrl_stepwise.gateway.app import create_app
 
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self.port))
-        except OSError as e:
-            sock.close()
-            raise OSError(f"the agent endpoint cannot listen on gateway.host={self.host!r}, gateway.port="
-                          f"{self.port}: {e}") from e
-        self.port = sock.getsockname()[1]
+        self.bind()
         config = uvicorn.Config(create_app(self.gateway), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
             if self._task.done():
                 self._server = None
-                sock.close()
                 self._task.result()  # raises why it could not start
                 raise OSError(f"the agent endpoint stopped before it served on {self.url}")
             await asyncio.sleep(0.01)
@@ -264,3 +271,6 @@ class AgentServer:
             self._server.should_exit = True
             await self._task
             self._server = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
