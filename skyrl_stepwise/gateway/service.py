@@ -184,7 +184,7 @@ class Gateway:
                 history = call.history + [turn.assistant] + turn.observations
                 nxt = self._render(session, chat.next_prompt, call.prompt_ids, call.response_ids, history,
                                    turn.observations, request.tools, call.parsed.malformed)
-                # else the template rewrites history (Qwen3 drops past reasoning): what the agent loop does too
+                # not extended: the template rewrites history (Qwen3 drops past reasoning), as in the agent loop
                 return Prompt(nxt.ids, history, counts + (["extended"] if nxt.extended else []),
                               role_fallbacks=turn.role_fallbacks, bridge_fallback=None if nxt.extended else nxt.reason)
             reason = break_reason(request.messages, calls, tools_key)
