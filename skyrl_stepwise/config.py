@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from skyrl_stepwise.envs.search import SearchEnvConfig
 from skyrl_stepwise.envs.tool import ToolEnvConfig
-from skyrl_stepwise.gateway.config import GatewayConfig
+from skyrl_stepwise.gateway.config import GatewayConfig, check_generator_for_gateway
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.placement import PlacementConfig
@@ -120,6 +120,8 @@ class RunConfig:
         """Every rule that spans sections, with the key path in the message."""
         self.generator.validate()
         self.gateway.validate()
+        if self.gateway.enabled:
+            check_generator_for_gateway(self.generator)
         self.trainer.validate()
         self.sft.validate()
         self.placement.validate()

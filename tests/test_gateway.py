@@ -588,3 +588,338 @@ async def test_a_tool_result_with_an_id_naming_no_call_answers_the_call_at_its_p
     assert "R5" in chat.decode(engine.calls[1][1])
     gateway.post_reward(sid, 1.0)
     _assert_exact(gateway.close_session(sid), engine)
+
+
+def _http(gateway: Gateway, headers: dict | None = None) -> httpx.AsyncClient:
+    """A raw HTTP client of the endpoint (what a harness posting rewards, or a stranger, sends)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway)), base_url="http://gateway",
+                             headers={"Authorization": "Bearer skyrl"} if headers is None else headers)
+
+
+async def test_an_infinite_reward_or_a_bad_metric_is_a_400_and_stores_nothing():
+    """`{"reward": Infinity}` parses as JSON and was stored: its group's advantages became NaN and the step's update
+    was skipped. A metric that is not a number was a 500 after the reward had been stored. Both are 400s naming the
+    field now, checked before anything is stored."""
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    async with _http(gateway) as http:
+        for body, param in (('{"reward": Infinity}', "reward"), ('{"reward": -Infinity}', "reward"),
+                            ('{"reward": NaN}', "reward"), ('{"reward": true}', "reward"),
+                            ('{"reward": 1.0, "metrics": {"turns": "three"}}', "metrics.turns"),
+                            ('{"reward": 1.0, "metrics": {"turns": Infinity}}', "metrics.turns"),
+                            ('{"reward": 1.0, "metrics": [1]}', "metrics")):
+            r = await http.post(f"/s/{sid}/reward", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            assert gateway.sessions[sid].reward is None and gateway.sessions[sid].metrics == {}, body
+        r = await http.post(f"/s/{sid}/reward", json={"reward": 0.5, "metrics": {"turns": 3}})
+        assert r.status_code == 200 and gateway.sessions[sid].reward == 0.5
+    assert gateway.metrics()["gateway/refused/invalid_reward"] == 7
+
+
+async def _infinite_agent(task):
+    await _chat_once(task)
+    return float("inf")
+
+
+async def _bad_metric_agent(task):
+    await _chat_once(task)
+    return {"reward": 1.0, "metrics": {"turns": float("-inf")}}
+
+
+async def _good_agent(task):
+    await _chat_once(task)
+    return {"reward": 1.0, "metrics": {"turns": 1}}
+
+
+async def _chat_once(task):
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    await client.chat.completions.create(model=task.model, messages=task.messages)
+
+
+async def test_an_agent_returning_an_infinite_reward_fails_its_trajectory_only_named_and_counted(caplog):
+    """An agent returning inf (or an infinite metric) fails its own trajectory (`agent_bad_return`, the message
+    naming the field), counted and warned; the other trajectories of the batch train."""
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]
+                                                                 + [chat.close_id]])
+    rows = [f"{__name__}:_infinite_agent", f"{__name__}:_bad_metric_agent", f"{__name__}:_good_agent"]
+    extras = [{"extra_info": {"agent": a}} for a in rows]
+    with caplog.at_level("WARNING"):
+        async with AgentServer(gateway) as url:
+            out = await AgentProgramGenerator(gateway, url).generate(
+                [[{"role": "user", "content": "2+3?"}]] * 3, ["keyword"] * 3, extras,
+                [TrajectoryID(f"q{i}", 0) for i in range(3)])
+    assert sorted(t.instance_id for t in out.failed_trajectory_ids) == ["q0", "q1"]
+    assert out.trajectory_rewards() == [1.0]
+    assert out.rollout_metrics["gateway/failed_trajectories/agent_bad_return"] == 2
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert "q0" in warned and "reward must be a finite number, got float: inf" in warned, warned
+    assert "q1" in warned and "metrics.turns must be a finite number" in warned, warned
+
+
+async def test_every_route_checks_the_api_key_when_one_is_set():
+    """gateway.api_key was handed to agents but never checked: anyone reaching the port with a guessed session id
+    could sample and post rewards. Every route (models, chat, reward, an unknown path) answers 401 naming the header
+    without `Authorization: Bearer <key>`; the right key passes; api_key=null checks nothing."""
+    gateway, _, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]])
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "2+3?"}]}
+    routes = [("get", "/v1/models", None), ("get", f"/s/{sid}/v1/models", None),
+              ("post", f"/s/{sid}/v1/chat/completions", chat), ("post", "/v1/chat/completions", chat),
+              ("post", f"/s/{sid}/reward", {"reward": 1.0}), ("get", "/nowhere", None)]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "skyrl"}, {"X-Api-Key": "skyrl"}):
+        async with _http(gateway, headers) as http:
+            for method, path, body in routes:
+                r = await http.request(method, path, json=body)
+                assert r.status_code == 401, (headers, path, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key" and "Authorization: Bearer" in r.text
+    assert gateway.sessions[sid].reward is None and not gateway.sessions[sid].calls
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=f"http://gateway/s/{sid}/v1", api_key="guess", max_retries=0,
+                                 http_client=_http(gateway, {})).chat.completions.create(**chat)
+    r = await _client(gateway, sid).chat.completions.create(**chat)  # the run's key (an OpenAI client's api_key)
+    assert r.choices[0].message.content == "5"
+    gateway.gateway.api_key = None
+    async with _http(gateway, {}) as http:
+        assert (await http.get("/v1/models")).status_code == 200
+
+
+def test_a_non_loopback_host_needs_a_key_of_its_own():
+    from skyrl_stepwise.app_config import load_config
+
+    for host in ("0.0.0.0", "192.168.1.5", "::", "gpu-box.example.com"):
+        for key in ("", "null", "skyrl"):
+            with pytest.raises(ValueError, match=r"gateway.host=.*gateway.api_key"):
+                load_config([f"gateway.host={host!r}" if ":" in host else f"gateway.host={host}",
+                             f"gateway.api_key={key}"])
+    assert load_config(["gateway.host=0.0.0.0", "gateway.api_key=s3cret"]).gateway.api_key == "s3cret"
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        GatewayConfig(host=host, api_key=None).validate()
+
+
+async def test_a_refused_request_changes_neither_the_chain_nor_a_counter(caplog):
+    """A request refused with 400 (a prompt past max_input_length, after a dropped message) counted a chain break
+    and logged 'a new chain starts'. Now only the refusal is counted; the next good request continues the chain."""
+    def turns(chat, tok):
+        return [_call_ids("smollm2", chat), tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]]
+
+    gateway, engine, _ = _setup("smollm2", "all", turns)
+    sid = gateway.open_session(TrajectoryID("q", 0))
+    client = _client(gateway, sid)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    r = await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    call = r.choices[0].message.tool_calls[0]
+    messages += [_mangled_echo(r.choices[0].message), {"role": "tool", "tool_call_id": "my-id", "content": "5"}]
+    gateway.metrics()
+    with caplog.at_level("INFO"):
+        for refused in ([messages[1], {"role": "user", "content": "word " * 5000}],  # a break, too long
+                        messages[:-1] + [{"role": "tool", "tool_call_id": "x", "content": "word " * 5000}]):
+            with pytest.raises(openai.BadRequestError) as excinfo:
+                await client.chat.completions.create(model="policy", messages=refused, tools=[CALC])
+            assert _error(excinfo)["code"] == "context_length_exceeded"
+    assert "a new chain starts" not in caplog.text
+    assert gateway.metrics() == {"gateway/refused/context_length_exceeded": 2}
+    stats = gateway.sessions[sid].stats
+    assert stats.chain_breaks == 0 and stats.observation_role_fallbacks == 0 and len(engine.calls) == 1
+    messages[-1]["tool_call_id"] = call.id
+    await client.chat.completions.create(model="policy", messages=messages, tools=[CALC])
+    assert gateway.metrics() == {"gateway/extended": 1, "gateway/calls": 1}
+
+
+_LATE: dict = {}
+
+
+def _abandoned_agent(task):
+    """A sync agent whose call is still in flight when its timeout fails the trajectory, and which calls again."""
+    client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=30)
+    for key in ("in_flight", "after"):
+        try:
+            client.chat.completions.create(model=task.model, messages=task.messages)
+            _LATE[key] = (200, "answered")
+        except openai.APIStatusError as e:
+            _LATE[key] = (e.status_code, e.message)
+    _LATE["done"].set()
+
+
+async def test_a_timed_out_agent_is_warned_and_its_late_calls_are_refused_at_once(caplog):
+    """An agent dropped for gateway.agent_timeout_s had no warning line, and a call it had in flight was answered
+    200 long after its session had failed. Now the failure is warned like an env failure, and the in-flight call and
+    every later one get a 409 naming the session and why it ended; the engine is not asked again."""
+    import asyncio
+    import threading
+
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    gateway, engine, _ = _setup("smollm2", "all", lambda chat, tok: [tok("5", add_special_tokens=False)["input_ids"]
+                                                                      + [chat.close_id]])
+    gateway.gateway.agent_timeout_s = 5.0  # the quick agent must finish well within it on a loaded box
+    release, scripted = asyncio.Event(), engine.generate
+
+    async def slow_for_one(prompt_ids, sampling, session_id=None):
+        if session_id.startswith("slow"):
+            await release.wait()
+        return await scripted(prompt_ids, sampling, session_id=session_id)
+    engine.generate = slow_for_one
+    _LATE.clear()
+    _LATE["done"] = threading.Event()
+    extras = [{"extra_info": {"agent": f"{__name__}:_abandoned_agent"}}, {"extra_info": {"agent": f"{__name__}:_good_agent"}}]
+    with caplog.at_level("WARNING"):
+        async with AgentServer(gateway) as url:
+            out = await AgentProgramGenerator(gateway, url).generate(
+                [[{"role": "user", "content": "2+3?"}]] * 2, ["keyword"] * 2, extras,
+                [TrajectoryID("slow", 0), TrajectoryID("quick", 0)])
+            release.set()
+            for _ in range(600):
+                if _LATE["done"].is_set():
+                    break
+                await asyncio.sleep(0.05)
+    assert [t.instance_id for t in out.failed_trajectory_ids] == ["slow"] and out.trajectory_rewards() == [1.0]
+    assert out.rollout_metrics["gateway/failed_trajectories/agent_timeout"] == 1
+    for key in ("in_flight", "after"):
+        status, message = _LATE[key]
+        assert status == 409 and "slow_0-" in message and "agent_timeout" in message, (key, _LATE[key])
+    assert sum(session == "slow_0" for session, _ in engine.calls) == 1  # the late call never reached the engine
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("slow_0" in w and "agent_timeout" in w and "gateway.agent_timeout_s" in w for w in warned), warned
+
+
+async def _one_call_agent(task):
+    await _chat_once(task)
+    return 1.0
+
+
+async def _out_of_context_agent(task):
+    """One call, then one past generator.max_input_length (refused: 400), then it gives up with a reward."""
+    await _chat_once(task)
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded|max_input_length"):
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "word " * 3000}])
+    return 1.0
+
+
+async def test_agent_programs_follow_overlong_filtering_and_mask_limit_stops():
+    """Under gateway.enabled, generator.apply_overlong_filtering and generator.context.mask_limit_stops were not
+    applied: a turn cut by max_tokens trained on whatever reward the agent made up. Now the agent loop's own filter
+    runs on the sessions' trajectories: a trajectory whose last turn was cut by length, or that ended at the context
+    limit (its last request refused as too long: `context_exhausted`), gets no gradient, counted."""
+    from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
+
+    def script(chat, tok):
+        five = tok("5", add_special_tokens=False)["input_ids"] + [chat.close_id]
+        return lambda prompt, session, i: tok("word " * 40, add_special_tokens=False)["input_ids"] \
+            if session.startswith("cut") else five
+
+    tok = family_tokenizer("smollm2")
+    chat = TemplateRenderer(tok, dict(FAMILIES["smollm2"].render_kwargs), "all")
+    engine = ScriptedEngine(script(chat, tok), tok)
+    cfg = GeneratorConfig(thinking_retention="all", max_input_length=1024,
+                          sampling=GeneratorSamplingConfig(max_generate_length=8))
+    gateway = Gateway(tok, engine, cfg, GatewayConfig(), renderer=chat)
+    agents = [f"{__name__}:_one_call_agent", f"{__name__}:_out_of_context_agent", f"{__name__}:_one_call_agent"]
+    extras = [{"extra_info": {"agent": a}} for a in agents]
+    ids = [TrajectoryID("cut", 0), TrajectoryID("long", 0), TrajectoryID("fine", 0)]
+
+    async def trained(**flags) -> tuple[dict[str, int], float]:
+        cfg.apply_overlong_filtering = flags.get("overlong", False)
+        cfg.context.mask_limit_stops = flags.get("limits", False)
+        out = await AgentProgramGenerator(gateway, url).generate([[{"role": "user", "content": "2+3?"}]] * 3,
+                                                                 ["keyword"] * 3, extras, ids)
+        assert not out.failed_trajectory_ids
+        tokens: dict[str, int] = {}
+        for t, mask in zip(out.trajectory_ids, out.loss_masks):
+            tokens[t.instance_id] = tokens.get(t.instance_id, 0) + sum(mask)
+        return tokens, out.rollout_metrics["generate/overlong_filtered_trajectories"]
+
+    async with AgentServer(gateway) as url:
+        tokens, filtered = await trained()
+        assert all(tokens.values()) and filtered == 0, tokens
+        tokens, filtered = await trained(overlong=True)
+        assert tokens["cut"] == 0 and tokens["long"] == 0 and tokens["fine"] > 0 and filtered == 2, tokens
+        tokens, filtered = await trained(limits=True)
+        assert tokens["cut"] > 0 and tokens["long"] == 0 and tokens["fine"] > 0 and filtered == 1, tokens
+
+
+def test_context_settings_agent_programs_cannot_follow_are_refused_naming_the_key():
+    """generator.context.* and token_budget had no effect under gateway.enabled, while load_config accepted them."""
+    from skyrl_stepwise.app_config import load_config
+
+    for override, key in (("generator.context.policy=truncate", "generator.context.policy"),
+                          ("generator.context.token_budget=500", "generator.context.token_budget"),
+                          ("generator.context.window=3", "generator.context.window")):
+        with pytest.raises(ValueError, match=rf"{key}=.* no effect with gateway.enabled=true"):
+            load_config(["gateway.enabled=true", override])
+        load_config([override])  # our own agent loop applies it
+    assert load_config(["gateway.enabled=true", "generator.context.mask_limit_stops=true"]).generator.context \
+        .mask_limit_stops
+    from skyrl_stepwise.generator.config import ContextConfig
+
+    with pytest.raises(ValueError, match="generator.context.token_budget"):
+        _setup("smollm2", "all", [[1]], context=ContextConfig(token_budget=10))
+
+
+async def test_the_endpoint_is_announced_when_it_serves_and_refuses_at_once_before(caplog):
+    """The endpoint was announced ~70 s before it answered (the run's start-up blocked the event loop), and requests
+    in that window hung. Now each stage serves from its first rollout on and is announced then, once it answers;
+    before that a connection is refused at once."""
+    from skyrl_stepwise.gateway.programs import AgentPrograms
+
+    tok = family_tokenizer("smollm2")
+    chat = TemplateRenderer(tok, dict(FAMILIES["smollm2"].render_kwargs), "all")
+    engine = ScriptedEngine(lambda prompt, session, i: tok("5", add_special_tokens=False)["input_ids"]
+                            + [chat.close_id], tok)
+    cfg = GeneratorConfig(thinking_retention="all")
+    programs = AgentPrograms(tok, engine, cfg, cfg, GatewayConfig(), None, renderer=chat)
+    try:
+        with caplog.at_level("INFO", logger="skyrl_stepwise"):
+            await programs.start()
+            assert "agent endpoint" not in caplog.text
+            port = programs.train.server.port  # taken (bound) at start-up, so a taken port fails it there
+            assert port and f":{port}" in programs.train.server_url
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+            out = await programs.train.generate([[{"role": "user", "content": "2+3?"}]], ["keyword"],
+                                                [{"extra_info": {"agent": f"{__name__}:_good_agent"}}],
+                                                [TrajectoryID("q", 0)])
+        assert out.trajectory_rewards() == [1.0]
+        url = programs.train.server_url
+        assert f"agent endpoint (train): {url}/s/{{session}}/v1" in caplog.text and url.endswith(f":{port}")
+        assert "agent endpoint (eval)" not in caplog.text  # not serving: not announced
+        async with httpx.AsyncClient(headers={"Authorization": "Bearer skyrl"}) as http:  # the server is in this loop
+            assert (await http.get(f"{url}/v1/models")).status_code == 200
+    finally:
+        await programs.stop()
+
+
+def test_every_gateway_key_is_documented_in_the_readme_endpoint_section():
+    """gateway.host, gateway.port and gateway.api_key were documented nowhere but `--cfg job`."""
+    import dataclasses
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Any agent program: the OpenAI-compatible endpoint", 1)[1].split("\n## ", 1)[0]
+    for f in dataclasses.fields(GatewayConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        row = next((line for line in section.splitlines() if line.startswith(f"| `gateway.{f.name}` |")), None)
+        assert row is not None, f"gateway.{f.name} is not in the README's endpoint table"
+        shown = f"{default:g}" if isinstance(default, float) else default if isinstance(default, str) \
+            else json.dumps(default)  # false, 0, [] as YAML spells them
+        assert f"`{shown}`" == row.split("|")[2].strip(), (row, default)
+
+
+async def test_a_port_that_cannot_be_bound_fails_start_up_naming_the_keys():
+    import socket
+
+    from skyrl_stepwise.gateway.programs import AgentPrograms
+
+    tok = family_tokenizer("smollm2")
+    chat = TemplateRenderer(tok, dict(FAMILIES["smollm2"].render_kwargs), "all")
+    cfg = GeneratorConfig(thinking_retention="all")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        programs = AgentPrograms(tok, ScriptedEngine(lambda *a: [], tok), cfg, cfg,
+                                 GatewayConfig(port=taken.getsockname()[1]), None, renderer=chat)
+        with pytest.raises(OSError, match=r"gateway.host='127.0.0.1', gateway.port=\d+"):
+            await programs.start()
+        await programs.stop()

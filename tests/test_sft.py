@@ -142,10 +142,14 @@ def test_sft_replays_demonstrations_as_written_whatever_the_context_policy(token
     "trainer.optim.eps=1e-6", "generator.history=retokenize", "generator.use_conversation_multi_turn=false",
     "generator.thinking_retention=all", "generator.sampling.stop=[]", "sft.lr=1e-4", "trainer.seed=7",
     "trainer.fsdp.mixed_precision=false", "weights", "chat_template"])
-def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, tiny_model_dir, tmp_path):
+def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, tiny_model_dir, tmp_path, monkeypatch):
     """A setting that changes the SFT samples or the optimizer, or the base model's content (weights, chat
     template) under the same file names and sizes, must miss the cache: a stale warm start was reused silently."""
     import shutil
+
+    # the recipe as written (bf16 mixed precision), whatever this host computes: on a CPU without native bf16 the
+    # recipe already runs float32 and `trainer.fsdp.mixed_precision=false` would change nothing to key on
+    monkeypatch.setattr("skyrl_stepwise.hardware.cpu_bf16_is_native", lambda: True)
 
     from skyrl_stepwise.trainer.warm_start import cache_key
     from skyrl_stepwise.train import load_config

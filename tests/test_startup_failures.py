@@ -174,7 +174,7 @@ def test_a_gateway_on_a_taken_port_says_so(tokenizer, tmp_path):
             asyncio.run(start(port))
     message = str(failed.value)
     assert message.startswith("the agent endpoint (gateway) failed to start: OSError: ")
-    assert f"cannot listen on 127.0.0.1:{port} (gateway.host, gateway.port)" in message
+    assert f"cannot listen on gateway.host='127.0.0.1', gateway.port={port}" in message
     assert "address already in use" in message.lower()
     assert "SystemExit" not in message
 

@@ -1,9 +1,11 @@
 """The HTTP face of the Gateway: `/s/{session}/v1/chat/completions` (or `/v1/chat/completions` with an
 `X-Session-Id` header), `/v1/models`, and `/s/{session}/reward`. Every error is an OpenAI-style body naming the
-field; nothing a client sends can take the run down."""
+field; nothing a client sends can take the run down. With `gateway.api_key` set, every route (the unknown ones
+too) answers 401 unless the request carries `Authorization: Bearer <key>`, as OpenAI clients send it."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from typing import Any, AsyncIterator
@@ -21,6 +23,14 @@ SESSION_HEADER = "x-session-id"
 def create_app(gateway: Gateway) -> FastAPI:
     """A FastAPI app over `gateway` (served in-process by the rollout, or mounted by a test's ASGI transport)."""
     app = FastAPI(title="skyrl_stepwise agent endpoint")
+
+    @app.middleware("http")
+    async def _authenticated(request: Request, call_next):
+        refused = _check_key(request, gateway.gateway.api_key)
+        if refused is not None:
+            gateway.count("refused/invalid_api_key")
+            return JSONResponse(refused.body(), status_code=refused.status, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(GatewayError)
     async def _refused(_: Request, e: GatewayError) -> JSONResponse:
@@ -67,6 +77,20 @@ def create_app(gateway: Gateway) -> FastAPI:
         return {"ok": True}
 
     return app
+
+
+def _check_key(request: Request, api_key: str | None) -> GatewayError | None:
+    """The 401 a request without the run's key gets (None: it may pass). The key is compared in constant time
+    (hmac.compare_digest), so its bytes cannot be guessed from response times."""
+    if not api_key:
+        return None
+    header = request.headers.get("authorization", "")
+    scheme, _, sent = header.partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode(), api_key.encode()):
+        return None
+    problem = "has no Authorization header" if not header else "carries a wrong key in its Authorization header"
+    return GatewayError(401, f"the request {problem}: send `Authorization: Bearer <gateway.api_key>` (an OpenAI "
+                             "client does this with api_key=task.api_key)", "authorization", "invalid_api_key")
 
 
 async def _json(request: Request) -> Any:

@@ -10,6 +10,7 @@ and the eval counters (`gateway/*`) never mix into a training step's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
@@ -19,8 +20,10 @@ logger = logging.getLogger("skyrl_stepwise.train")
 
 
 class AgentPrograms:
-    """`await start()` serves both endpoints; `train` and `eval` are the generators the trainer gets; `stop()`
-    shuts the servers down (safe to call after a failed start)."""
+    """`await start()` builds both stages and binds their ports (a port that cannot be bound fails start-up);
+    `train` and `eval` are the generators the trainer gets, each serving its endpoint from its first rollout on
+    (announced then, when it answers: the start-up that follows blocks the event loop for minutes); `stop()` shuts
+    the servers down (safe to call after a failed start)."""
 
     def __init__(self, tokenizer, engine, generator_cfg, eval_generator_cfg, gateway_cfg, registry,
                  renderer=None) -> None:
@@ -34,14 +37,15 @@ class AgentPrograms:
 
     async def start(self) -> "AgentPrograms":
         for name, gateway in self._stages.items():
-            server = AgentServer(gateway)
-            url = await server.__aenter__()
+            server = AgentServer(gateway, announce=functools.partial(_announce, name, gateway.model_names))
             self._servers.append(server)
-            setattr(self, name, AgentProgramGenerator(gateway, url, self.registry))
-            logger.info(f"agent endpoint ({name}): {url}/s/{{session}}/v1 (models {gateway.model_names})")
+            setattr(self, name, AgentProgramGenerator(gateway, server, self.registry))
         return self
 
     async def stop(self) -> None:
         while self._servers:
             await self._servers.pop().__aexit__(None, None, None)
 
+
+def _announce(stage: str, models: list[str], url: str) -> None:
+    logger.info(f"agent endpoint ({stage}): {url}/s/{{session}}/v1 (models {models})")

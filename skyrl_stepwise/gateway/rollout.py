@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from skyrl_stepwise.envs.base import EnvRegistry, Message
 from skyrl_stepwise.envs.builtin import EnvPluginError, import_object
-from skyrl_stepwise.gateway.service import Gateway
-from skyrl_stepwise.generator.generator import steps_to_output, trajectory_metrics
+from skyrl_stepwise.gateway.service import Gateway, RewardError, checked_outcome
+from skyrl_stepwise.generator.generator import filter_limit_stops, steps_to_output, trajectory_metrics
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.metrics import sample_metrics
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
@@ -36,7 +36,7 @@ class AgentTask:
     """What an agent program gets for one trajectory: where to send its chat calls, and the row."""
 
     base_url: str  # an OpenAI base URL for this trajectory's session: `.../s/{session}/v1`
-    api_key: str
+    api_key: str  # send it as `Authorization: Bearer <api_key>` (an OpenAI client's api_key does)
     model: str
     session: str
     reward_url: str  # POST {"reward": float, "metrics": {...}} here instead of returning it
@@ -88,8 +88,10 @@ class AgentProgramGenerator:
     """The generator's `generate()` for rows that name agents: one session per trajectory on `gateway`, served at
     `server_url`; the result is the GeneratorOutput the trainer consumes, built by the generator's own functions."""
 
-    def __init__(self, gateway: Gateway, server_url: str, env_registry: EnvRegistry | None = None) -> None:
-        self.gateway, self.server_url = gateway, server_url.rstrip("/")
+    def __init__(self, gateway: Gateway, server: "AgentServer | str", env_registry: EnvRegistry | None = None) -> None:
+        # an AgentServer is started by the first generate() (announced when it serves); a URL is served already
+        self.server = server if isinstance(server, AgentServer) else None
+        self.gateway, self.server_url = gateway, (server.bind() if self.server else server).rstrip("/")
         self.env_registry = env_registry
         self.cfg = gateway.cfg
 
@@ -97,6 +99,8 @@ class AgentProgramGenerator:
                        trajectory_ids: list[TrajectoryID]) -> GeneratorOutput:
         """Run every row's agent concurrently; each trajectory is what its session sampled, exactly."""
         agents = load_agents(env_extras)
+        if self.server is not None:
+            self.server_url = await self.server.serve()
         missing = [i for i, x in enumerate(env_extras) if agent_path(x) is None]
         if missing:
             raise ValueError(f"rows {missing[:5]} name no agent (extra_info.agent): AgentProgramGenerator runs "
@@ -111,8 +115,10 @@ class AgentProgramGenerator:
                 for p, c, x, t in zip(prompts, env_classes, env_extras, trajectory_ids)])
         finally:
             threads.shutdown(wait=False)  # an agent past its timeout keeps its thread until it returns
+        overlong = filter_limit_stops(results, self.cfg)  # the loop's rules hold for agent programs too
         output = steps_to_output(results)
         output.rollout_metrics.update(trajectory_metrics(results))
+        output.rollout_metrics["generate/overlong_filtered_trajectories"] = overlong
         output.rollout_metrics.update(self.gateway.metrics())
         if not self.cfg.step_wise_trajectories or self.cfg.merge_stepwise_output:
             output = merge_stepwise_output(output)
@@ -124,13 +130,15 @@ class AgentProgramGenerator:
                    trajectory_id: TrajectoryID, threads: ThreadPoolExecutor | None = None):
         gateway = self.gateway
         sid = gateway.open_session(trajectory_id)
-        task = AgentTask(f"{self.server_url}/s/{sid}/v1", gateway.gateway.api_key, gateway.model_names[0], sid,
-                         f"{self.server_url}/s/{sid}/reward", list(prompt), dict(extras))
+        task = AgentTask(f"{self.server_url}/s/{sid}/v1", gateway.gateway.api_key or "none", gateway.model_names[0],
+                         sid, f"{self.server_url}/s/{sid}/reward", list(prompt), dict(extras))
         session = gateway.sessions[sid]
         try:
             value = await asyncio.wait_for(_call(agent, task, threads), gateway.gateway.agent_timeout_s)
             reward, metrics = _outcome(value)
-            if reward is not None:
+            if session.failure is not None:
+                pass  # a call failed it (engine error): the failure stands, whatever the agent made of it
+            elif reward is not None:
                 gateway.post_reward(sid, reward, metrics)
             elif session.reward is None and self.env_registry is not None and session.calls:
                 session.reward = await self._score(env_class, prompt, extras, session)
@@ -139,8 +147,7 @@ class AgentProgramGenerator:
                                           f"{gateway.gateway.agent_timeout_s}")
         except _BadReturn as e:
             session.fail("agent_bad_return", str(e))
-        except Exception as e:  # noqa: BLE001 - the agent's own failure ends its trajectory only
-            logger.warning("agent for %s failed: %r", trajectory_id.key(), e)
+        except Exception as e:  # noqa: BLE001 - the agent's own failure ends its trajectory only (warned at close)
             session.fail("agent_error", repr(e))
         return gateway.close_session(sid)
 
@@ -179,37 +186,34 @@ async def _call(agent: Callable, task: AgentTask, threads: ThreadPoolExecutor | 
 
 
 def _outcome(value: Any) -> tuple[float | None, dict[str, float]]:
-    """A float, {"reward": float, "metrics": {...}}, or None (posted, or scored by the env)."""
+    """A float, {"reward": float, "metrics": {...}}, or None (posted, or scored by the env); anything else, an
+    infinite or NaN reward or a metric that is not a finite number included, is a bad return naming the field."""
     if value is None:
         return None, {}
-    if isinstance(value, dict):
-        if "reward" not in value:
-            raise _BadReturn(f"the agent returned a dict without 'reward': {sorted(value)}")
-        return _number(value["reward"]), {k: _number(v) for k, v in (value.get("metrics") or {}).items()}
-    return _number(value), {}
-
-
-def _number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise _BadReturn(f"the agent returned {value!r}; a reward must be a finite number")
-    return float(value)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (gateway.port=0)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    reward, metrics = (value.get("reward"), value.get("metrics")) if isinstance(value, dict) else (value, None)
+    if isinstance(value, dict) and "reward" not in value:
+        raise _BadReturn(f"the agent returned a dict without 'reward': {sorted(value)}")
+    try:
+        return checked_outcome(reward, metrics)
+    except RewardError as e:
+        raise _BadReturn(f"the agent's return value: {e}") from None
 
 
 class AgentServer:
     """The endpoint served by uvicorn in this event loop (so agents in threads or subprocesses can reach it);
-    `async with AgentServer(gateway) as url:`."""
+    `async with AgentServer(gateway) as url:`, or `bind()` at start-up and `await serve()` where it is first needed.
 
-    def __init__(self, gateway: Gateway) -> None:
+    `bind()` takes the port (a port that cannot be bound fails then, naming it) but nothing listens until `serve()`,
+    which `announce`s the URL only once the server answers: a run's start-up blocks its event loop for minutes
+    (worker start, SFT), and an endpoint announced then would leave early requests hanging; before `serve()` a
+    connection is refused at once."""
+
+    def __init__(self, gateway: Gateway, announce: Callable[[str], None] | None = None) -> None:
         self.gateway = gateway
         self.host = gateway.gateway.host
-        self.port = gateway.gateway.port or free_port(self.host)
+        self.port = gateway.gateway.port  # 0: the free port bind() gets
+        self.announce = announce
+        self._socket: socket.socket | None = None
         self._server = None
         self._task: asyncio.Task | None = None
 
@@ -217,29 +221,56 @@ class AgentServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def __aenter__(self) -> str:
+    @property
+    def serving(self) -> bool:
+        return self._server is not None and self._server.started
+
+    def bind(self) -> str:
+        """Take the port, not listening yet (once); the URL. The socket is bound here, not by uvicorn: a port that
+        cannot be bound is an OSError naming the keys (uvicorn would exit the process), and gateway.port=0 gets
+        a free port with no race."""
+        if self._socket is None:
+            sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((self.host, self.port))
+            except OSError as e:
+                sock.close()
+                raise OSError(f"the agent endpoint cannot listen on gateway.host={self.host!r}, gateway.port="
+                              f"{self.port}: {e}") from e
+            self._socket, self.port = sock, sock.getsockname()[1]
+        return self.url
+
+    async def serve(self) -> str:
+        """Start serving (once; later calls return at once) and announce; the URL it serves at."""
+        if self.serving:
+            return self.url
         import uvicorn
 
         from skyrl_stepwise.gateway.app import create_app
 
-        config = uvicorn.Config(create_app(self.gateway), host=self.host, port=self.port, log_level="warning",
-                                lifespan="off")
-        # bound here, not by uvicorn: a taken port raises OSError naming it (uvicorn logs it and calls sys.exit,
-        # which leaves the event loop instead of failing this start)
-        try:
-            listener = socket.create_server((self.host, self.port), family=socket.AF_INET6 if ":" in self.host
-                                            else socket.AF_INET)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot listen on {self.host}:{self.port} (gateway.host, gateway.port): "
-                                   f"{e.strerror}") from e
+        self.bind()
+        config = uvicorn.Config(create_app(self.gateway), log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[listener]))
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
             if self._task.done():
-                self._task.result()  # raises why it could not start (port taken, ...)
+                self._server = None
+                self._task.result()  # raises why it could not start
+                raise OSError(f"the agent endpoint stopped before it served on {self.url}")
             await asyncio.sleep(0.01)
+        if self.announce is not None:
+            self.announce(self.url)
         return self.url
 
+    async def __aenter__(self) -> str:
+        return await self.serve()
+
     async def __aexit__(self, *exc) -> None:
-        self._server.should_exit = True
-        await self._task
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None

@@ -16,11 +16,14 @@ import re
 import time
 import uuid
 import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl_stepwise.chat import (ChatRenderer, Message, ParsedTurn, conversation_turn, create_renderer,
                                  observations_in_roles)
-from skyrl_stepwise.gateway.config import GatewayConfig
+from skyrl_stepwise.envs.contract import EnvOutputError, check_reward
+from skyrl_stepwise.gateway.config import GatewayConfig, check_generator_for_gateway
 from skyrl_stepwise.gateway.matching import Key, assistant_echoes, break_reason, find_match, message_key
 from skyrl_stepwise.gateway.reasoning import split_reasoning
 from skyrl_stepwise.gateway.protocol import ChatRequest, GatewayError, parse_request
@@ -31,6 +34,7 @@ from skyrl_stepwise.generator.output import TrajectoryID
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
+MAX_ENDED_SESSIONS = 100_000  # how many ended sessions a late call is still told about (then: unknown session)
 
 
 class Gateway:
@@ -41,6 +45,7 @@ class Gateway:
         if not cfg.use_conversation_multi_turn or cfg.history != "exact":
             raise ValueError("the agent endpoint serves chat turns with exact history: it needs "
                              "generator.use_conversation_multi_turn=true and generator.history=exact")
+        check_generator_for_gateway(cfg)
         self.cfg, self.engine = cfg, engine
         self.gateway = gateway or GatewayConfig()
         self.renderer = renderer or create_renderer(tokenizer, cfg.renderer, dict(cfg.chat_template_kwargs),
@@ -48,6 +53,9 @@ class Gateway:
         self.model_names = list(self.gateway.model_names) or [tokenizer.name_or_path, "policy"]
         self.sessions: dict[str, Session] = {}
         self.counters: dict[str, float] = {}
+        # why each recently closed session ended: an abandoned agent (timed out, its thread still running) calling
+        # again gets that answer at once, not a sample nobody trains
+        self.ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # session -> (why, error code)
 
     # sessions -------------------------------------------------------------------------------------------------
     def open_session(self, trajectory_id: TrajectoryID, session_id: str | None = None) -> str:
@@ -60,33 +68,59 @@ class Gateway:
         return sid
 
     def session(self, session_id: str) -> Session:
-        """The open session, or the OpenAI-style 404 an agent with a wrong URL gets."""
+        """The open session; a 409 naming why it ended where it did (failed, or closed for training); or the
+        OpenAI-style 404 an agent with a wrong URL gets."""
         session = self.sessions.get(session_id)
-        if session is None or session.closed:
+        if session is not None:
+            self._check_live(session)
+        elif session_id in self.ended:
+            raise self._ended(session_id, *self.ended[session_id])
+        if session is None:
             self.count("refused/unknown_session")
             raise GatewayError(404, f"unknown session {session_id!r}: open one per trajectory (its id is the path "
                                     f"segment /s/{{session}}/v1)", "session", "session_not_found")
         return session
 
+    def _check_live(self, session: Session) -> None:
+        """A failed or closed session takes no more calls (409 naming it and why): its trajectory is not trained,
+        so a sample for it would only spend engine time."""
+        if session.closed or session.failure is not None:
+            raise self._ended(session.id, *_why_ended(session))
+
+    def _ended(self, session_id: str, why: str, code: str) -> GatewayError:
+        self.count(f"refused/{code}")
+        return GatewayError(409, f"session {session_id!r} has ended: {why}", "session", code)
+
     def post_reward(self, session_id: str, reward: Any, metrics: dict | None = None) -> None:
-        """The agent (or its harness) reports the trajectory's reward instead of returning it."""
+        """The agent (or its harness) reports the trajectory's reward instead of returning it. Reward and metrics
+        are checked together before either is stored (an infinite reward would make its group's advantages NaN
+        and skip the whole step), so a refused post leaves the session as it was."""
         session = self.session(session_id)
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or reward != reward:
-            raise GatewayError(400, f"reward must be a finite number, got {reward!r}", "reward")
-        session.reward = float(reward)
-        session.metrics.update({k: float(v) for k, v in (metrics or {}).items()})
+        try:
+            value, numbers = checked_outcome(reward, metrics)
+        except RewardError as e:
+            self.count("refused/invalid_reward")
+            raise GatewayError(400, str(e), e.param) from None
+        session.reward = value
+        session.metrics.update(numbers)
 
     def close_session(self, session_id: str) -> TrajectoryResult:
         """The trajectory of the session (failed ones carry their cause and no samples); the engine route is
         released."""
         session = self.sessions.pop(session_id)
         session.closed = True
+        self.ended[session_id] = _why_ended(session)
+        while len(self.ended) > MAX_ENDED_SESSIONS:
+            self.ended.popitem(last=False)
         end_session = getattr(self.engine, "end_session", None)
         if end_session is not None:
             end_session(session.trajectory_id.key())
         result = session.result(self.renderer.stop_ids, self.renderer.close_id)
         if result.failure is not None:
             self.count(f"failed_trajectories/{result.failure}")
+            # as the agent loop warns of a failed env trajectory: a timeout or a bad return is not only a counter
+            logger.warning("agent trajectory %s failed (%s: %s); it is counted and not trained",
+                           session.trajectory_id.key(), result.failure, result.failure_message)
         return result
 
     def count(self, name: str, by: float = 1) -> None:
@@ -112,55 +146,71 @@ class Gateway:
             self.count(f"refused/{e.code or 'invalid'}")
             raise
         async with session.lock:
-            if session.failure is not None:
-                raise GatewayError(409, f"session {session_id!r} has failed ({session.failure}); its trajectory is "
-                                        "not trained", "session", "session_failed")
-            prompt_ids, history = self._prompt(session, request)
-            if len(prompt_ids) > self.cfg.max_input_length:
+            self._check_live(session)  # it may have ended while this call waited for the one before
+            prompt = self._prompt(session, request)
+            if len(prompt.ids) > self.cfg.max_input_length:
+                # the trajectory has reached the run's context limit: if the agent stops here, it stopped at a
+                # limit (generator.context.mask_limit_stops), as the agent loop's trajectory would
+                session.limit_stop = "context_exhausted"
                 self.count("refused/context_length_exceeded")
-                raise GatewayError(400, f"the prompt has {len(prompt_ids)} tokens, more than the run's "
+                raise GatewayError(400, f"the prompt has {len(prompt.ids)} tokens, more than the run's "
                                         f"generator.max_input_length={self.cfg.max_input_length}", "messages",
                                    "context_length_exceeded")
-            call = await self._sample(session, request, prompt_ids, history)
+            call = await self._sample(session, request, prompt.ids, prompt.history)
+            session.limit_stop = None  # the agent went on within the limit (it shortened its history)
+            self._account(session, prompt)
         self.count("calls")
         return request, self._response(session, request, call)
 
-    def _prompt(self, session: Session, request: ChatRequest) -> tuple[list[int], list[Message]]:
+    def _prompt(self, session: Session, request: ChatRequest) -> Prompt:
         """The engine input: the earlier call's ids extended by the new messages where the request continues one,
-        else the template's rendering (a new chain, counted by reason)."""
+        else the template's rendering (a new chain, with its reason). Nothing is counted here: what serving the
+        call means for the chain is applied by `_account` once it is served, so a refused request changes
+        nothing."""
         chat, tools_key = self.renderer, _tools_key(request.tools)
         calls = [(c.request_keys, c.reply, c.tools_key) for c in session.calls]
+        counts: list[str] = []
         if calls:
             match = find_match(request.messages, calls, tools_key)
             if match is not None:
                 call = session.calls[match.index]
                 if match.index != len(calls) - 1:
-                    self.count("branches")  # continues an earlier call (a retry or a fork): still exact
+                    counts.append("branches")  # continues an earlier call (a retry or a fork): still exact
                 if match.repeated:
-                    self.count("repeated_prompts")
-                    return list(call.prompt_ids), list(call.history)
-                new = self._template_messages(self._tie_tool_results(call.parsed.call_ids(), match.new), call.parsed)
+                    return Prompt(list(call.prompt_ids), list(call.history), counts + ["repeated_prompts"])
+                new = self._template_messages(self._tie_tool_results(call.parsed.call_ids(), match.new, counts),
+                                              call.parsed)
                 turn = conversation_turn(call.parsed, new, chat.roles)
-                session.stats.observation_role_fallbacks += turn.role_fallbacks
                 history = call.history + [turn.assistant] + turn.observations
                 nxt = self._render(session, chat.next_prompt, call.prompt_ids, call.response_ids, history,
                                    turn.observations, request.tools, call.parsed.malformed)
-                if nxt.extended:
-                    self.count("extended")
-                else:  # the template rewrites history (Qwen3 drops past reasoning): what the agent loop does too
-                    self.count(f"bridge_fallbacks/{nxt.reason}")
-                    session.stats.bridge_fallbacks += 1
-                    session.stats.fallback_reasons[nxt.reason] = session.stats.fallback_reasons.get(nxt.reason, 0) + 1
-                return nxt.ids, history
+                # not extended: the template rewrites history (Qwen3 drops past reasoning), as in the agent loop
+                return Prompt(nxt.ids, history, counts + (["extended"] if nxt.extended else []),
+                              role_fallbacks=turn.role_fallbacks, bridge_fallback=None if nxt.extended else nxt.reason)
             reason = break_reason(request.messages, calls, tools_key)
-            self.count("chain_breaks")
-            self.count(f"chain_breaks/{reason}")
-            session.stats.chain_breaks += 1
-            logger.info("session %s: the client changed its history (%s); a new chain starts", session.id, reason)
         else:
-            self.count("chain_starts")
-        history = self._client_history(request.messages, session)
-        return self._render(session, chat.prompt_ids, history, request.tools), history
+            counts.append("chain_starts")
+            reason = None
+        history, moved = self._client_history(request.messages, session, counts)
+        return Prompt(self._render(session, chat.prompt_ids, history, request.tools), history, counts,
+                      role_fallbacks=moved, chain_break=reason)
+
+    def _account(self, session: Session, prompt: Prompt) -> None:
+        """What a served call did to its session's chain: counters, the trajectory's stats, the new-chain line."""
+        for name in prompt.counts:
+            self.count(name)
+        session.stats.observation_role_fallbacks += prompt.role_fallbacks
+        if prompt.bridge_fallback is not None:
+            reason = prompt.bridge_fallback
+            self.count(f"bridge_fallbacks/{reason}")
+            session.stats.bridge_fallbacks += 1
+            session.stats.fallback_reasons[reason] = session.stats.fallback_reasons.get(reason, 0) + 1
+        if prompt.chain_break is not None:
+            self.count("chain_breaks")
+            self.count(f"chain_breaks/{prompt.chain_break}")
+            session.stats.chain_breaks += 1
+            logger.info("session %s: the client changed its history (%s); a new chain starts", session.id,
+                        prompt.chain_break)
 
     async def _sample(self, session: Session, request: ChatRequest, prompt_ids: list[int],
                       history: list[Message]) -> SampledCall:
@@ -180,6 +230,7 @@ class Gateway:
             session.fail("engine_error", repr(e))
             raise GatewayError(502, f"the engine failed: {e!r}", None, "engine_error", "server_error") from e
         session.stats.engine_seconds += time.perf_counter() - t0
+        self._check_live(session)  # ended while the engine sampled (the agent timed out): not answered, not recorded
         if result.finish_reason == "abort":  # a half-sampled turn is neither answered nor trained
             session.fail("engine_abort", f"request aborted after {len(result.token_ids)} tokens")
             raise GatewayError(502, "the engine aborted the request", None, "engine_abort", "server_error")
@@ -257,19 +308,19 @@ class Gateway:
             out.append(msg)
         return out
 
-    def _tie_tool_results(self, call_ids: list[str], messages: list[Message]) -> list[Message]:
+    def _tie_tool_results(self, call_ids: list[str], messages: list[Message], counts: list[str]) -> list[Message]:
         """The `tool` messages that open `messages` answer the calls `call_ids` of the turn before them: one whose
         `tool_call_id` names none of them (a client that numbers calls its own way, or echoes a stale id) is tied
         to the call at its position, counted in `gateway/tool_call_id_mismatches`, so the template renders it as
         that call's result (Mistral refuses a result that answers no call; others would render it as answering
-        nothing)."""
+        nothing). The count goes to `counts` (applied when the call is served)."""
         known, out = set(call_ids), []
         for k, m in enumerate(messages):
             if m.get("role") != "tool":
                 out.extend(messages[k:])
                 break
             if call_ids and m.get("tool_call_id") not in known and k < len(call_ids):
-                self.count("tool_call_id_mismatches")
+                counts.append("tool_call_id_mismatches")
                 m = {**m, "tool_call_id": call_ids[k]}
             out.append(m)
         return out
@@ -285,19 +336,24 @@ class Gateway:
         return {"type": "function", "id": call.get("id") or "", "function": {"name": fn["name"],
                                                                             "arguments": arguments}}
 
-    def _client_history(self, messages: list[Message], session: Session) -> list[Message]:
+    def _client_history(self, messages: list[Message], session: Session,
+                        counts: list[str]) -> tuple[list[Message], int]:
         """A new chain's messages: the client's, except that an assistant turn this server sampled is rendered from
-        its parsed ids (as the agent loop's history holds it), not from the client's re-serialised echo."""
+        its parsed ids (as the agent loop's history holds it), not from the client's re-serialised echo; and how
+        many observations went in a fallback role."""
         out: list[Message] = []
+        moved_total = 0
         last_turn: ParsedTurn | None = None
         assistant: Message | None = None
         after: list[Message] = []  # the messages since the last assistant turn, placed in roles at the next one
 
         def place() -> None:
             # a `tool` message the template refuses or drops goes in its fallback role, as in a continued chain
+            nonlocal moved_total
             ids = [c.get("id") for c in (assistant or {}).get("tool_calls") or []]
-            placed, moved = observations_in_roles(assistant, self._tie_tool_results(ids, after), self.renderer.roles)
-            session.stats.observation_role_fallbacks += moved
+            placed, moved = observations_in_roles(assistant, self._tie_tool_results(ids, after, counts),
+                                                  self.renderer.roles)
+            moved_total += moved
             out.extend(placed)
             after.clear()
 
@@ -315,7 +371,56 @@ class Gateway:
                 continue
             after.extend(self._template_messages([m], last_turn))
         place()
-        return out
+        return out, moved_total
+
+
+def _why_ended(session: Session) -> tuple[str, str]:
+    """How a session ended, for the answer to a call that comes after, and the error code."""
+    if session.failure is not None:
+        return (f"its trajectory failed ({session.failure}: {session.failure_message}) and is not trained; "
+                "the agent program should stop", "session_failed")
+    return "its trajectory was collected for training; later calls are not part of it", "session_ended"
+
+
+@dataclass
+class Prompt:
+    """An engine input and what serving it means for its session's chain, applied only once the call is served
+    (Gateway._account): a refused request (too long, unrenderable) leaves every counter and the chain as they were."""
+
+    ids: list[int]
+    history: list[Message]
+    counts: list[str] = field(default_factory=list)  # gateway/* counters (extended, chain_starts, branches, ...)
+    role_fallbacks: int = 0  # observations placed in a fallback role
+    bridge_fallback: str | None = None  # the template rewrote history: the reason
+    chain_break: str | None = None  # the client changed its history: the reason (a new chain starts)
+
+
+class RewardError(ValueError):
+    """A reward or metric outside the contract; `param` names the field (`reward`, `metrics.<key>`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def checked_outcome(reward: Any, metrics: Any = None) -> tuple[float, dict[str, float]]:
+    """A trajectory's reward and metrics as finite floats, by the env contract's own check (envs/contract.py), or a
+    RewardError naming the field: a NaN or infinite reward poisons its group's advantages, a metric that is not a
+    number fails the step's logging. A bool is refused too: `True` is a verdict, not a reward."""
+    def number(value: Any, param: str) -> float:
+        if isinstance(value, bool):
+            raise RewardError(f"{param} must be a finite number, got a bool: {value!r}", param)
+        try:
+            return check_reward(value, param)
+        except EnvOutputError:
+            raise RewardError(f"{param} must be a finite number, got {type(value).__name__}: {value!r}",
+                              param) from None
+
+    if metrics is not None and not isinstance(metrics, dict):
+        raise RewardError(f"metrics must be an object of numbers, got {type(metrics).__name__}: {metrics!r}",
+                          "metrics")
+    numbers = {str(k): number(v, f"metrics.{k}") for k, v in (metrics or {}).items()}
+    return number(reward, "reward"), numbers
 
 
 def reply_message(parsed: ParsedTurn, tool_choice: str) -> Message:

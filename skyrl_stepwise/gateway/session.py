@@ -41,6 +41,9 @@ class Session:
     failure: str | None = None
     failure_message: str = ""
     closed: bool = False
+    # `context_exhausted` while the latest request was refused as longer than generator.max_input_length: a
+    # trajectory ending so stopped at a limit (its last step says so, as in the agent loop)
+    limit_stop: str | None = None
 
     def fail(self, cause: str, message: str) -> None:
         """The first failure wins: it is the cause the trajectory is counted under (and it is not trained)."""
@@ -58,6 +61,8 @@ class Session:
             return TrajectoryResult(self.trajectory_id, [], self.stats, self.failure, self.failure_message,
                                     partial_steps=list(self.steps))
         last = self.steps[-1]
+        if self.limit_stop is not None:
+            last.stop_reason = self.limit_stop
         if not last.response_ids or last.response_ids[-1] not in stop_ids:
             last.response_ids.append(close_id)
             last.loss_mask.append(0)

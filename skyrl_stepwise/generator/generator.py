@@ -71,6 +71,15 @@ def filter_overlong(results: list[TrajectoryResult], reasons: tuple[str, ...] = 
     return filtered
 
 
+def filter_limit_stops(results: list[TrajectoryResult], cfg: GeneratorConfig) -> int:
+    """The batch's trajectories that get no gradient by the run's rules, however they were rolled out (our agent
+    loop or agent programs): generator.apply_overlong_filtering (cut by length or a limit) or
+    generator.context.mask_limit_stops (cut by a limit). Returns how many (generate/overlong_filtered_trajectories)."""
+    if cfg.apply_overlong_filtering:
+        return filter_overlong(results)
+    return filter_overlong(results, LIMIT_STOPS) if cfg.context.mask_limit_stops else 0
+
+
 def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
     """Turns, template fallbacks, drift and where the time went, summed over the batch."""
     stats = [r.stats for r in results]
@@ -175,8 +184,7 @@ class StepwiseGenerator:
             raise RuntimeError(f"every trajectory of the batch failed ({', '.join(causes)}); first: "
                                f"{results[0].failure_message}")
 
-        overlong = filter_overlong(results) if self.cfg.apply_overlong_filtering else \
-            filter_overlong(results, LIMIT_STOPS) if self.cfg.context.mask_limit_stops else 0
+        overlong = filter_limit_stops(results, self.cfg)
         output = steps_to_output(results)
         output.rollout_metrics.update(trajectory_metrics(results))
         output.rollout_metrics["generate/overlong_filtered_trajectories"] = overlong
