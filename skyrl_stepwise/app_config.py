@@ -98,12 +98,13 @@ def input_errors() -> tuple[type[Exception], ...]:
     failure's root cause (a plan that cannot fit, a component that did not start): reported as one message, like
     a bad config key, not as a traceback (that is in run.log)."""
     from skyrl_stepwise.envs.builtin import EnvPluginError
+    from skyrl_stepwise.inference.vllm_engine import NodeLostError
     from skyrl_stepwise.resource_plan import ResourcePlanError
     from skyrl_stepwise.run_record import ConfigMismatchError
     from skyrl_stepwise.startup_failures import StartupFailure
     from skyrl_stepwise.tools.config import ToolConfigError
 
-    return EnvPluginError, ConfigMismatchError, ToolConfigError, ResourcePlanError, StartupFailure
+    return EnvPluginError, ConfigMismatchError, ToolConfigError, ResourcePlanError, StartupFailure, NodeLostError
 
 
 def check_printed_config(argv: list[str]) -> None:
