@@ -31,7 +31,7 @@ from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forwa
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, TrainerConfig
 from skyrl_stepwise.trainer.losses import policy_loss
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
-from skyrl_stepwise.trainer.packing.selfcheck import check_packing_precisely, refusal
+from skyrl_stepwise.trainer.packing.selfcheck import PackingCheck, check_packing_precisely, refusal
 
 
 def _free_port() -> int:
@@ -227,18 +227,8 @@ class PolicyWorker:
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
         self.layout = attention_layout(self.model, row_tokens=cfg.micro_batch_tokens)
         refuse_inexact_attention(self.layout)
-        requested = cfg.packing
-        self.cfg = cfg = replace(cfg, packing=resolve_packing(cfg.packing, self.layout))
-        self.packing_check = self._self_check(cfg.packing)
-        if not self.packing_check.passed and requested == "auto" and cfg.packing == "tree":
-            # auto means "tree wherever it is exact": a model whose positional terms follow the row index (ALiBi,
-            # GPT-Neo's local band) fails the tree's check but may still pack exactly as rows; the check decides
-            tree_check = self.packing_check
-            self.cfg = cfg = replace(cfg, packing="rows")
-            self.packing_check = self._self_check("rows")
-            self.packing_check = replace(self.packing_check, fallback_from=tree_check)
-        if not self.packing_check.passed:
-            raise ValueError(refusal(self.packing_check, self.layout))
+        self._packing_checks: dict[str, PackingCheck] = {}  # every packing this worker may train, checked once
+        self.cfg = cfg = replace(cfg, packing=self._checked_packing(cfg.packing))
         self.reference = None
         if with_reference:
             with torch.random.fork_rng(devices=[]):  # the policy's RNG stream is the same with or without it
@@ -253,17 +243,38 @@ class PolicyWorker:
                                            else None)
         self._snapshot: dict | None = None
 
-    def _self_check(self, packing: str):
-        """The start-up packing self-check for `packing` on this model; a model that cannot even run our packed
-        inputs is refused the same way as one that scores them wrong, loudly."""
+    def _self_check(self, packing: str) -> PackingCheck:
+        """The start-up packing self-check for `packing` on this model, run once per packing and kept (a collective
+        on a sharded model: every rank asks for the same packing at the same call); a model that cannot even run
+        our packed inputs is refused the same way as one that scores them wrong, loudly."""
+        if packing in self._packing_checks:
+            return self._packing_checks[packing]
         try:
-            return check_packing_precisely(self.model, self.layout, packing, self.device,
-                                 torch.bfloat16 if mixed_precision_on(self.cfg.fsdp, self.device) else torch.float32,
-                                 seed=self.cfg.seed)
+            dtype = torch.bfloat16 if mixed_precision_on(self.cfg.fsdp, self.device) else torch.float32
+            check = check_packing_precisely(self.model, self.layout, packing, self.device, dtype, seed=self.cfg.seed)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"trainer.packing={packing} with trainer.attn_implementation="
                              f"{self.cfg.attn_implementation} failed the packing self-check on "
                              f"{self.layout.describe()}: {type(e).__name__}: {e}") from e
+        self._packing_checks[packing] = check
+        return check
+
+    def _checked_packing(self, requested: str) -> str:
+        """The packing `requested` (auto | rows | tree) trains on this model, proven by the self-check before it
+        first trains, wherever it is chosen (start-up or `set_packing`); sets `packing_check` to its check.
+
+        auto means "tree wherever it is exact": a model whose positional terms follow the row index (ALiBi, GPT-Neo's
+        local band) fails the tree's check but may still pack exactly as rows; the check decides. A packing that
+        fails its check raises, naming the model type and why (packing/selfcheck.refusal)."""
+        packing = resolve_packing(requested, self.layout)
+        check = self._self_check(packing)
+        if not check.passed and requested == "auto" and packing == "tree":
+            packing = "rows"
+            check = replace(self._self_check("rows"), fallback_from=check)
+        if not check.passed:
+            raise ValueError(refusal(check, self.layout))
+        self.packing_check = check
+        return packing
 
     def _micro_batches(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
@@ -277,12 +288,12 @@ class PolicyWorker:
 
     def set_packing(self, packing: str) -> str:
         """Switch trainer.packing (auto | rows | tree) for the next calls; returns the previous value. The ablation
-        trains the same rollouts both ways from one worker. A packing that is not exact here is refused."""
+        trains the same rollouts both ways from one worker. Every packing passes the same self-check as at start-up
+        before it first trains (auto falls back to rows as there); one that is not exact here is refused, and the
+        worker keeps its packing."""
         cfg = replace(self.cfg, packing=packing)
         cfg.validate()
-        cfg.packing = resolve_packing(packing, self.layout)
-        if packing == "auto" and self.packing_check.fallback_from is not None:
-            cfg.packing = "rows"  # the tree failed this model's start-up self-check
+        cfg.packing = self._checked_packing(packing)  # raises before anything changes
         previous, self.cfg = self.cfg.packing, cfg
         return previous
 
