@@ -29,8 +29,10 @@ from skyrl_stepwise.trainer import checkpoint
 from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forward_logprobs, pack_micro_batch,
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, TrainerConfig
+from skyrl_stepwise.trainer.dropout import disable_dropout, dropout_note
 from skyrl_stepwise.trainer.losses import policy_loss
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
+from skyrl_stepwise.trainer.packing.rope import pin_longrope
 from skyrl_stepwise.trainer.packing.selfcheck import PackingCheck, check_packing_precisely, refusal
 
 
@@ -186,8 +188,11 @@ def sft_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, num_token
     return loss, {"sft/loss": loss.item(), "sft/entropy": (entropy.detach() * mb.loss_mask).sum().item() / denom}
 
 
-def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool) -> torch.nn.Module:
-    """The checkpoint at cfg.model_path in fp32, sharded per layer over this process group."""
+def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
+                       ) -> tuple[torch.nn.Module, list[str]]:
+    """The checkpoint at cfg.model_path in fp32, sharded per layer over this process group, computing what the
+    engines compute: dropout off (unless trainer.keep_dropout) and a longrope RoPE fixed to the factors the engines
+    use at trainer.engine_max_model_len. Returns the model and the start-up log lines saying what was changed."""
     from transformers import AutoModelForCausalLM
 
     from skyrl_stepwise.models import resolve_model_path
@@ -200,12 +205,15 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
                                                  attn_implementation=attn)
     model.config.use_cache = False
+    notes = [] if cfg.keep_dropout else [dropout_note(disable_dropout(model))]
+    if cfg.engine_max_model_len is not None:  # before sharding: the pinned RoPE buffers move with the model
+        notes.append(pin_longrope(model, cfg.engine_max_model_len))
     if cfg.fsdp.gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard_model(model, cfg.fsdp, device)
     if not trainable:
         model.requires_grad_(False)
-    return model
+    return model, [n for n in notes if n]
 
 
 class PolicyWorker:
@@ -223,7 +231,7 @@ class PolicyWorker:
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
         torch.manual_seed(cfg.seed)
-        self.model = load_sharded_model(cfg, self.device, trainable)
+        self.model, self.notes = load_sharded_model(cfg, self.device, trainable)
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
         self.layout = attention_layout(self.model, row_tokens=cfg.micro_batch_tokens)
         refuse_inexact_attention(self.layout)
@@ -232,7 +240,7 @@ class PolicyWorker:
         self.reference = None
         if with_reference:
             with torch.random.fork_rng(devices=[]):  # the policy's RNG stream is the same with or without it
-                self.reference = load_sharded_model(cfg, self.device, trainable=False)
+                self.reference, _ = load_sharded_model(cfg, self.device, trainable=False)
         self.optimizer = self.scheduler = None
         if trainable:
             o = cfg.optim
@@ -298,9 +306,11 @@ class PolicyWorker:
         return previous
 
     def packing_summary(self) -> dict[str, str | float]:
-        """The packing this worker trains with, the architecture's layout and the start-up self-check, for the log."""
+        """The packing this worker trains with, the architecture's layout and the start-up self-check, for the log,
+        and `notes`: what was changed in the model so it computes what the engines do (dropout, longrope)."""
         return {"packing": self.cfg.packing, "layout": self.layout.describe(),
-                "check": self.packing_check.describe(), "max_abs_error": self.packing_check.max_abs_error}
+                "check": self.packing_check.describe(), "max_abs_error": self.packing_check.max_abs_error,
+                "notes": list(self.notes)}
 
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Logprobs of every response token of every sample under the current weights, on every rank."""

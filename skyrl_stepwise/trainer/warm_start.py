@@ -106,6 +106,8 @@ def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
               "trainer": [cfg.trainer.micro_batch_tokens, cfg.trainer.seed, cfg.trainer.attn_implementation]}
     if tools:
         inputs["tools"] = tools
+    if cfg.trainer.keep_dropout:  # a key only when set: warm starts cached before the key existed stay valid
+        inputs["keep_dropout"] = True
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -150,6 +152,8 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None) -> Path:
     ckpts = out.with_name(out.name + ".ckpts")  # an interrupted SFT resumes from here
     policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
                                              ckpt_interval=cfg.sft.ckpt_interval), actor_options=actor_options)
+    for note in policy.call("packing_summary")["notes"]:  # SFT trains without dropout too, unless asked
+        log(f"sft: {note}")
     try:
         history = train_sft(policy, batches, cfg.sft.ckpt_interval, str(ckpts), on_step=lambda step, m: log(
             f"sft step {step}/{len(batches)}: loss={m['sft/loss']:.4f} grad_norm={m['train/grad_norm']:.3g} "
