@@ -4,8 +4,8 @@ The policy trains in `train()` mode (gradient checkpointing and other training-o
 every dropout of a config that has one (GPT-2's `attn_pdrop`/`resid_pdrop`/`embd_pdrop`, OPT's `dropout`, Phi-2's
 `resid_pdrop`, ...) would drop activations in the forward that computes the training logprobs. The engine never did,
 so the PPO ratio and the TIS weights would compare two different functions, and a "fresh" logprob would change from
-one forward to the next. MoE router jitter (`router_jitter_noise`, applied in training only) is the same kind of
-noise and goes with it.
+one forward to the next. MoE router jitter (`router_jitter_noise`) and LayerDrop (OPT's `layerdrop`: whole layers
+skipped at random), applied in training only, are the same kind of noise and go with it.
 
 Setting `model.eval()` for the forward instead would also switch off what transformers only does in training mode
 (gradient checkpointing), so the probabilities themselves are set to 0, wherever transformers keeps them: the
@@ -21,7 +21,7 @@ import re
 import torch
 
 # attribute names that hold a dropout probability (or a training-only noise level) in transformers' models
-NOISE_NAME = re.compile(r"dropout|pdrop|jitter_noise", re.IGNORECASE)
+NOISE_NAME = re.compile(r"dropout|pdrop|layerdrop|jitter_noise", re.IGNORECASE)
 
 
 def _is_probability(value) -> bool:
