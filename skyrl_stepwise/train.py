@@ -105,6 +105,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated")
         logger.info(f"weight sync: {weight_sync.method}")
         packing = policy.call("packing_summary")
+        for note in packing["notes"]:  # what the trainer changed to compute what the engines do
+            logger.info(note)
         logger.info(f"packing: {packing['packing']} (trainer.packing={cfg.trainer.packing}) on {packing['layout']}; "
                     f"{packing['check']}")
         if cfg.sft.enabled:

@@ -40,6 +40,13 @@ def _two_checkpoints(root):
     return weights
 
 
+def _flip_byte(path, at=0.5):
+    """One byte changed in place, the size unchanged: what a failing disk or a bad copy leaves."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 def _truncate(path, keep=0.5):
     data = path.read_bytes()
     path.write_bytes(data[:int(len(data) * keep)])
@@ -53,6 +60,8 @@ CORRUPTIONS = {  # name -> (damage done to step_2, the file the error must name)
                                    "trainer_state.json"),
     "garbled driver_state.pkl": (lambda d: (d / DRIVER_STATE).write_bytes(b"\x80\x05garbage" * 4), DRIVER_STATE),
     "missing rng file": (lambda d: (d / "rng_rank0.pt").unlink(), "rng_rank0.pt"),
+    "one byte flipped inside a shard": (lambda d: _flip_byte(next((d / "dcp").glob("*.distcp"))), ".distcp"),
+    "one byte flipped inside the scheduler state": (lambda d: _flip_byte(d / "scheduler.pt", 0.9), "scheduler.pt"),
 }
 
 
@@ -165,3 +174,61 @@ def test_a_run_whose_newest_checkpoint_is_corrupt_resumes_bitwise_from_the_previ
     assert _steps(straight / "batches.jsonl") == _steps(killed / "batches.jsonl")
     w1, w2 = torch.load(straight / "final_weights.pt"), torch.load(killed / "final_weights.pt")
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_a_flipped_exponent_byte_in_a_weight_is_found_before_the_load_and_resume_falls_back(tmp_path):
+    """A weight saved as 4.5 whose exponent byte flips on disk reads back as ~1e-38: same size, a shard DCP loads
+    without a word. The manifest's content hash finds it before anything loads; resume=auto sets the checkpoint
+    aside and continues from the previous one, whole."""
+    import struct
+
+    weights = _two_checkpoints(tmp_path)
+    shard = next((step_dir(tmp_path, 2) / "dcp").glob("*.distcp"))
+    value = weights[2]["model.norm.weight"][0].item()
+    data = bytearray(shard.read_bytes())
+    at = data.find(struct.pack("<f", value) + struct.pack("<f", weights[2]["model.norm.weight"][1].item()))
+    assert at > 0
+    data[at + 3] = 0x00  # the sign/exponent byte: 4.5 -> ~1e-38
+    shard.write_bytes(bytes(data))
+    model, opt, sched = _setup(seed=7)
+    load_checkpoint(step_dir(tmp_path, 2), model, opt, sched)  # DCP itself reads the damaged weight happily
+    assert model.state_dict()["model.norm.weight"][0].item() != value
+
+    with pytest.raises(CorruptCheckpoint, match=r"step_2/dcp/__0_0.distcp cannot be read .*content differs"):
+        verify_checkpoint(step_dir(tmp_path, 2))
+    warnings = []
+    path, state = resume_checkpoint("auto", tmp_path, lambda p: load_checkpoint(p, model, opt, sched),
+                                    warnings.append)
+    assert path == step_dir(tmp_path, 1) and state["step"] == 1
+    assert all(torch.equal(v, weights[1][k]) for k, v in model.state_dict().items())
+    assert "CORRUPT CHECKPOINT" in warnings[0] and ".distcp" in warnings[0]
+
+
+def test_a_checkpoint_saved_before_content_hashes_still_loads_and_says_so(tmp_path, caplog):
+    """A MANIFEST of sizes only (what saves wrote before content hashes) is still checked for sizes and loads, with a
+    log line saying its bytes were not checked; a folder without any MANIFEST too."""
+    import json
+    import logging
+
+    from skyrl_stepwise.trainer.checkpoint import MANIFEST, read_manifest
+
+    weights = _two_checkpoints(tmp_path)
+    folder = step_dir(tmp_path, 2)
+    files, hashed = read_manifest(folder)
+    assert hashed and all(len(digest) == 64 for _, digest in files.values())
+    (folder / MANIFEST).write_text(json.dumps({name: size for name, (size, _) in files.items()}))
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.trainer.checkpoint_verify"):
+        assert verify_checkpoint(folder)["step"] == 2
+    assert f"{MANIFEST} of sizes only" in caplog.text and "without checking its bytes" in caplog.text
+    model, opt, sched = _setup(seed=7)
+    assert resume_checkpoint("auto", tmp_path, lambda p: load_checkpoint(p, model, opt, sched))[1]["step"] == 2
+    assert all(torch.equal(v, weights[2][k]) for k, v in model.state_dict().items())
+    _truncate(folder / "scheduler.pt")  # the sizes of an old manifest are still checked
+    with pytest.raises(CorruptCheckpoint, match="scheduler.pt cannot be read"):
+        verify_checkpoint(folder)
+    (folder / MANIFEST).unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.trainer.checkpoint_verify"):
+        with pytest.raises(CorruptCheckpoint):
+            verify_checkpoint(folder)
+    assert f"no {MANIFEST}" in caplog.text

@@ -350,6 +350,14 @@ def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
     assert m1["train/grad_norm"] == pytest.approx(grad_norm, rel=1e-3)
     # resume in a fresh worker: exact weights, AdamW moments and LR schedule
     assert r["state"]["step"] == 1 and r["state"]["consumed_prompts"] == 2
+    # every rank's files carry a content hash in the manifest (rank 1 hashed its own shard), and they verify
+    from skyrl_stepwise.trainer.checkpoint import read_manifest, step_dir
+    from skyrl_stepwise.trainer.checkpoint_verify import verify_checkpoint
+
+    files, hashed = read_manifest(step_dir(tmp_path / "ckpt", 1))
+    assert hashed and {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng_rank1.pt"} <= set(files)
+    assert all(digest and len(digest) == 64 for _, digest in files.values())
+    assert verify_checkpoint(step_dir(tmp_path / "ckpt", 1))["step"] == 1
     assert r["restored"] == r["after"]
     assert r["optimizer_equal"]
     assert r["lrs"][0] == r["lrs"][1] == pytest.approx(0.9 * cfg.optim.lr)

@@ -137,13 +137,37 @@ def test_auto_falls_back_to_rows_when_the_tree_fails_the_models_self_check(tmp_p
         PolicyWorker(cfg, trainable=False)
 
 
-def test_under_bf16_compute_an_fp32_proxy_catches_a_leak_the_coarse_bar_lets_through(tmp_path):
+def test_set_packing_runs_the_self_check_before_a_packing_first_trains(tmp_path):
+    """The ablation and the benchmarks switch packings on a running worker (set_packing). The switch must pass the
+    same self-check as start-up: on GPT-Neo (the tree scores 0.13 nats off, only the check can tell) a worker started
+    with rows neither trains the tree it is asked for nor resolves a later auto to an unchecked tree; a refused
+    switch names the model type and why, and leaves the worker on its packing."""
+    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+
+    cfg = _gpt_neo_config(tmp_path)
+    cfg.fsdp.mixed_precision = False
+    cfg.packing = "rows"
+    worker = PolicyWorker(cfg, trainable=False)
+    assert worker.cfg.packing == "rows" and worker.packing_check.passed
+    with pytest.raises(ValueError, match=r"trainer.packing=tree is not exact on this model: gpt_neo.*scored up to"):
+        worker.set_packing("tree")
+    assert worker.cfg.packing == "rows" and worker.packing_check.packing == "rows"
+    assert worker.set_packing("auto") == "rows" and worker.cfg.packing == "rows"
+    assert worker.packing_check.fallback_from is not None and not worker.packing_check.fallback_from.passed
+    assert "auto fell back to rows" in worker.packing_summary()["check"]
+    assert worker.set_packing("rows") == "rows"
+
+
+def test_under_bf16_compute_an_fp32_proxy_catches_a_leak_the_coarse_bar_lets_through(tmp_path, monkeypatch):
     """The default config computes in bf16 (FSDP mixed precision, on CPU too), where the check on the run's model
     can only use a 1-nat bar: GPT-Neo's tree scores 0.1 nats off there and passed it, so auto trained a tree that
     is not exact. The same check on an fp32 copy of the architecture (2 layers, random weights) fails it at 1e-3:
     auto falls back to rows and an explicit tree is refused, naming the proxy."""
     from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker, mixed_precision_on
 
+    # bf16 compute whatever this host has: on a CPU without native bf16 torch emulates it (slower, same numbers),
+    # and the run itself would compute in fp32 there, where this leak cannot hide
+    monkeypatch.setattr("skyrl_stepwise.hardware.cpu_bf16_is_native", lambda: True)
     cfg = _gpt_neo_config(tmp_path)
     assert cfg.fsdp.mixed_precision and mixed_precision_on(cfg.fsdp, torch.device("cpu"))
     worker = PolicyWorker(cfg, trainable=False)

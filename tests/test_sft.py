@@ -141,7 +141,7 @@ def test_sft_replays_demonstrations_as_written_whatever_the_context_policy(token
     "trainer.optim.weight_decay=0.1", "trainer.optim.max_grad_norm=0.5", "trainer.optim.betas=[0.8,0.99]",
     "trainer.optim.eps=1e-6", "generator.history=retokenize", "generator.use_conversation_multi_turn=false",
     "generator.thinking_retention=all", "generator.sampling.stop=[]", "sft.lr=1e-4", "trainer.seed=7",
-    "trainer.fsdp.mixed_precision=false", "weights", "chat_template"])
+    "trainer.fsdp.mixed_precision=false", "trainer.keep_dropout=true", "weights", "chat_template"])
 def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, tiny_model_dir, tmp_path, monkeypatch):
     """A setting that changes the SFT samples or the optimizer, or the base model's content (weights, chat
     template) under the same file names and sizes, must miss the cache: a stale warm start was reused silently."""

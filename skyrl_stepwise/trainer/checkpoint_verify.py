@@ -2,10 +2,12 @@
 
 A folder marked COMPLETE can still be unreadable: a shard truncated or emptied by a failing disk or a bad copy, a
 garbled trainer_state.json or driver_state.pkl, a missing rng_rank<r>.pt. Before anything is loaded the driver
-checks the folder (`verify_checkpoint`: every file of its MANIFEST present with the size it was saved with, the DCP
-metadata readable and every shard it names long enough to hold its data, the small files parse, the step matches
-the folder); what only the load itself can find (a damaged byte inside a shard) raises CorruptCheckpoint on the
-ranks. Either way the error names the folder, the file and the cause; never a stack trace from inside DCP.
+checks the folder (`verify_checkpoint`: every file of its MANIFEST present with the size and the sha256 it was saved
+with, so one damaged byte inside a shard is found too; the DCP metadata readable and every shard it names long enough
+to hold its data, the small files parse, the step matches the folder); what only the load itself can find raises
+CorruptCheckpoint on the ranks. Either way the error names the folder, the file and the cause; never a stack trace
+from inside DCP. A checkpoint saved before content hashes (a MANIFEST of sizes only, or none) still loads, with a
+log line saying that its bytes were not checked.
 
 Why `resume=auto` then falls back to the previous complete checkpoint instead of stopping: resume is bitwise
 (tests/test_bitwise_resume.py). Everything a step depends on (weights, AdamW, schedule, the RNG of every rank and
@@ -31,8 +33,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from skyrl_stepwise.trainer import driver_state
-from skyrl_stepwise.trainer.checkpoint import (_READ_ERRORS, COMPLETE, MANIFEST, CorruptCheckpoint,
-                                               complete_checkpoints, describe_error, resolve_resume)
+from skyrl_stepwise.trainer.checkpoint import (_READ_ERRORS, COMPLETE, CONTENT_HASH, MANIFEST, CorruptCheckpoint,
+                                               complete_checkpoints, describe_error, file_digest, read_manifest,
+                                               resolve_resume)
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +46,19 @@ def verify_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     part = MANIFEST
     try:
-        if (path / MANIFEST).is_file():  # older checkpoints have none: the checks below still apply
-            for name, size in json.loads((path / MANIFEST).read_text()).items():
-                part = name
-                actual = (path / name).stat().st_size
-                if actual != size:
-                    raise ValueError(f"{actual} bytes, {size} when it was saved")
+        manifest = read_manifest(path)
+        if manifest is None or not manifest[1]:
+            logger.warning(f"checkpoint {path} was saved before content hashes ("
+                           f"{'no ' + MANIFEST if manifest is None else MANIFEST + ' of sizes only'}): loading it "
+                           "without checking its bytes, so a damaged byte inside a file would go unnoticed")
+        for name, (size, digest) in (manifest[0] if manifest else {}).items():
+            part = name
+            actual = (path / name).stat().st_size
+            if actual != size:
+                raise ValueError(f"{actual} bytes, {size} when it was saved")
+            if digest is not None and (found := file_digest(path / name)) != digest:
+                raise ValueError(f"its content differs from what was saved ({CONTENT_HASH} {found[:16]}..., "
+                                 f"{digest[:16]}... when it was saved): a damaged byte")
         part = "trainer_state.json"
         state = json.loads((path / part).read_text())
         if not isinstance(state, dict) or not isinstance(state.get("step"), int) \

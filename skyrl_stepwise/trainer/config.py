@@ -200,6 +200,13 @@ class TrainerConfig:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    # Dropout is off in the trainer's forwards (RL and SFT alike; trainer/dropout.py): the engines sample without
+    # it, so logprobs computed with it would make every ratio and TIS weight wrong. true keeps the model's dropout.
+    keep_dropout: bool = False
+    # The engines' context (conf/config.yaml copies engine.max_model_len): a longrope model (Phi-3.5/4-mini) is
+    # scored with the RoPE factors vLLM uses at that context for every token (trainer/packing/rope.py). null: the
+    # trainer picks them per forward, as transformers does (a worker used without engines).
+    engine_max_model_len: int | None = None
     seed: int = 42
     ckpt_dir: str = "ckpts"
     ckpt_interval: int = 10  # optimizer steps between checkpoints; 0 disables
@@ -238,6 +245,8 @@ class TrainerConfig:
                              f"use flex_attention (GPU), sdpa or eager, or {prefix}.packing=rows")
         if self.temperature <= 0:
             raise ValueError(f"{prefix}.temperature must be > 0, got {self.temperature}")
+        if self.engine_max_model_len is not None and self.engine_max_model_len <= 0:
+            raise ValueError(f"{prefix}.engine_max_model_len must be > 0 (or null), got {self.engine_max_model_len}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}")
         if self.ckpt_interval < 0:

@@ -29,9 +29,11 @@ from skyrl_stepwise.trainer import checkpoint
 from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forward_logprobs, pack_micro_batch,
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
+from skyrl_stepwise.trainer.dropout import disable_dropout, dropout_note
 from skyrl_stepwise.trainer.losses import no_gradient, policy_loss
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
-from skyrl_stepwise.trainer.packing.selfcheck import check_packing_precisely, refusal
+from skyrl_stepwise.trainer.packing.rope import pin_longrope
+from skyrl_stepwise.trainer.packing.selfcheck import PackingCheck, check_packing_precisely, refusal
 
 
 def _free_port() -> int:
@@ -186,8 +188,11 @@ def sft_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, num_token
     return loss, {"sft/loss": loss.item(), "sft/entropy": (entropy.detach() * mb.loss_mask).sum().item() / denom}
 
 
-def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool) -> torch.nn.Module:
-    """The checkpoint at cfg.model_path in fp32, sharded per layer over this process group."""
+def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
+                       ) -> tuple[torch.nn.Module, list[str]]:
+    """The checkpoint at cfg.model_path in fp32, sharded per layer over this process group, computing what the
+    engines compute: dropout off (unless trainer.keep_dropout) and a longrope RoPE fixed to the factors the engines
+    use at trainer.engine_max_model_len. Returns the model and the start-up log lines saying what was changed."""
     from transformers import AutoModelForCausalLM
 
     from skyrl_stepwise.models import resolve_model_path
@@ -200,12 +205,15 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_path), dtype=torch.float32,
                                                  attn_implementation=attn)
     model.config.use_cache = False
+    notes = [] if cfg.keep_dropout else [dropout_note(disable_dropout(model))]
+    if cfg.engine_max_model_len is not None:  # before sharding: the pinned RoPE buffers move with the model
+        notes.append(pin_longrope(model, cfg.engine_max_model_len))
     if cfg.fsdp.gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard_model(model, cfg.fsdp, device)
     if not trainable:
         model.requires_grad_(False)
-    return model
+    return model, [n for n in notes if n]
 
 
 class PolicyWorker:
@@ -221,26 +229,16 @@ class PolicyWorker:
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
         torch.manual_seed(cfg.seed)
-        self.model = load_sharded_model(cfg, self.device, trainable)
+        self.model, self.notes = load_sharded_model(cfg, self.device, trainable)
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
         self.layout = attention_layout(self.model, row_tokens=cfg.micro_batch_tokens)
         refuse_inexact_attention(self.layout)
-        requested = cfg.packing
-        self.cfg = cfg = replace(cfg, packing=resolve_packing(cfg.packing, self.layout))
-        self.packing_check = self._self_check(cfg.packing)
-        if not self.packing_check.passed and requested == "auto" and cfg.packing == "tree":
-            # auto means "tree wherever it is exact": a model whose positional terms follow the row index (ALiBi,
-            # GPT-Neo's local band) fails the tree's check but may still pack exactly as rows; the check decides
-            tree_check = self.packing_check
-            self.cfg = cfg = replace(cfg, packing="rows")
-            self.packing_check = self._self_check("rows")
-            self.packing_check = replace(self.packing_check, fallback_from=tree_check)
-        if not self.packing_check.passed:
-            raise ValueError(refusal(self.packing_check, self.layout))
+        self._packing_checks: dict[str, PackingCheck] = {}  # every packing this worker may train, checked once
+        self.cfg = cfg = replace(cfg, packing=self._checked_packing(cfg.packing))
         self.reference = None
         if with_reference:
             with torch.random.fork_rng(devices=[]):  # the policy's RNG stream is the same with or without it
-                self.reference = load_sharded_model(cfg, self.device, trainable=False)
+                self.reference, _ = load_sharded_model(cfg, self.device, trainable=False)
         self.optimizer = self.scheduler = None
         if trainable:
             self._build_optimizer()
@@ -268,17 +266,38 @@ class PolicyWorker:
         self.cfg = replace(self.cfg, optim=optim)
         self._build_optimizer()
 
-    def _self_check(self, packing: str):
-        """The start-up packing self-check for `packing` on this model; a model that cannot even run our packed
-        inputs is refused the same way as one that scores them wrong, loudly."""
+    def _self_check(self, packing: str) -> PackingCheck:
+        """The start-up packing self-check for `packing` on this model, run once per packing and kept (a collective
+        on a sharded model: every rank asks for the same packing at the same call); a model that cannot even run
+        our packed inputs is refused the same way as one that scores them wrong, loudly."""
+        if packing in self._packing_checks:
+            return self._packing_checks[packing]
         try:
-            return check_packing_precisely(self.model, self.layout, packing, self.device,
-                                 torch.bfloat16 if mixed_precision_on(self.cfg.fsdp, self.device) else torch.float32,
-                                 seed=self.cfg.seed)
+            dtype = torch.bfloat16 if mixed_precision_on(self.cfg.fsdp, self.device) else torch.float32
+            check = check_packing_precisely(self.model, self.layout, packing, self.device, dtype, seed=self.cfg.seed)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"trainer.packing={packing} with trainer.attn_implementation="
                              f"{self.cfg.attn_implementation} failed the packing self-check on "
                              f"{self.layout.describe()}: {type(e).__name__}: {e}") from e
+        self._packing_checks[packing] = check
+        return check
+
+    def _checked_packing(self, requested: str) -> str:
+        """The packing `requested` (auto | rows | tree) trains on this model, proven by the self-check before it
+        first trains, wherever it is chosen (start-up or `set_packing`); sets `packing_check` to its check.
+
+        auto means "tree wherever it is exact": a model whose positional terms follow the row index (ALiBi, GPT-Neo's
+        local band) fails the tree's check but may still pack exactly as rows; the check decides. A packing that
+        fails its check raises, naming the model type and why (packing/selfcheck.refusal)."""
+        packing = resolve_packing(requested, self.layout)
+        check = self._self_check(packing)
+        if not check.passed and requested == "auto" and packing == "tree":
+            packing = "rows"
+            check = replace(self._self_check("rows"), fallback_from=check)
+        if not check.passed:
+            raise ValueError(refusal(check, self.layout))
+        self.packing_check = check
+        return packing
 
     def _micro_batches(self, batch: TrainBatch) -> tuple[list[list[int]], list[list[list[int]]]]:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank (FSDP needs
@@ -292,19 +311,21 @@ class PolicyWorker:
 
     def set_packing(self, packing: str) -> str:
         """Switch trainer.packing (auto | rows | tree) for the next calls; returns the previous value. The ablation
-        trains the same rollouts both ways from one worker. A packing that is not exact here is refused."""
+        trains the same rollouts both ways from one worker. Every packing passes the same self-check as at start-up
+        before it first trains (auto falls back to rows as there); one that is not exact here is refused, and the
+        worker keeps its packing."""
         cfg = replace(self.cfg, packing=packing)
         cfg.validate()
-        cfg.packing = resolve_packing(packing, self.layout)
-        if packing == "auto" and self.packing_check.fallback_from is not None:
-            cfg.packing = "rows"  # the tree failed this model's start-up self-check
+        cfg.packing = self._checked_packing(packing)  # raises before anything changes
         previous, self.cfg = self.cfg.packing, cfg
         return previous
 
     def packing_summary(self) -> dict[str, str | float]:
-        """The packing this worker trains with, the architecture's layout and the start-up self-check, for the log."""
+        """The packing this worker trains with, the architecture's layout and the start-up self-check, for the log,
+        and `notes`: what was changed in the model so it computes what the engines do (dropout, longrope)."""
         return {"packing": self.cfg.packing, "layout": self.layout.describe(),
-                "check": self.packing_check.describe(), "max_abs_error": self.packing_check.max_abs_error}
+                "check": self.packing_check.describe(), "max_abs_error": self.packing_check.max_abs_error,
+                "notes": list(self.notes)}
 
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Logprobs of every response token of every sample under the current weights, on every rank."""

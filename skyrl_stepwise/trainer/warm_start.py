@@ -106,6 +106,8 @@ def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
               "trainer": [cfg.trainer.micro_batch_tokens, cfg.trainer.seed, cfg.trainer.attn_implementation]}
     if tools:
         inputs["tools"] = tools
+    if cfg.trainer.keep_dropout:  # a key only when set: warm starts cached before the key existed stay valid
+        inputs["keep_dropout"] = True
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -153,6 +155,8 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_p
                                 num_warmup_steps=cfg.sft.warmup_steps(len(batches)))
     policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
                                              ckpt_interval=cfg.sft.ckpt_interval), actor_options=actor_options)
+    for note in policy.call("packing_summary")["notes"]:  # SFT trains without dropout too, unless asked
+        log(f"sft: {note}")
     try:
         # the lr and warm-up follow from what the model pays for the turn terminator (a pure function of the
         # cache key's inputs, so a resumed or cached warm start chose the same)
