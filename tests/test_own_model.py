@@ -125,7 +125,7 @@ def test_train_repeats_the_base_model_warning_of_model_prepare(tmp_path, monkeyp
     cfg.model_path = str(base)
     monkeypatch.setattr(run_setup, "_datasets", lambda cfg: ([], []))
     monkeypatch.setattr(run_setup, "check_envs_and_tools", lambda cfg, rows: False)
-    monkeypatch.setattr(run_setup, "size_kv_cache", lambda cfg: None)
+    monkeypatch.setattr(run_setup, "plan_resources", lambda *args: None)
     with caplog.at_level(logging.INFO, logger="skyrl_stepwise.train"), run_setup.prepared(cfg):
         pass
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

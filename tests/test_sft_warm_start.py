@@ -104,6 +104,8 @@ class _FakePolicyGroup:
             return self.metrics.pop(0)
         if method == "export_weights":
             open(args[0], "wb").close()
+        if method == "packing_summary":  # what a worker says at start-up (no dropout turned off here)
+            return {"notes": []}
         return None
 
     def shutdown(self) -> None:
@@ -146,8 +148,9 @@ def test_sft_on_a_model_that_never_produced_its_terminator_lowers_the_lr_and_say
     said = [line for line in lines if "warm start" in line]
     assert len(said) == 1 and "base model" in said[0] and "costs 21.3 nats" in said[0], lines
     assert "-> lr 1e-05, warm-up 4 steps" in said[0]  # 4 steps in all: the warm-up spans the run
-    calls = _FakePolicyGroup.instances[0].calls
-    assert [m for m, _ in calls[:2]] == ["compute_logprobs", "set_optim"]
+    # measured, then set, before any step (the start-up packing summary is only read)
+    calls = [(m, args) for m, args in _FakePolicyGroup.instances[0].calls if m != "packing_summary"]
+    assert [m for m, _ in calls[:3]] == ["compute_logprobs", "set_optim", "train_step"]
     assert (calls[1][1][0].lr, calls[1][1][0].num_warmup_steps) == (1e-5, 4)
     assert [json.loads(line)["step"] for line in metrics_path.read_text().splitlines()] == [1, 2, 3, 4]
 

@@ -387,10 +387,13 @@ class VLLMEngine:
             return False
 
     def shutdown(self) -> None:
-        """Stop the engine core cleanly, then the actor (a bare kill would orphan the core process)."""
+        """Stop the engine core cleanly, then the actor (a bare kill would orphan the core process). An actor that
+        is already dead (its node lost) has nothing to stop: that must not replace the error the run stops on."""
         import ray
 
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
         finally:
             ray.kill(self.actor)
