@@ -309,7 +309,8 @@ def _explain_stop(cfg, out: Path, error: BaseException, launched: float) -> None
         _traceback_to_run_log(error)
         what = str(error) if isinstance(error, StartupFailure) else \
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        logger.error(f"failed{' before step 1' if not steps else ''}: {what} (report: {report.resolve()}; "
+        when = f"after step {max(steps)} of {cfg.total_steps}" if steps else "before step 1"
+        logger.error(f"failed {when}: {what} (report: {report.resolve()}; "
                      f"details in run.log)")
 
 

@@ -47,7 +47,9 @@ def _records(out):
 
 
 @pytest.mark.integration
-def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model_path):
+def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model_path, monkeypatch):
+    import tempfile
+
     import ray
     from ray.cluster_utils import Cluster
 
@@ -56,6 +58,9 @@ def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model
 
     if ray.is_initialized():
         ray.shutdown()  # this test's driver is a subprocess joining the cluster below
+    # the cluster's own temp dir: Ray records its address there, where a plain ray.init() on this machine (another
+    # test, another job) would otherwise find and join it; short, as Ray's socket paths must stay < 108 chars
+    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="ray2n-", dir="/tmp"))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"policy_node": 1}})
     engine_node = cluster.add_node(num_cpus=1, resources={"engine_node": 1})
     cluster.wait_for_nodes()

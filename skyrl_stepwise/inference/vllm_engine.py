@@ -41,7 +41,10 @@ def ensure_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, **options)
     else:
-        ray.init(num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True, **options)
+        # address="local": a new Ray of our own even where one was started on this machine (`ray start`, a test's
+        # Cluster), which a plain ray.init() would join and then refuse num_cpus for
+        ray.init(address="local", num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
+                 **options)
     if options:
         adopt_library_loggers()  # again: ray.init resets the `ray` logger
 
