@@ -24,9 +24,11 @@ from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable
 from skyrl_stepwise.sandbox.files import copy_in, export_files, read_confined, write_confined
-from skyrl_stepwise.sandbox.runner import Credentials, make_preexec, run_process
+from skyrl_stepwise.sandbox.runner import Credentials, Run, make_preexec, run_process
 
 WORKDIR_IN_SANDBOX = "/work"
+START_MARKER = b"\x00skyrl-sandbox-started\n"  # first stdout bytes of every run whose sandbox came up
+START_MARKER_PRINTF = "\\000skyrl-sandbox-started\\n"
 _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _UID_BASE = 10_000_000  # sandbox uids (root trainer only): base + 1000 * (pid % 100000) + slot
 _uid_slots = itertools.count()
@@ -98,7 +100,9 @@ def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool) -> li
         "--setenv", "HOME", WORKDIR_IN_SANDBOX, "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
         "--", _prlimit_binary(), f"--nproc={limits.processes}:{limits.processes}", "--",
-        "/bin/sh", "-c", command,
+        # print the start marker, then run the command as a fresh shell's script (passed as $1, never pasted into
+        # the wrapper: a command with a syntax error is the command's failure, not the sandbox's)
+        "/bin/sh", "-c", f"printf '{START_MARKER_PRINTF}' && exec /bin/sh -c \"$1\"", "sh", command,
     ]
 
 
@@ -139,13 +143,25 @@ def check_sandbox_available() -> str:
     return binary
 
 
-def _cleanup(workdir: Path, procs: set[subprocess.Popen]) -> None:
-    """Kill every live run and remove the working dir (close() and the garbage-collection finalizer)."""
-    for proc in list(procs):
-        try:
-            os.killpg(proc.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
+def _check_traversable(base: Path) -> None:
+    """Under a root trainer each sandbox runs as its own uid, which must be able to reach its working dir: every
+    parent needs the execute bit for others (the system temp dir has it; pytest's or a 0700 home does not)."""
+    for parent in base.parents:
+        if not os.stat(parent).st_mode & 0o001:
+            shutil.rmtree(base, ignore_errors=True)
+            raise SandboxUnavailable(
+                f"sandbox root {base.parent}: its parent {parent} is not searchable by other users (mode "
+                f"{oct(os.stat(parent).st_mode & 0o777)}), so the sandbox's own uid cannot reach its working dir; "
+                "use a root directory under one with o+x (the default, the system temp dir, has it)")
+
+
+def _cleanup(workdir: Path, runs: set[Run]) -> None:
+    """Kill every live run, wait until its namespace is gone, and remove the working dir (close() and the
+    garbage-collection finalizer)."""
+    for run in list(runs):
+        run.kill()
+    for run in list(runs):
+        run.wait_for_namespace()
     shutil.rmtree(workdir.parent, ignore_errors=True)
 
 
@@ -162,11 +178,13 @@ class BwrapSandbox:
         self._creds = _allocate_credentials()
         base = Path(tempfile.mkdtemp(prefix="skyrl-sandbox-", dir=root))
         os.chmod(base, 0o700 if self._creds is None else 0o711)
+        if self._creds is not None:
+            _check_traversable(base)
         self.workdir = base / "work"
         self.workdir.mkdir(mode=0o700)
-        self._procs: set[subprocess.Popen] = set()
+        self._runs: set[Run] = set()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._procs)
+        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._runs)
         try:
             if files_from is not None:
                 copy_in(Path(files_from), self.workdir)
@@ -191,16 +209,16 @@ class BwrapSandbox:
         limits = limits or self.limits
         data = stdin.encode() if isinstance(stdin, str) else stdin
         result = run_process(bwrap_argv(self.workdir, command, limits, self.network), data, limits,
-                             make_preexec(limits, self._creds), self.workdir, self._register)
+                             make_preexec(limits, self._creds), self.workdir, self._register, START_MARKER)
         self.metrics.count_run(result.stop_reason)
         return result
 
-    def _register(self, proc: subprocess.Popen | None) -> None:
+    def _register(self, run: Run | None) -> None:
         """Track the live run so close() from another thread can kill it."""
-        if proc is not None:
-            self._procs.add(proc)
+        if run is not None:
+            self._runs.add(run)
         else:
-            self._procs.clear()
+            self._runs.clear()
 
     def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
         """A working-dir file's text (path relative to /work); SandboxPathError outside it."""

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from skyrl_stepwise.sandbox.base import Limits, RunResult, StopReason
+from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxUnavailable, StopReason
 from skyrl_stepwise.sandbox.files import tree_size
 
 _PR_SET_PDEATHSIG = 1
@@ -70,6 +70,62 @@ def make_preexec(limits: Limits, creds: Credentials | None) -> Callable[[], None
     return preexec
 
 
+class Run:
+    """The bwrap process of a run and the init of its PID namespace (the command, `--as-pid-1`). Killing bwrap
+    makes the kernel kill its init, whose exit kills the namespace; that happens after bwrap is reaped, so a kill
+    also SIGKILLs the init directly and waits until it has exited: when `run()` returns nothing of it is left."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.init_pids: list[int] = []
+
+    def note_started(self) -> None:
+        """Record the namespace's init (bwrap's child) once the command has printed: it exists by then."""
+        if not self.init_pids and self.proc.returncode is None:
+            self.init_pids = _children(self.proc.pid)
+
+    def kill(self) -> None:
+        """SIGKILL the namespace's init (while bwrap, its parent, is alive: the pid cannot be reused) and bwrap's
+        process group."""
+        if self.proc.returncode is None:
+            self.note_started()
+            for pid in self.init_pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        _kill_group(self.proc)
+
+    def wait_for_namespace(self, timeout: float = 5.0) -> None:
+        """Block until the namespace's init has exited (it exits last: the kernel kills the rest first)."""
+        deadline = time.monotonic() + timeout
+        for pid in self.init_pids:
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (/proc's children list, else psutil's scan of every process's parent)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (a zombie holds no memory, files or namespace members)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 @dataclasses.dataclass
 class _Capture:
     """One output stream, kept up to the shared cap."""
@@ -87,23 +143,36 @@ def run_process(
     limits: Limits,
     preexec: Callable[[], None],
     workdir: Path,
-    register: Callable[[subprocess.Popen | None], None],
+    register: Callable[[Run | None], None],
+    preamble: bytes = b"",
 ) -> RunResult:
     """Run `argv` (a full bwrap command line) under `limits`; `register` is told the process (and None at the
-    end) so the sandbox's close() can kill a run still going in another thread."""
+    end) so the sandbox's close() can kill a run still going in another thread. The command's wrapper prints
+    `preamble` on stdout before running the command: where it is missing, bwrap's own set-up failed and
+    SandboxUnavailable is raised with bwrap's message, never a RunResult the model would take as its own."""
     start = time.monotonic()
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
         env={"PATH": "/usr/bin:/bin"},
     )
-    register(proc)
+    run = Run(proc)
+    register(run)
     try:
-        why, out, err, truncated = _pump(proc, stdin, limits, workdir, start)
-        status, usage = _reap(proc, start + limits.wall_s + 5.0)
+        why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
+        status, usage = _reap(run, start + limits.wall_s + 5.0)
     finally:
-        _kill_group(proc)
+        if proc.returncode is None:
+            run.kill()
+        run.wait_for_namespace()
         register(None)
+    if preamble:
+        head = b"".join(out.chunks)
+        if not head.startswith(preamble):
+            if why is None:
+                raise SandboxUnavailable(f"bwrap could not start the sandbox: {err.text().strip()[:500]!r}")
+        else:
+            out.chunks = [head[len(preamble):]]
     wall = time.monotonic() - start
     cpu = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
     exit_code, sig = _decode_status(status)
@@ -115,8 +184,9 @@ def run_process(
                      wall_s=wall, cpu_s=cpu, truncated=truncated)
 
 
-def _pump(proc: subprocess.Popen, stdin: bytes | None, limits: Limits, workdir: Path, start: float):
+def _pump(run: Run, stdin: bytes | None, limits: Limits, workdir: Path, start: float, extra: int = 0):
     """Feed stdin and read both pipes until EOF, the wall clock, the output cap or the disk cap; kill on a limit."""
+    proc = run.proc
     out, err = _Capture(), _Capture()
     sel = selectors.DefaultSelector()
     streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
@@ -155,7 +225,9 @@ def _pump(proc: subprocess.Popen, stdin: bytes | None, limits: Limits, workdir: 
                     open_reads -= 1
                     continue
                 cap = streams[fd]
-                room = limits.output_bytes - out.kept - err.kept
+                if not cap.chunks:
+                    run.note_started()
+                room = limits.output_bytes + extra - out.kept - err.kept
                 if len(chunk) > room:
                     cap.chunks.append(chunk[:max(room, 0)])
                     cap.kept += max(room, 0)
@@ -169,7 +241,7 @@ def _pump(proc: subprocess.Popen, stdin: bytes | None, limits: Limits, workdir: 
     finally:
         sel.close()
     if why is not None:
-        _kill_group(proc)
+        run.kill()
     for f in (proc.stdin, proc.stdout, proc.stderr):
         if f is not None and not f.closed:
             f.close()
@@ -191,15 +263,16 @@ def _feed(sel: selectors.BaseSelector, proc: subprocess.Popen, pending: memoryvi
     return pending
 
 
-def _reap(proc: subprocess.Popen, deadline: float):
+def _reap(run: Run, deadline: float):
     """wait4 the bwrap process (for its rusage: the run's CPU time), killing it if it outlives the deadline."""
+    proc = run.proc
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(status)
             return status, usage
         if time.monotonic() >= deadline:
-            _kill_group(proc)
+            run.kill()
             pid, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
             return status, usage
