@@ -222,7 +222,8 @@ def test_cannot_signal_the_trainer(sandbox, bystander):
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert received == []
-    assert result.stdout.count("failed ProcessLookupError") == len(targets) >= 1, result  # neither pid exists in its namespace
+    # neither pid exists in the sandbox's PID namespace
+    assert result.stdout.count("failed ProcessLookupError") == len(targets) >= 1, result
     # the sandbox sees only its own processes: its shell (pid 1) and the ls
     assert sandbox.run("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"1", "2", "3"}
 
