@@ -4,6 +4,7 @@ and out, stdin/stdout, limits validation, and the start-up refusal where no sand
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 
@@ -70,7 +71,7 @@ def test_a_failing_copy_in_leaves_no_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(bwrap_module.tempfile, "mkdtemp", lambda **kw: made.append(real(**kw)) or made[-1])
     with pytest.raises(FileNotFoundError):
         BwrapSandbox(files_from=tmp_path / "missing")
-    assert made and not any(__import__("os").path.exists(p) for p in made)
+    assert made and not any(os.path.exists(p) for p in made)
 
 
 def test_task_files_are_copied_in_and_files_round_trip(tmp_path):
@@ -109,7 +110,7 @@ def test_python_and_the_limits_inside():
         assert result.ok, result
         nproc, nofile, fsize, uid, home = result.stdout.split()
         assert (nproc, nofile, fsize, home) == ("7", "50", str(1 << 20), "/work")
-        assert uid != "0" or __import__("os").geteuid() != 0  # a root trainer's sandbox runs as its own uid
+        assert uid != "0" or os.geteuid() != 0  # a root trainer's sandbox runs as its own uid
 
 
 def test_metrics_count_by_reason():

@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 
 from sandbox_helpers import processes_with, require_sandbox
 from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
+from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
 
 require_sandbox()
 
@@ -256,3 +258,34 @@ def test_close_kills_a_run_still_going(metrics, bystander, tmp_path):
     assert not worker.is_alive() and time.monotonic() - started < 5
     assert results[0].stop_reason is StopReason.KILLED, results[0]
     assert processes_with(marker) == [] and not sb.workdir.exists()
+
+
+def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
+    """SIGKILL the process that started a run (no close(), no finalizer): the parent-death signal takes bwrap, and
+    bwrap's --die-with-parent takes the sandbox's PID namespace."""
+    import subprocess
+    import sys
+
+    marker = f"orphan-{secrets.token_hex(6)}"
+    script = ("import sys\nfrom skyrl_stepwise.sandbox import BwrapSandbox, Limits\n"
+              "sb = BwrapSandbox(limits=Limits(wall_s=120))\nprint('go', flush=True)\n"
+              f"sb.run(\"(setsid sh -c 'sleep 300' {marker} &); sh -c 'sleep 300' {marker}\")\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        assert trainer.stdout.readline() == "go\n"
+        deadline = time.monotonic() + 10
+        while len(processes_with(marker)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(processes_with(marker)) >= 2, "the sandboxed processes never started"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 5
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(marker) == []
+    # its directory outlived it; the next process's start-up check sweeps it
+    left = list(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{trainer.pid}-*"))
+    assert len(left) == 1
+    assert sweep_stale_dirs(Path(tempfile.gettempdir())) == left and not left[0].exists()

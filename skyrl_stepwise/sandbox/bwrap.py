@@ -30,6 +30,7 @@ WORKDIR_IN_SANDBOX = "/work"
 START_MARKER = b"\x00skyrl-sandbox-started\n"  # first stdout bytes of every run whose sandbox came up
 START_MARKER_PRINTF = "\\000skyrl-sandbox-started\\n"
 _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+DIR_PREFIX = "skyrl-sandbox-"  # + the owning process's pid: a killed trainer's dirs are swept by the next one
 _UID_BASE = 10_000_000  # sandbox uids (root trainer only): base + 1000 * (pid % 100000) + slot
 _uid_slots = itertools.count()
 _uid_lock = threading.Lock()
@@ -132,6 +133,7 @@ def check_sandbox_available() -> str:
         raise SandboxUnavailable("user namespaces are disabled (/proc/sys/user/max_user_namespaces is 0): "
                                  "enable them (sysctl user.max_user_namespaces=15000) to run the sandbox")
     binary = bwrap_binary()
+    sweep_stale_dirs(Path(tempfile.gettempdir()))
     with BwrapSandbox(metrics=SandboxMetrics()) as probe:
         result = probe.run("true", limits=Limits(wall_s=20.0))
     if not result.ok:
@@ -141,6 +143,33 @@ def check_sandbox_available() -> str:
             "(kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile for bwrap)"
         )
     return binary
+
+
+def sweep_stale_dirs(root: Path) -> list[Path]:
+    """Remove sandbox dirs under `root` left by a process of ours that died without closing them (a SIGKILLed
+    trainer: its processes are gone with it, its directories are not). Only dirs we own whose pid is dead."""
+    removed = []
+    for path in root.glob(f"{DIR_PREFIX}*-*"):
+        pid = path.name[len(DIR_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.geteuid() or _pid_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (any owner)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _check_traversable(base: Path) -> None:
@@ -176,7 +205,7 @@ class BwrapSandbox:
         self.network = network
         self.metrics = metrics if metrics is not None else SandboxMetrics()
         self._creds = _allocate_credentials()
-        base = Path(tempfile.mkdtemp(prefix="skyrl-sandbox-", dir=root))
+        base = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=root))
         os.chmod(base, 0o700 if self._creds is None else 0o711)
         if self._creds is not None:
             _check_traversable(base)
