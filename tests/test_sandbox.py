@@ -169,3 +169,21 @@ def test_a_bwrap_that_cannot_set_up_is_refused_not_reported_as_the_commands_resu
     with BwrapSandbox() as sb:
         with pytest.raises(SandboxUnavailable, match="could not start the sandbox.*nonexistent-skyrl"):
             sb.run("echo hi")
+
+
+def test_runs_of_one_sandbox_take_turns():
+    """Two tool calls of one turn may run at once: the sandbox queues them (no file access races a run)."""
+    import threading
+
+    with BwrapSandbox() as sb:
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(sb.run(f"echo start{i} >> log; sleep 0.4; "
+                                                                                 f"echo end{i} >> log")))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        lines = sb.read_file("log").split()
+        assert all(r.ok for r in results) and len(lines) == 4
+        assert lines[0][-1] == lines[1][-1] and lines[2][-1] == lines[3][-1], lines  # never interleaved

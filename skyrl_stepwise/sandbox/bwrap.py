@@ -212,6 +212,7 @@ class BwrapSandbox:
         self.workdir = base / "work"
         self.workdir.mkdir(mode=0o700)
         self._runs: set[Run] = set()
+        self._lock = threading.Lock()  # held by a run and by host-side file access (never by close())
         self._closed = False
         self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._runs)
         try:
@@ -233,26 +234,21 @@ class BwrapSandbox:
 
     def run(self, command: str, stdin: str | bytes | None = None, limits: Limits | None = None) -> RunResult:
         """Run `command` with /bin/sh inside the sandbox, cwd /work; blocking (call it off the event loop)."""
-        if self._closed:
-            raise RuntimeError("this sandbox is closed")
         limits = limits or self.limits
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        result = run_process(bwrap_argv(self.workdir, command, limits, self.network), data, limits,
-                             make_preexec(limits, self._creds), self.workdir, self._register, START_MARKER)
+        with self._lock:  # one run at a time (two tool calls of one turn queue): no file access races a run
+            if self._closed:
+                raise RuntimeError("this sandbox is closed")
+            result = run_process(bwrap_argv(self.workdir, command, limits, self.network), data, limits,
+                                 make_preexec(limits, self._creds), self.workdir, self._runs, START_MARKER)
         self.metrics.count_run(result.stop_reason)
         return result
-
-    def _register(self, run: Run | None) -> None:
-        """Track the live run so close() from another thread can kill it."""
-        if run is not None:
-            self._runs.add(run)
-        else:
-            self._runs.clear()
 
     def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
         """A working-dir file's text (path relative to /work); SandboxPathError outside it."""
         try:
-            return read_confined(self.workdir, path, max_bytes)
+            with self._lock:
+                return read_confined(self.workdir, path, max_bytes)
         except ValueError:
             self.metrics.count("path_refusals")
             raise
@@ -261,14 +257,16 @@ class BwrapSandbox:
         """Write a working-dir file (path relative to /work); SandboxPathError outside it."""
         owner = (self._creds.uid, self._creds.gid) if self._creds else None
         try:
-            write_confined(self.workdir, path, content, owner)
+            with self._lock:
+                write_confined(self.workdir, path, content, owner)
         except ValueError:
             self.metrics.count("path_refusals")
             raise
 
     def export(self, dest: Path, max_bytes: int = 64 << 20) -> list[str]:
         """Copy the working dir's regular files out (symlinks skipped, never followed)."""
-        return export_files(self.workdir, Path(dest), max_bytes)
+        with self._lock:
+            return export_files(self.workdir, Path(dest), max_bytes)
 
     def close(self) -> None:
         """Kill every process of the sandbox and remove its directory; safe to call twice."""

@@ -143,11 +143,11 @@ def run_process(
     limits: Limits,
     preexec: Callable[[], None],
     workdir: Path,
-    register: Callable[[Run | None], None],
+    runs: set[Run],
     preamble: bytes = b"",
 ) -> RunResult:
-    """Run `argv` (a full bwrap command line) under `limits`; `register` is told the process (and None at the
-    end) so the sandbox's close() can kill a run still going in another thread. The command's wrapper prints
+    """Run `argv` (a full bwrap command line) under `limits`; the run sits in `runs` while it lives, so the
+    sandbox's close() can kill a run still going in another thread. The command's wrapper prints
     `preamble` on stdout before running the command: where it is missing, bwrap's own set-up failed and
     SandboxUnavailable is raised with bwrap's message, never a RunResult the model would take as its own."""
     start = time.monotonic()
@@ -157,15 +157,17 @@ def run_process(
         env={"PATH": "/usr/bin:/bin"},
     )
     run = Run(proc)
-    register(run)
+    runs.add(run)
     try:
         why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
         status, usage = _reap(run, start + limits.wall_s + 5.0)
     finally:
-        if proc.returncode is None:
+        if proc.returncode is None:  # the reader itself failed: kill, and reap so no zombie stays behind
             run.kill()
+            os.waitpid(proc.pid, 0)
+            proc.returncode = -signal.SIGKILL
         run.wait_for_namespace()
-        register(None)
+        runs.discard(run)
     if preamble:
         head = b"".join(out.chunks)
         if not head.startswith(preamble):
