@@ -77,7 +77,7 @@ async def test_the_python_tool_runs_in_the_episodes_sandbox(rows):
         row, f"```python\n{_full_solution(problem)}```",
         tool_turns=["open('draft.py','w').write('X = 5')", "import draft\nprint(draft.X * 2)"])
     assert [o["content"] for o in observations] == ["[no output]", "10"]
-    assert reward == 1.0
+    assert reward == 1.0 and (metrics["sandbox/runs"], metrics["sandbox/stop/exited"]) == (2.0, 2.0)
     for observation in observations:
         assert "def check(" not in observation["content"]
 
@@ -117,3 +117,22 @@ def test_a_run_adds_it_through_env_classes():
 
     environment = EnvironmentConfig(env_classes={"humaneval": "skyrl_stepwise.envs.humaneval:HumanEvalEnv"})
     assert isinstance(build_env_registry(environment).make("humaneval"), HumanEvalEnv)
+
+
+async def test_the_written_files_load_and_grade(tmp_path, capsys):
+    """`python -m skyrl_stepwise.data.humaneval --out DIR` -> parquet rows that load as a run loads them, whose
+    extras grade the canonical solution in the env."""
+    from skyrl_stepwise.data.dataset import load_prompt_dataset
+    from skyrl_stepwise.data.humaneval import main
+
+    assert main(["--out", str(tmp_path)]) == 0
+    assert "validation.parquet: 33 rows" in capsys.readouterr().out
+    [row] = [r for r in load_prompt_dataset(tmp_path / "validation.parquet") if r.instance_id == "HumanEval/5"]
+    problem = load_problems()[5]
+    env = HumanEvalEnv()
+    try:
+        await env.reset(row.prompt, row.env_extras())
+        step = await env.step_turn(ParsedTurn(f"```python\n{_full_solution(problem)}```"))
+    finally:
+        await env.aclose()
+    assert step.reward == 1.0

@@ -27,7 +27,6 @@ from skyrl_stepwise.tools.code import PythonTool
 
 CODE_BLOCK_RE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 GRADE_LIMITS = Limits(wall_s=15.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=16 << 10)
-METRICS = SandboxMetrics()  # every humaneval sandbox of this process (the run's sandbox/... counters)
 
 
 def extract_code(content: str) -> str | None:
@@ -53,6 +52,7 @@ class HumanEvalEnv:
     def __init__(self) -> None:
         self.spec: dict[str, Any] = {}
         self.sandbox: BwrapSandbox | None = None
+        self.sandbox_metrics = SandboxMetrics()  # this episode's tool runs, by why they stopped
         self.executor: ToolExecutor | None = None
         self.tool_schemas: list[dict] = [PythonTool.default_schema]
         self.turns, self.max_turns = 0, self.max_turns_default
@@ -67,7 +67,7 @@ class HumanEvalEnv:
         self.spec = dict(spec)
         self.max_turns = int(extras.get("max_turns", self.max_turns_default))
         self.turns = 0
-        self.sandbox = await asyncio.to_thread(BwrapSandbox, metrics=METRICS)
+        self.sandbox = await asyncio.to_thread(BwrapSandbox, metrics=self.sandbox_metrics)
         self.executor = ToolExecutor({"python": PythonTool().bound_to(self.sandbox)}, self.tool_timeout_s)
         return list(prompt_messages)
 
@@ -90,12 +90,16 @@ class HumanEvalEnv:
                    "tool_calls": float(len(calls)), "turns": float(self.turns)}
         if reason is not None and reason is not StopReason.EXITED:
             metrics[f"humaneval/grade_{reason.value}"] = 1.0
+        # the episode's tool runs by stop reason (sandbox/runs, sandbox/stop/timeout, ...): an attack or a runaway
+        # program shows in the run's metrics, not only in its trajectory's tool messages
+        metrics.update({k: float(v) for k, v in self.sandbox_metrics.as_dict().items()
+                        if k == "sandbox/runs" or k.startswith("sandbox/stop/")})
         return StepResult([], float(passed), True, metrics)
 
     def _grade(self, solution: str) -> tuple[bool, StopReason]:
         """Run the hidden tests on the solution in a fresh, empty sandbox."""
         token = f"HUMANEVAL-PASSED-{secrets.token_hex(16)}"
-        with BwrapSandbox(limits=GRADE_LIMITS, metrics=METRICS) as grader:
+        with BwrapSandbox(limits=GRADE_LIMITS) as grader:
             result = grader.run("python3 -", stdin=grading_program(self.spec, solution, token))
         passed = result.ok and result.stdout.rstrip("\n").rsplit("\n", 1)[-1] == token
         return passed, result.stop_reason
