@@ -187,3 +187,11 @@ def test_runs_of_one_sandbox_take_turns():
         lines = sb.read_file("log").split()
         assert all(r.ok for r in results) and len(lines) == 4
         assert lines[0][-1] == lines[1][-1] and lines[2][-1] == lines[3][-1], lines  # never interleaved
+
+
+def test_a_cpu_burner_stops_at_the_cpu_limit():
+    metrics = SandboxMetrics()
+    with BwrapSandbox(metrics=metrics, limits=Limits(cpu_s=1, wall_s=30)) as sb:
+        result = sb.run("python3 -c 'while True: pass'")
+    assert result.stop_reason is StopReason.CPU_LIMIT and result.signal is not None, result
+    assert 0.9 <= result.cpu_s < 5 and metrics.stops == {"cpu_limit": 1}
