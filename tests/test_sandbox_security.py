@@ -232,7 +232,7 @@ def test_cannot_signal_the_trainer(sandbox, bystander):
 
 def test_a_daemonised_process_does_not_outlive_the_run_or_close(metrics, bystander, tmp_path):
     marker = f"daemon-{secrets.token_hex(6)}"
-    sb = BwrapSandbox(limits=FAST, metrics=metrics, )
+    sb = BwrapSandbox(limits=FAST, metrics=metrics)
     result = sb.run(f"(setsid sh -c 'sleep 300' {marker} > /dev/null 2>&1 &); "
                     f"nohup sh -c 'sleep 300' {marker} > /dev/null 2>&1 & echo started")
     assert result.ok and result.stdout == "started\n", result
@@ -244,7 +244,7 @@ def test_a_daemonised_process_does_not_outlive_the_run_or_close(metrics, bystand
 
 def test_close_kills_a_run_still_going(metrics, bystander, tmp_path):
     marker = f"inflight-{secrets.token_hex(6)}"
-    sb = BwrapSandbox(limits=Limits(wall_s=60.0), metrics=metrics, )
+    sb = BwrapSandbox(limits=Limits(wall_s=60.0), metrics=metrics)
     results = []
     worker = threading.Thread(target=lambda: results.append(sb.run(f"sh -c 'sleep 300' {marker}")))
     worker.start()
@@ -254,8 +254,9 @@ def test_close_kills_a_run_still_going(metrics, bystander, tmp_path):
     assert processes_with(marker), "the run never started"
     started = time.monotonic()
     sb.close()
-    worker.join(10)
-    assert not worker.is_alive() and time.monotonic() - started < 5
+    worker.join(30)
+    # well before the run's own 60 s wall clock (the margin is for a loaded CI box)
+    assert not worker.is_alive() and time.monotonic() - started < 15
     assert results[0].stop_reason is StopReason.KILLED, results[0]
     assert processes_with(marker) == [] and not sb.workdir.exists()
 
@@ -271,7 +272,8 @@ def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
               "sb = BwrapSandbox(limits=Limits(wall_s=120))\nprint('go', flush=True)\n"
               f"sb.run(\"(setsid sh -c 'sleep 300' {marker} &); sh -c 'sleep 300' {marker}\")\n")
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])})
     try:
         assert trainer.stdout.readline() == "go\n"
         deadline = time.monotonic() + 10
@@ -289,3 +291,13 @@ def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
     left = list(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{trainer.pid}-*"))
     assert len(left) == 1
     assert sweep_stale_dirs(Path(tempfile.gettempdir())) == left and not left[0].exists()
+
+
+def test_no_capabilities_and_no_nested_user_namespaces(sandbox, bystander):
+    """Kernel attack surface: the sandbox holds no capability and cannot create a user namespace of its own (the
+    usual first step of a namespace-based kernel exploit)."""
+    result = sandbox.run("grep CapEff /proc/self/status; unshare -U true && echo NESTED; "
+                         "python3 -c 'import os; os.setuid(0); print(\"ROOT\")' 2>&1 | tail -1")
+    assert "CapEff:\t0000000000000000" in result.stdout, result
+    assert "NESTED" not in result.stdout and "unshare failed" in result.stderr
+    assert "ROOT" not in result.stdout and "Error" in result.stdout  # uid 0 is not even mapped

