@@ -33,14 +33,14 @@ def metrics() -> SandboxMetrics:
 
 @pytest.fixture
 def sandbox(metrics, tmp_path):
-    with BwrapSandbox(limits=FAST, metrics=metrics, ) as sb:
+    with BwrapSandbox(limits=FAST, metrics=metrics) as sb:
         yield sb
 
 
 @pytest.fixture
 def bystander(metrics, tmp_path):
     """Another trajectory's sandbox, holding a file; after each attack it must still work and hold it intact."""
-    with BwrapSandbox(limits=FAST, metrics=metrics, ) as sb:
+    with BwrapSandbox(limits=FAST, metrics=metrics) as sb:
         sb.write_file("state.txt", "bystander state")
         yield sb
         result = sb.run("cat state.txt && echo alive")
