@@ -76,7 +76,8 @@ def concurrent(k: int, metrics: SandboxMetrics) -> tuple[float, float, list[str]
         walls = list(pool.map(one, range(k)))
     batch = time.perf_counter() - t0
     leaks = [f"process {p.pid}" for p in processes_with(marker)]
-    leaks += [f"dir {d}" for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith(f"skyrl-sandbox-{os.getpid()}-")]
+    ours = f"skyrl-sandbox-{os.getpid()}-"
+    leaks += [f"dir {d}" for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith(ours)]
     return batch, max(walls), leaks
 
 

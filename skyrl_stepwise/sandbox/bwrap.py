@@ -3,9 +3,10 @@
 Each run is `bwrap --unshare-all --unshare-user --disable-userns` (own user, PID, network, IPC, UTS, cgroup
 namespaces: no network unless the task asks; no nested user namespace, no capability), the system directories
 read-only, a size-capped tmpfs /tmp, the trajectory's working dir at /work (the only writable host directory),
-the rest of the root read-only, a cleared environment, `--die-with-parent` and `--new-session`. bwrap is spawned in its own process group with the parent-death signal set, under rlimits
-(CPU, address space, file size, open files) and, where the trainer is root, as an unprivileged uid of its own
-(root is exempt from RLIMIT_NPROC); RLIMIT_NPROC is applied inside by `prlimit`. There is no fallback: where
+the rest of the root read-only, a cleared environment, `--die-with-parent` and `--new-session`. bwrap is spawned
+in its own process group with the parent-death signal set, under rlimits (CPU, address space, file size, open
+files) and, where the trainer is root, as an unprivileged uid of its own (root is exempt from RLIMIT_NPROC);
+RLIMIT_NPROC is applied inside by `prlimit`. There is no fallback: where
 bwrap cannot start, `check_sandbox_available` raises SandboxUnavailable with the reason.
 """
 
