@@ -195,3 +195,15 @@ def test_a_cpu_burner_stops_at_the_cpu_limit():
         result = sb.run("python3 -c 'while True: pass'")
     assert result.stop_reason is StopReason.CPU_LIMIT and result.signal is not None, result
     assert 0.9 <= result.cpu_s < 5 and metrics.stops == {"cpu_limit": 1}
+
+
+def test_a_spawn_failure_is_the_sandboxs_not_the_commands(monkeypatch):
+    def refusing(limits, creds):
+        def preexec():
+            raise PermissionError("setuid refused")
+        return preexec
+
+    monkeypatch.setattr(bwrap_module, "make_preexec", refusing)
+    with BwrapSandbox() as sb:
+        with pytest.raises(SandboxUnavailable, match="could not start bwrap"):
+            sb.run("echo hi")

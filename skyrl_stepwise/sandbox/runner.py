@@ -151,11 +151,14 @@ def run_process(
     `preamble` on stdout before running the command: where it is missing, bwrap's own set-up failed and
     SandboxUnavailable is raised with bwrap's message, never a RunResult the model would take as its own."""
     start = time.monotonic()
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
-        env={"PATH": "/usr/bin:/bin"},
-    )
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+    except (OSError, subprocess.SubprocessError) as e:  # bwrap missing, the uid switch or an rlimit refused
+        raise SandboxUnavailable(f"could not start bwrap ({argv[0]}): {type(e).__name__}: {e}") from e
     run = Run(proc)
     runs.add(run)
     try:
