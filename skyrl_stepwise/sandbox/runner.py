@@ -1,0 +1,318 @@
+"""Run one sandboxed command as a host process: feed stdin, read stdout/stderr under a cap, enforce the wall
+clock and the working-dir size, kill the whole process group when a limit is passed, and say why the run stopped.
+
+Output is read in chunks and only the first `Limits.output_bytes` are kept; past that the run is killed, so a
+program printing gigabytes costs the reader a few kilobytes of memory. Killing the process group kills bwrap,
+whose sandbox init then dies (`--die-with-parent`) and takes every process of the PID namespace with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxUnavailable, StopReason
+from skyrl_stepwise.sandbox.files import tree_size
+
+_PR_SET_PDEATHSIG = 1
+_WATCH_EVERY_S = 0.1  # how often the working dir's size is checked during a run
+# stderr text by which a limit shows when the program handled the failure itself and exited (kernel refusals
+# surface as errno messages, not signals): checked only for a failed exit, last 4 KiB of stderr
+_STDERR_MARKERS: tuple[tuple[StopReason, tuple[str, ...]], ...] = (
+    (StopReason.MEMORY_LIMIT, ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")),
+    (StopReason.FILE_SIZE_LIMIT, ("File too large",)),
+    (StopReason.DISK_LIMIT, ("No space left on device", "Disk quota exceeded")),
+    (StopReason.PROCESS_LIMIT, ("Resource temporarily unavailable", "Cannot fork", "can't fork", "fork: retry")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """The host uid/gid a sandbox's processes run as (only when the trainer is root: root's processes are exempt
+    from RLIMIT_NPROC, so a fork bomb would be unbounded; each sandbox gets its own unprivileged uid)."""
+
+    uid: int
+    gid: int
+
+
+def make_preexec(limits: Limits, creds: Credentials | None) -> Callable[[], None]:
+    """The child's set-up before exec'ing bwrap: drop to the sandbox's uid, ask the kernel to SIGKILL it when the
+    thread that started it dies (so a killed trainer leaves nothing), and set the per-process rlimits. RLIMIT_NPROC
+    is set inside the sandbox instead (prlimit), where it counts only the sandbox's own processes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+    rlimits = [
+        (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1)),
+        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
+        (resource.RLIMIT_FSIZE, (limits.file_size_bytes, limits.file_size_bytes)),
+        (resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+
+    def preexec() -> None:
+        if creds is not None:
+            os.setgroups([])
+            os.setgid(creds.gid)
+            os.setuid(creds.uid)
+        # after the uid change: changing credentials clears the parent-death signal
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        for which, value in rlimits:
+            resource.setrlimit(which, value)
+
+    return preexec
+
+
+class Run:
+    """The bwrap process of a run and the init of its PID namespace (the command, `--as-pid-1`). Killing bwrap
+    makes the kernel kill its init, whose exit kills the namespace; that happens after bwrap is reaped, so a kill
+    also SIGKILLs the init directly and waits until it has exited: when `run()` returns nothing of it is left."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.init_pids: list[int] = []
+
+    def note_started(self) -> None:
+        """Record the namespace's init (bwrap's child) once the command has printed: it exists by then."""
+        if not self.init_pids and self.proc.returncode is None:
+            self.init_pids = _children(self.proc.pid)
+
+    def kill(self) -> None:
+        """SIGKILL the namespace's init (while bwrap, its parent, is alive: the pid cannot be reused) and bwrap's
+        process group."""
+        if self.proc.returncode is None:
+            self.note_started()
+            for pid in self.init_pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        _kill_group(self.proc)
+
+    def wait_for_namespace(self, timeout: float = 5.0) -> None:
+        """Block until the namespace's init has exited (it exits last: the kernel kills the rest first)."""
+        deadline = time.monotonic() + timeout
+        for pid in self.init_pids:
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (/proc's children list, else psutil's scan of every process's parent)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (a zombie holds no memory, files or namespace members)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@dataclasses.dataclass
+class _Capture:
+    """One output stream, kept up to the shared cap."""
+
+    chunks: list[bytes] = dataclasses.field(default_factory=list)
+    kept: int = 0
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8", errors="replace")
+
+
+def run_process(
+    argv: list[str],
+    stdin: bytes | None,
+    limits: Limits,
+    preexec: Callable[[], None],
+    workdir: Path,
+    runs: set[Run],
+    preamble: bytes = b"",
+) -> RunResult:
+    """Run `argv` (a full bwrap command line) under `limits`; the run sits in `runs` while it lives, so the
+    sandbox's close() can kill a run still going in another thread. The command's wrapper prints
+    `preamble` on stdout before running the command: where it is missing, bwrap's own set-up failed and
+    SandboxUnavailable is raised with bwrap's message, never a RunResult the model would take as its own."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+    except (OSError, subprocess.SubprocessError) as e:  # bwrap missing, the uid switch or an rlimit refused
+        raise SandboxUnavailable(f"could not start bwrap ({argv[0]}): {type(e).__name__}: {e}") from e
+    run = Run(proc)
+    runs.add(run)
+    try:
+        why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
+        status, usage = _reap(run, start + limits.wall_s + 5.0)
+    finally:
+        if proc.returncode is None:  # the reader itself failed: kill, and reap so no zombie stays behind
+            run.kill()
+            os.waitpid(proc.pid, 0)
+            proc.returncode = -signal.SIGKILL
+        run.wait_for_namespace()
+        runs.discard(run)
+    if preamble:
+        head = b"".join(out.chunks)
+        if not head.startswith(preamble):
+            if why is None:
+                raise SandboxUnavailable(f"bwrap could not start the sandbox: {err.text().strip()[:500]!r}")
+        else:
+            out.chunks = [head[len(preamble):]]
+    wall = time.monotonic() - start
+    cpu = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
+    exit_code, sig = _decode_status(status)
+    if why is None and tree_size(workdir) > limits.workdir_bytes:
+        why = StopReason.DISK_LIMIT
+    if why is None:
+        why = _classify(exit_code, sig, cpu, limits, err)
+    return RunResult(stdout=out.text(), stderr=err.text(), exit_code=exit_code, signal=sig, stop_reason=why,
+                     wall_s=wall, cpu_s=cpu, truncated=truncated)
+
+
+def _pump(run: Run, stdin: bytes | None, limits: Limits, workdir: Path, start: float, extra: int = 0):
+    """Feed stdin and read both pipes until EOF, the wall clock, the output cap or the disk cap; kill on a limit."""
+    proc = run.proc
+    out, err = _Capture(), _Capture()
+    sel = selectors.DefaultSelector()
+    streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    for fd in streams:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    pending = memoryview(stdin or b"")
+    stdin_fd = proc.stdin.fileno() if proc.stdin is not None else None
+    if stdin_fd is not None:
+        os.set_blocking(stdin_fd, False)
+        sel.register(stdin_fd, selectors.EVENT_WRITE)
+    deadline = start + limits.wall_s
+    next_watch = start + _WATCH_EVERY_S
+    why: StopReason | None = None
+    truncated = False
+    open_reads = len(streams)
+    try:
+        while open_reads:
+            now = time.monotonic()
+            if now >= deadline:
+                why = StopReason.TIMEOUT
+                break
+            if now >= next_watch:
+                next_watch = now + _WATCH_EVERY_S
+                if tree_size(workdir) > limits.workdir_bytes:
+                    why = StopReason.DISK_LIMIT
+                    break
+            for key, _ in sel.select(timeout=min(deadline, next_watch) - now):
+                fd = key.fd
+                if fd == stdin_fd:
+                    pending = _feed(sel, proc, pending)
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    sel.unregister(fd)
+                    open_reads -= 1
+                    continue
+                cap = streams[fd]
+                if not cap.chunks:
+                    run.note_started()
+                room = limits.output_bytes + extra - out.kept - err.kept
+                if len(chunk) > room:
+                    cap.chunks.append(chunk[:max(room, 0)])
+                    cap.kept += max(room, 0)
+                    truncated = True
+                    why = StopReason.OUTPUT_LIMIT
+                    break
+                cap.chunks.append(chunk)
+                cap.kept += len(chunk)
+            if why is not None:
+                break
+    finally:
+        sel.close()
+    if why is not None:
+        run.kill()
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is not None and not f.closed:
+            f.close()
+    if truncated:
+        err.chunks.append(f"\n[output truncated at {limits.output_bytes} bytes; the run was stopped]".encode())
+    return why, out, err, truncated
+
+
+def _feed(sel: selectors.BaseSelector, proc: subprocess.Popen, pending: memoryview) -> memoryview:
+    """Write what the pipe takes of stdin; close it when all is written (or the reader went away)."""
+    try:
+        written = os.write(proc.stdin.fileno(), pending[:65536]) if pending else 0
+    except (BrokenPipeError, OSError):
+        written, pending = 0, memoryview(b"")
+    pending = pending[written:]
+    if not pending:
+        sel.unregister(proc.stdin.fileno())
+        proc.stdin.close()
+    return pending
+
+
+def _reap(run: Run, deadline: float):
+    """wait4 the bwrap process (for its rusage: the run's CPU time), killing it if it outlives the deadline."""
+    proc = run.proc
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return status, usage
+        if time.monotonic() >= deadline:
+            run.kill()
+            pid, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return status, usage
+        time.sleep(0.002)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group (bwrap; its sandbox init dies with it and takes the PID namespace)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _decode_status(status: int) -> tuple[int | None, int | None]:
+    """(exit code, signal). bwrap reports a command killed by signal N as exit 128+N, as shells do."""
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    code = os.WEXITSTATUS(status)
+    if 128 < code <= 128 + 64:
+        return None, code - 128
+    return code, None
+
+
+def _classify(exit_code: int | None, sig: int | None, cpu: float, limits: Limits, err: _Capture) -> StopReason:
+    """Why a run that the reader did not stop ended: by its signal, else by the errno text of a failed exit."""
+    if sig is not None:
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= limits.cpu_s):
+            return StopReason.CPU_LIMIT
+        if sig == signal.SIGXFSZ:
+            return StopReason.FILE_SIZE_LIMIT
+        return StopReason.KILLED
+    if exit_code:
+        tail = b"".join(err.chunks)[-4096:].decode("utf-8", errors="replace")
+        for reason, markers in _STDERR_MARKERS:
+            if any(m in tail for m in markers):
+                return reason
+    return StopReason.EXITED

