@@ -160,7 +160,7 @@ def _call(name: str, **arguments) -> ToolCallRequest:
     return ToolCallRequest(name=name, arguments=arguments)
 
 
-async def test_listed_tools_are_called_and_server_errors_are_tool_errors(server_path, tmp_path):
+async def test_listed_tools_are_called_and_server_errors_are_tool_errors(server_path, tmp_path, caplog):
     tools = load_tools(_tools_file(tmp_path, _server(server_path, tools=["add", "fail", "slow"])))
     try:
         assert sorted(tools) == ["add", "fail", "slow"]
@@ -173,6 +173,9 @@ async def test_listed_tools_are_called_and_server_errors_are_tool_errors(server_
         slow, = await ToolExecutor(tools, timeout_s=0.5).execute([_call("slow", seconds=3)])
         assert (add.ok, add.content) == (True, "5")
         assert not fail.ok and fail.error_kind == "tool_error" and "fail" in fail.content  # never a result
+        # mcp 2.x withholds a plain exception's text ("boom"): the console says so, once, naming ToolError
+        assert "boom" not in fail.content
+        assert any("withhold" in r.getMessage() and "ToolError" in r.getMessage() for r in caplog.records)
         assert not slow.ok and slow.error_kind == "timeout"
         assert not bad.ok and bad.error_kind == "invalid_arguments"  # our schema check, before the server
         again = await ToolExecutor(tools, timeout_s=60).execute([_call("add", a=1, b=1)])
@@ -286,5 +289,34 @@ async def test_results_of_every_shape_and_a_model_argument(tmp_path):
         assert (results[5].ok, results[5].content) == (True, '{"a": 2}')
         assert (results[6].ok, results[6].content) == (True, "{'p': {'x': 1, 'y': 2}, 'note': None}")
         assert results[7].error_kind == "invalid_arguments" and "field 'p': 'y' is a required property" in results[7].content
+    finally:
+        await close_tools(tools)
+
+
+def test_python_in_a_server_command_is_the_runs_own_interpreter():
+    from skyrl_stepwise.tools.mcp import server_command
+
+    assert server_command(["python", "s.py"]) == [sys.executable, "s.py"]
+    assert server_command(["python3.11", "-u", "s.py"]) == [sys.executable, "-u", "s.py"]
+    assert server_command(["/opt/other/bin/python", "s.py"]) == ["/opt/other/bin/python", "s.py"]  # as written
+    assert server_command(["node", "server.js"]) == ["node", "server.js"]
+
+
+async def test_the_readme_example_server_runs_as_written_and_its_tool_errors_reach_the_model(monkeypatch):
+    """examples/mcp_server: the tools YAML says `python` (the host's python may lack mcp) and the server is written
+    for mcp 2.x (MCPServer); a ToolError's own message is what the model reads."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)  # the YAML's paths are relative to the repo root, as the README runs it
+    tools = load_tools(repo / "examples" / "mcp_server" / "tools.yaml")
+    try:
+        assert sorted(tools) == ["convert"]
+        ok, refused = await ToolExecutor(tools, timeout_s=60).execute([
+            _call("convert", value=10, unit_from="km", unit_to="mi"),
+            _call("convert", value=1, unit_from="km", unit_to="lb")])
+        assert (ok.ok, ok.content) == (True, "6.214 mi")
+        assert not refused.ok and refused.error_kind == "tool_error"
+        assert "cannot convert km to lb; known: km->mi" in refused.content  # the server's own words
     finally:
         await close_tools(tools)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +70,18 @@ class MCPToolConfig:
     tool: str = ""
 
 
+PYTHON_NAMES = re.compile(r"^python(3(\.\d+)?)?$")
+
+
+def server_command(command: list[str]) -> list[str]:
+    """A stdio server's command, its `python` resolved to the run's own interpreter: the host's `python` on PATH
+    usually lacks the `mcp` package (the server then dies at its import, before the handshake). A path to another
+    interpreter is kept as written."""
+    if command and PYTHON_NAMES.match(command[0]):
+        return [sys.executable, *command[1:]]
+    return list(command)
+
+
 def _transport(cfg: MCPServerConfig):
     """The SDK's transport for `cfg`: a URL is streamable HTTP, a command a stdio server whose stderr goes to the
     run's log (a traceback per failing call would otherwise flood the console)."""
@@ -77,11 +91,30 @@ def _transport(cfg: MCPServerConfig):
 
     from skyrl_stepwise.logging_setup import active_run_log
 
-    params = StdioServerParameters(command=cfg.command[0], args=list(cfg.command[1:]), cwd=cfg.cwd,
+    command = server_command(cfg.command)
+    params = StdioServerParameters(command=command[0], args=command[1:], cwd=cfg.cwd,
                                    env={**get_default_environment(), **(cfg.env or {})} if cfg.env else None)
     log = active_run_log()
     errlog = open(log, "a", encoding="utf-8") if log is not None else sys.stderr  # noqa: SIM115 - lives with the server
     return stdio_client(params, errlog=errlog)
+
+
+# mcp 2.x's MCPServer answers any exception but ToolError with only "Error executing tool <name>" (the text stays in
+# the server's log): the model then reads no reason at all
+_WITHHELD = re.compile(r"^Error executing tool [\w.-]+$")
+_warned_withheld: set[tuple[str, str]] = set()
+
+
+def warn_withheld_message(server: str, tool: str, text: str) -> None:
+    """Once per server and tool: say on the console that the model read an error without its reason, and how the
+    server passes one on (raise ToolError), since nothing in the trajectory shows the reason was withheld."""
+    if not _WITHHELD.match(text.strip()) or (server, tool) in _warned_withheld:
+        return
+    _warned_withheld.add((server, tool))
+    logging.getLogger(__name__).warning(
+        f"MCP tool {tool!r} of {server!r} failed and the model read only {text.strip()!r}: mcp 2.x servers withhold "
+        "an exception's text unless the tool raises mcp.server.mcpserver.exceptions.ToolError(message) "
+        "(examples/mcp_server/my_mcp_server.py); the server's stderr (run.log) has the traceback")
 
 
 def _result_text(result) -> str:
@@ -170,6 +203,7 @@ class MCPConnection:
             raise
         text = _result_text(result)
         if result.is_error:
+            warn_withheld_message(self.cfg.describe(), name, text)
             return FailedCall(f"Error: tool {name!r} failed: {text or '(the server gave no message)'}")
         return text
 
