@@ -34,6 +34,10 @@ HINTS = ((re.compile(r"requested memory for kv|kv[ -]cache", re.IGNORECASE),
           "the engine's KV cache is engine.cpu_kvcache_gib (null: sized by the run's resource plan)"),
          (re.compile(r"address already in use", re.IGNORECASE), "pick a free port or 0 (any free port)"))
 TAIL_BYTES = 1 << 20  # the part of run.log a component's start wrote is read from its offset, at most this much
+# terminal colours Ray puts around `ray::Actor.__init__()` and worker prefixes: they break a line's match
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# the worker process an error of Ray's names: "(pid=30051, ip=..., actor_id=...)"
+_RAY_PID = re.compile(r"\bpid=(\d+)")
 
 
 class StartupFailure(RuntimeError):
@@ -62,6 +66,45 @@ class LogMark:
         with open(self.path, "rb") as f:
             f.seek(max(self.offset, f.seek(0, 2) - TAIL_BYTES))
             return f.read().decode("utf-8", errors="replace")
+
+
+def _plain(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def ray_logs_dir() -> Path | None:
+    """This node's Ray log folder while a Ray session is connected (where each worker's stdout/stderr file is)."""
+    try:
+        import ray
+        from ray._private import worker
+
+        if not ray.is_initialized() or worker._global_node is None:
+            return None
+        return Path(worker._global_node.get_logs_dir_path())
+    except Exception:  # no Ray, or a Ray whose private layout moved: the other sources still answer
+        return None
+
+
+def ray_worker_output(texts: list[str], logs_dir: Path | None = None) -> str:
+    """What the Ray workers named in an error (`pid=N`) wrote to their own log files on this node.
+
+    A component's output reaches run.log only when Ray was started inside the run's logging; a Ray the user (or a
+    test session) started before is not, and its log_to_driver copy arrives at the driver after the exception.
+    Ray's per-worker files (`worker-<id>-<job>-<pid>.err`) hold it at once: the worker has died, so they are
+    complete. A worker on another node has its files there; the other sources still answer for it.
+    """
+    logs_dir = logs_dir or ray_logs_dir()
+    pids = dict.fromkeys(m for text in texts for m in _RAY_PID.findall(text))
+    if logs_dir is None or not pids:
+        return ""
+    out = []
+    for pid in pids:
+        for path in sorted(logs_dir.glob(f"worker-*-{pid}.out")) + sorted(logs_dir.glob(f"worker-*-{pid}.err")):
+            with contextlib.suppress(OSError):
+                with open(path, "rb") as f:
+                    f.seek(max(0, f.seek(0, 2) - TAIL_BYTES))
+                    out.append(f.read().decode("utf-8", errors="replace"))
+    return "\n".join(out)
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -108,26 +151,28 @@ def _is_wrapper(line: str) -> bool:
 
 def root_cause(error: BaseException, mark: LogMark | None = None) -> str:
     """The first-hand reason a component did not start: the outermost exception in the chain that is not a
-    wrapper, else the last real exception in a remote traceback Ray carries, else the last such exception the component wrote to run.log since `mark`, else a kill reason Ray
-    gives, else the error's own first line."""
+    wrapper, else the last real exception in a remote traceback Ray carries, else the last such exception the
+    component wrote to run.log since `mark` or to the Ray worker's own log files, else a kill reason Ray gives,
+    else the error's own first line. Terminal colours are removed first."""
     chain = _chain(error)
-    direct = [f"{type(e).__name__}: {str(e).strip().splitlines()[0]}" for e in chain
-              if str(e).strip() and not _is_wrapper(f"{type(e).__name__}: {str(e).strip().splitlines()[0]}")]
-    texts = [str(e) for e in chain]
+    texts = [_plain(str(e)) for e in chain]
+    direct = [f"{type(e).__name__}: {text.strip().splitlines()[0]}" for e, text in zip(chain, texts)
+              if text.strip() and not _is_wrapper(f"{type(e).__name__}: {text.strip().splitlines()[0]}")]
     in_tracebacks = [line for text in texts for line in _exception_lines(text) if not _is_wrapper(line)]
     if direct:  # the outermost that says something itself (a re-raise that adds context beats the bare OSError)
         return direct[0]
     if in_tracebacks:  # Ray's text carries the remote traceback: its last real exception is the one raised
         return in_tracebacks[-1]
-    logged = [line for line in _logged_errors(mark.text_since() if mark else "") if not _is_wrapper(line)]
-    if logged:
-        return logged[-1]
+    for output in (mark.text_since() if mark else "", ray_worker_output(texts)):
+        logged = [line for line in _logged_errors(_plain(output)) if not _is_wrapper(line)]
+        if logged:
+            return logged[-1]
     for text in texts:
         for line in text.splitlines():
             m = _KILLED.search(line)
             if m:
                 return (m.group(1) or m.group(2)).strip()
-    first = str(error).strip().splitlines()
+    first = _plain(str(error)).strip().splitlines()
     return f"{type(error).__name__}: {first[0] if first else '(no message)'}"
 
 

@@ -65,10 +65,18 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
-def pytest_collection_modifyitems(config, items):
-    """Run the end-to-end training tests first, while this process holds no model or engine.
+FIRST_MODULES = ("test_train_e2e", "test_two_nodes")
 
-    They start their own Ray, vLLM engine and two FSDP ranks in a subprocess; next to the session's
-    vLLM engine and the ablation's workers that is more than the 24 GiB of a CI machine.
+
+def pytest_collection_modifyitems(config, items):
+    """Run the end-to-end training and two-node tests first, while this process holds no model, engine or Ray.
+
+    They start their own Ray, vLLM engine and FSDP ranks in a subprocess; next to the session's vLLM engine and
+    the ablation's workers that is more than the 24 GiB of a CI machine. The two-node test also needs this
+    process out of any Ray: run later, its shutdown would take the session's engine with it.
     """
-    items.sort(key=lambda item: 0 if item.module.__name__.endswith("test_train_e2e") else 1)
+    def rank(item) -> int:
+        name = item.module.__name__
+        return next((i for i, first in enumerate(FIRST_MODULES) if name.endswith(first)), len(FIRST_MODULES))
+
+    items.sort(key=rank)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from skyrl_stepwise.logging_setup import run_logging
-from skyrl_stepwise.startup_failures import LogMark, StartupFailure, root_cause, starting
+from skyrl_stepwise.startup_failures import LogMark, StartupFailure, ray_worker_output, root_cause, starting
 
 VLLM_ROOT_CAUSE = ("ValueError: Available memory on node 0 (6.46/9.46 GiB) on kv cache allocation is less than "
                    "requested memory for kv (9.19 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, "
@@ -56,6 +56,23 @@ def test_an_oom_kill_names_the_kill():
     assert root_cause(error) == "Task was killed due to the node running low on memory."
 
 
+def test_a_coloured_ray_error_is_read_in_the_named_workers_own_log_file(tmp_path, monkeypatch):
+    """A Ray started before the run (a user's cluster, a test session) routes no worker output into run.log, and
+    its log_to_driver copy arrives after the exception: the worker's own file under Ray's logs folder has it."""
+    import skyrl_stepwise.startup_failures as sf
+
+    _vllm_like_log(tmp_path / "worker-0a1b-01000000-30051.err")
+    (tmp_path / "worker-0a1b-01000000-30052.err").write_text("KeyError: 'another worker, not this one'\n")
+    monkeypatch.setattr(sf, "ray_logs_dir", lambda: tmp_path)
+    error = RuntimeError("The actor died because of an error raised in its creation task, \x1b[36mray::VLLMWorker"
+                         ".__init__()\x1b[39m (pid=30051, ip=10.0.0.2, actor_id=ef49ad8b)")
+    assert root_cause(error, LogMark.now(tmp_path / "run.log")) == VLLM_ROOT_CAUSE
+    assert ray_worker_output(["no pid named"], tmp_path) == ""
+    colored = RuntimeError("The actor died because of an error raised in its creation task, \x1b[36mray::W.__init__()"
+                           "\x1b[39m\n\x1b[36m(W pid=7)\x1b[0m OSError: no config.json in /models/x")
+    assert root_cause(colored) == "OSError: no config.json in /models/x"
+
+
 class _EngineLike:
     """Starts like vLLM on a refused KV cache: the real error printed, a generic one raised."""
 
@@ -91,6 +108,29 @@ def test_a_ray_actor_that_dies_in_its_creation_task_is_named_with_its_own_error(
     assert message.startswith("the vllm engine failed to start: ValueError: Available memory on node 0")
     assert "engine.cpu_kvcache_gib" in message and "ActorDiedError" not in message
     assert type(failed.value.__cause__).__name__ in ("ActorDiedError", "RayActorError")
+
+
+@pytest.mark.integration
+def test_an_actor_dying_on_a_ray_started_before_the_run_is_named_with_its_own_error(tmp_path):
+    """The CI case: Ray was up before the run's logging began, so the worker's output never reaches run.log."""
+    import ray
+
+    from skyrl_stepwise.inference.vllm_engine import ensure_ray
+
+    owns_ray = not ray.is_initialized()
+    ensure_ray()  # outside run_logging: no output routing
+    try:
+        with run_logging(tmp_path, console_level="WARNING"):
+            with pytest.raises(StartupFailure) as failed, starting("the vllm engine"):
+                tests_dir = str(Path(__file__).parent)
+                actor = ray.remote(num_cpus=0)(_EngineLike).options(
+                    runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}).remote()
+                ray.get(actor.ready.remote())
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    assert "ValueError: Available memory on node 0" not in (tmp_path / "run.log").read_text()  # truly unrouted
+    assert str(failed.value).startswith("the vllm engine failed to start: ValueError: Available memory on node 0")
 
 
 @pytest.mark.integration

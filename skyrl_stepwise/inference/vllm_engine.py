@@ -391,9 +391,12 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         """Stop the engine core cleanly, then the actor (a bare kill would orphan the core process). An actor that
-        is already dead (its node lost) has nothing to stop: that must not replace the error the run stops on."""
+        is already dead (its node lost) has nothing to stop: that must not replace the error the run stops on. Once
+        Ray itself has shut down the actor went with it, and any Ray call would start a new empty Ray instead."""
         import ray
 
+        if not ray.is_initialized():
+            return
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
