@@ -97,6 +97,19 @@ def test_one_override_turns_lora_on_in_the_composed_run_config():
         load_config(["trainer.lora.enabled=true", "trainer.lora.dropout=0.05"])
 
 
+def test_a_lora_warm_start_is_cached_apart_from_a_full_one():
+    """SFT with LoRA trains another model than full SFT: the warm-start cache must not hand one to the other."""
+    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.trainer.warm_start import cache_key
+
+    full = cache_key(load_config(["experiment=search_r1_tiny"]), "digest")
+    lora = cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true"]), "digest")
+    assert lora != full
+    assert cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.rank=4"]), "digest") == full  # off
+    assert cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true",
+                                  "trainer.lora.rank=4"]), "digest") != lora
+
+
 def test_a_target_module_the_model_lacks_is_refused_naming_the_key_and_the_modules(model_dirs, tmp_path):
     with pytest.raises(ValueError, match=r"trainer.lora.target_modules: 'query_key_value' names no linear module.*"
                                          r"'down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'"):
