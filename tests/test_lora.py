@@ -163,6 +163,23 @@ def test_the_lora_reference_is_the_base_model_without_a_second_copy(model_dirs, 
     assert {n for n, p in worker.model.named_parameters() if p.requires_grad} == trainable  # adapter back on
 
 
+def test_gradient_checkpointing_with_lora_recomputes_and_changes_no_number(model_dirs, tmp_path):
+    """The adapter inside a checkpointed decoder layer still gets its gradient (non-reentrant checkpointing: the
+    layer's input from the frozen embedding needs no grad), and the step is the same as without checkpointing."""
+    results = []
+    for checkpointing in (False, True):
+        cfg = _cfg(model_dirs["llama"], tmp_path)
+        cfg.fsdp.gradient_checkpointing = checkpointing
+        worker = _worker(cfg)
+        calls = []
+        worker.model.model.layers[0].self_attn.register_forward_pre_hook(lambda *args: calls.append(1))
+        metrics = [worker.train_step(_batch()) for _ in range(2)][-1]
+        results.append((len(calls), metrics["policy/loss"], metrics["train/grad_norm"], worker.weights_checksum()))
+    (plain_calls, *plain), (ckpt_calls, *ckpt) = results
+    assert ckpt_calls == 2 * plain_calls > 0
+    assert plain[1] > 0 and ckpt[:2] == pytest.approx(plain[:2], rel=1e-5) and ckpt[2] == plain[2]
+
+
 # ------------------------------------------------------------------------------------------- weight export
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -184,6 +201,11 @@ def test_exported_merged_weights_score_like_the_trained_lora_policy(arch, model_
     assert worker.weights_checksum() == weights_checksum(plain.named_parameters())
     assert [(e["name"], e["shape"]) for bucket in _manifest(worker) for e in bucket] == \
         [(n, list(t.shape)) for n, t in plain.state_dict().items()]
+    from safetensors.torch import load_file
+
+    written = worker.export_weights(str(tmp_path / "sync.safetensors"), "float32")  # the engines' file sync
+    synced = load_file(next(iter(written["paths"].values())))
+    assert synced.keys() == state.keys() and all(torch.equal(synced[n], state[n]) for n in state)
     folder = tmp_path / "merged"
     plain.save_pretrained(folder)
     engine_like = _worker(replace(worker.cfg, model_path=str(folder), lora=LoRAConfig()), trainable=False)
