@@ -272,3 +272,60 @@ def test_packing_self_check_and_tree_packing_hold_with_a_trained_adapter(model_d
     for packing in ("tree", "rows"):
         check = check_packing_precisely(worker.model, worker.layout, packing, worker.device, torch.float32, seed=0)
         assert check.passed, check.describe()
+
+
+# ------------------------------------------------------------------------------------ two gloo ranks
+
+def _lora_rank(rank: int, port: int, model_path: str, tmp: str) -> None:
+    import json
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    cfg = _cfg(model_path, os.path.join(tmp, "ckpt"))
+    cfg.fsdp.world_size = 2
+    worker = _worker(cfg, with_reference=True)
+    batch = _batch()
+    base = worker.compute_ref_logprobs(batch)
+    for _ in range(2):
+        worker.train_step(batch)
+    trained, ref = worker.compute_logprobs(batch), worker.compute_ref_logprobs(batch)
+    checksum = worker.weights_checksum()
+    state = worker.full_state_dict()  # merged, gathered on rank 0
+    if rank == 0:
+        torch.save(state, os.path.join(tmp, "merged.pt"))
+        with open(os.path.join(tmp, "result.json"), "w") as f:
+            json.dump({"trained": trained, "ref": ref, "base": base, "checksum": checksum}, f)
+    worker.shutdown()
+
+
+def test_lora_on_two_sharded_gloo_ranks_exports_the_trained_policy(model_dirs, tmp_path):
+    """FSDP2 really shards the adapter (A, B split over 2 ranks with the frozen base in the same groups): the
+    merged export gathered from the shards scores what the sharded LoRA policy scores, and the reference is the base."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+    from arch_zoo import logprobs_alone
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_lora_rank, args=(port, model_dirs["llama"], str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "result.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
+    batch = _batch()
+    with torch.no_grad():
+        base = logprobs_alone(model, batch)
+        model.load_state_dict(torch.load(tmp_path / "merged.pt"), strict=True)
+        merged = logprobs_alone(model, batch)
+    flat = lambda rows: torch.tensor([v for row in rows for v in row])  # noqa: E731
+    assert r["ref"] == r["base"]
+    torch.testing.assert_close(flat(r["base"]), base, rtol=0, atol=1e-5)
+    assert (flat(r["trained"]) - base).abs().max() > 1e-3  # the adapter moved the policy
+    torch.testing.assert_close(flat(r["trained"]), merged, rtol=0, atol=1e-5)
+    assert r["checksum"] == weights_checksum(model.named_parameters())
