@@ -92,8 +92,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> str:
     inject_adapter_in_model(LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                        target_modules=targets, bias="none", fan_in_fan_out=bool(conv1d)), model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    if not trainable or any(".lora_" not in n for n in trainable):
-        raise RuntimeError(f"LoRA left non-adapter parameters trainable: {[n for n in trainable if '.lora_' not in n][:5]}")
+    stray = [n for n in trainable if ".lora_" not in n]
+    if not trainable or stray:
+        raise RuntimeError(f"LoRA left {len(trainable) - len(stray)} adapter and these other parameters trainable: "
+                           f"{stray[:5]}")
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     leaves = sorted({n.rsplit(".", 1)[-1] for n in targets})
