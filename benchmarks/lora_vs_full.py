@@ -8,6 +8,9 @@ for the engines (LoRA merges the adapter into full weights first), and the bytes
 
     python benchmarks/lora_vs_full.py                     # 4 trajectories x 3 turns, rank 16, 3 timed steps
     python benchmarks/lora_vs_full.py --trajectories 16 --steps 5 --rank 8
+
+No numbers yet: on the 2-core box, under other jobs' load, neither the default shape (17 min) nor
+--trajectories 2 --turns 1 --steps 1 (4 min) finished; run it on an idle host.
 """
 
 from __future__ import annotations
