@@ -22,8 +22,11 @@ $(STAMP): pyproject.toml requirements-embedded.txt
 	$(BIN)/pip install -q --no-deps -r requirements-embedded.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
+# Extra Hydra overrides for the main job, e.g. make run ARGS="trainer.lora.enabled=true" (LoRA instead of full).
+ARGS ?=
+
 run: install
-	$(BIN)/python -m skyrl_stepwise.train experiment=search_r1_tiny
+	$(BIN)/python -m skyrl_stepwise.train experiment=search_r1_tiny $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not own_model" tests

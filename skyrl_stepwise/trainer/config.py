@@ -159,6 +159,36 @@ class FSDPConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA on the policy (trainer/lora.py, on peft): only the adapter trains and holds optimizer state; the KL
+    reference is the base with the adapter disabled; the engines receive merged full weights at every sync."""
+
+    enabled: bool = False
+    rank: int = 8  # r
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    # Module names (or name suffixes, as in peft) of the linear layers inside the decoder layers to adapt;
+    # "all-linear": every one of them (the attention and MLP projections; never the embeddings or the LM head).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # The engines never apply dropout (trainer/dropout.py): non-zero needs trainer.keep_dropout=true.
+    dropout: float = 0.0
+
+    def validate(self, prefix: str = "trainer.lora", keep_dropout: bool = False) -> None:
+        """Rank, alpha and dropout before a model is loaded (target modules are checked against the model)."""
+        if self.rank < 1:
+            raise ValueError(f"{prefix}.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"{prefix}.alpha must be > 0, got {self.alpha}")
+        if not self.target_modules:
+            raise ValueError(f"{prefix}.target_modules is empty: name modules, or [all-linear]")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{prefix}.dropout must be in [0, 1), got {self.dropout}")
+        if self.dropout > 0 and not keep_dropout:
+            raise ValueError(f"{prefix}.dropout={self.dropout} but the engines sample without dropout, so the "
+                             f"trainer's logprobs would not be theirs (trainer/dropout.py): use 0, or set "
+                             f"trainer.keep_dropout=true to keep dropout knowingly")
+
+
+@dataclass
 class TrainerConfig:
     """Everything the policy worker needs; the RL loop adds epochs, eval and logging on top."""
 
@@ -166,6 +196,7 @@ class TrainerConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # off by default: full fine-tuning
     # Prompts (instance_id groups) per optimizer step, so the number of steps does not depend on turns.
     policy_mini_batch_size: int = 4
     # Token budget of one packed micro-batch row (per rank); a longer sample gets a row of its own. With
@@ -226,6 +257,8 @@ class TrainerConfig:
         self.optim.validate(f"{prefix}.optim")
         self.fsdp.validate(f"{prefix}.fsdp")
         self.divergence.validate(f"{prefix}.divergence")
+        if self.lora.enabled:
+            self.lora.validate(f"{prefix}.lora", keep_dropout=self.keep_dropout)
         if self.agreement_alarm_mean_diff is not None and self.agreement_alarm_mean_diff <= 0:
             raise ValueError(f"{prefix}.agreement_alarm_mean_diff must be > 0 (or null: off), "
                              f"got {self.agreement_alarm_mean_diff}")

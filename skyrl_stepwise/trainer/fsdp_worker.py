@@ -30,6 +30,7 @@ from skyrl_stepwise.trainer.batching import (PackedMicroBatch, TrainBatch, forwa
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.trainer.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
 from skyrl_stepwise.trainer.dropout import disable_dropout, dropout_note
+from skyrl_stepwise.trainer.lora import adapted_layers, adapter_disabled, apply_lora, merged_items, merged_shapes
 from skyrl_stepwise.trainer.losses import no_gradient, policy_loss
 from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.trainer.packing.rope import pin_longrope
@@ -139,6 +140,11 @@ def weights_checksum(named_parameters) -> str:
     return digest.hexdigest()[:16]
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a parameter (a collective all-gather when it is sharded)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a parameter as a plain tensor that writes through to it (the parameter itself when
     it is not sharded)."""
@@ -192,7 +198,9 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
                        ) -> tuple[torch.nn.Module, list[str]]:
     """The checkpoint at cfg.model_path in fp32, sharded per layer over this process group, computing what the
     engines compute: dropout off (unless trainer.keep_dropout) and a longrope RoPE fixed to the factors the engines
-    use at trainer.engine_max_model_len. Returns the model and the start-up log lines saying what was changed."""
+    use at trainer.engine_max_model_len; with trainer.lora.enabled a trainable model gets a LoRA adapter
+    (trainer/lora.py), the only parameters that then require grad (a frozen model is the base). Returns the model
+    and the start-up log lines saying what was changed."""
     from transformers import AutoModelForCausalLM
 
     from skyrl_stepwise.models import resolve_model_path
@@ -208,6 +216,8 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
     notes = [] if cfg.keep_dropout else [dropout_note(disable_dropout(model))]
     if cfg.engine_max_model_len is not None:  # before sharding: the pinned RoPE buffers move with the model
         notes.append(pin_longrope(model, cfg.engine_max_model_len))
+    if cfg.lora.enabled and trainable:  # before sharding: FSDP2 shards the adapter with its layer
+        notes.append(apply_lora(model, cfg.lora))
     if cfg.fsdp.gradient_checkpointing and trainable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = shard_model(model, cfg.fsdp, device)
@@ -221,7 +231,8 @@ class PolicyWorker:
 
     `with_reference=True` also keeps a frozen copy of the starting weights, sharded over the same ranks, for
     the KL loss: the reference lives on the policy's GPUs and process group instead of in a second group of
-    actors (one process, one CUDA context and one NCCL communicator per GPU fewer).
+    actors (one process, one CUDA context and one NCCL communicator per GPU fewer). With LoRA the reference is
+    the policy's own base (the adapter switched off): no second copy at all.
     """
 
     def __init__(self, cfg: TrainerConfig, trainable: bool = True, with_reference: bool = False):
@@ -236,7 +247,9 @@ class PolicyWorker:
         self._packing_checks: dict[str, PackingCheck] = {}  # every packing this worker may train, checked once
         self.cfg = cfg = replace(cfg, packing=self._checked_packing(cfg.packing))
         self.reference = None
-        if with_reference:
+        self.lora_layers = adapted_layers(self.model) if cfg.lora.enabled and trainable else {}
+        self._base_reference = with_reference and bool(self.lora_layers)
+        if with_reference and not self._base_reference:
             with torch.random.fork_rng(devices=[]):  # the policy's RNG stream is the same with or without it
                 self.reference, _ = load_sharded_model(cfg, self.device, trainable=False)
         self.optimizer = self.scheduler = None
@@ -245,11 +258,13 @@ class PolicyWorker:
         self._snapshot: dict | None = None
 
     def _build_optimizer(self) -> None:
-        """AdamW and its transformers LR schedule from cfg.optim."""
+        """AdamW and its transformers LR schedule from cfg.optim, over the parameters that train (with LoRA: the
+        adapter's alone, so the frozen base has neither gradients nor AdamW moments)."""
         from transformers import get_scheduler
 
         o = self.cfg.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.scheduler = get_scheduler(o.scheduler, self.optimizer, num_warmup_steps=o.num_warmup_steps,
                                        num_training_steps=o.num_training_steps if o.num_training_steps > 0 else None)
@@ -333,6 +348,9 @@ class PolicyWorker:
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The same under the reference (the starting weights), for the KL loss."""
+        if self._base_reference:  # LoRA: the base is the policy with its adapter switched off
+            with adapter_disabled(self.model):
+                return self._logprobs(self.model, batch)
         if self.reference is None:
             raise RuntimeError("compute_ref_logprobs on a PolicyWorker built without with_reference=True")
         return self._logprobs(self.reference, batch)
@@ -436,11 +454,18 @@ class PolicyWorker:
         """Full (unsharded) fp32 weights on CPU under their HF names, for weight sync; collective.
 
         Rank 0 receives every tensor; the other ranks get an empty dict (cpu_offload keeps memory bounded).
+        With LoRA the adapter is merged in (W + scaling * B @ A) under the base model's names: what the engines load.
         """
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.lora_layers or not state:
+            return state
+        return dict(merged_items(state, self.lora_layers))
 
     def weights_checksum(self) -> str:
-        """Digest of the full fp32 weights (see `weights_checksum`), the same on every rank; collective."""
+        """Digest of the full fp32 weights (see `weights_checksum`), the same on every rank; collective. With LoRA,
+        of the merged weights the engines receive (before any step: the base model's own digest)."""
+        if self.lora_layers:
+            return weights_checksum(merged_items(dict(self.model.named_parameters()), self.lora_layers, _full))
         return weights_checksum(self.model.named_parameters())
 
     def snapshot(self) -> None:
@@ -578,6 +603,8 @@ class PolicyWorker:
         from skyrl_stepwise.inference.weight_broadcast import manifest_to_wire, plan_buckets
 
         shapes = ((name, tuple(t.shape)) for name, t in self.model.state_dict().items())
+        if self.lora_layers:  # the engines receive merged weights under the base model's names
+            shapes = merged_shapes(shapes)
         return manifest_to_wire(plan_buckets(shapes, dtype, bucket_bytes))
 
     def open_weight_broadcast(self, num_engine_ranks: int, timeout_s: float) -> tuple[str, int, str] | None:
@@ -617,10 +644,13 @@ class PolicyWorker:
         state = self.model.state_dict()
         expected = [(s.name, s.shape) for bucket in buckets for s in bucket]
         actual = [(name, tuple(t.shape)) for name, t in state.items()]
+        if self.lora_layers:
+            actual = list(merged_shapes(actual))
         if expected != actual:
             missing = sorted(set(expected) ^ set(actual))[:5]
             raise ValueError(f"broadcast_weights: the manifest does not match this model's state dict: {missing}")
-        full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state.items())
+        full = merged_items(state, self.lora_layers, _full) if self.lora_layers else \
+            ((name, _full(t)) for name, t in state.items())
         sent = 0
         with torch.no_grad():
             if self.rank == 0:

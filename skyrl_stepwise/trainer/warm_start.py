@@ -108,6 +108,8 @@ def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
         inputs["tools"] = tools
     if cfg.trainer.keep_dropout:  # a key only when set: warm starts cached before the key existed stay valid
         inputs["keep_dropout"] = True
+    if cfg.trainer.lora.enabled:  # SFT trains the adapter alone: another model than full fine-tuning's
+        inputs["lora"] = dataclasses.asdict(cfg.trainer.lora)
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
