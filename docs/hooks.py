@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -15,6 +16,7 @@ def _generator():
     path = Path(__file__).with_name("gen_config_reference.py")
     spec = importlib.util.spec_from_file_location("skyrl_docs_gen_config_reference", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
