@@ -2,7 +2,8 @@
 
 Docs drift when code moves (#48 moved every module into rooms by role). Every command in a code block of README.md
 and docs/*.md, and every inline code span that is a command, an override or a key path, is checked against this
-checkout: `python -m MODULE` -> the module is importable from this checkout; `skyrl-stepwise WORDS` -> a command of
+checkout: `python -m MODULE` -> the module is importable from this checkout; `skyrl_stepwise.a.b.Name` -> a module
+of this checkout (and at most one attribute under it); `skyrl-stepwise WORDS` -> a command of
 `skyrl_stepwise.cli.COMMANDS`; `make TARGET [VAR=...]` -> a Makefile target and variable; `key=value` overrides
 on a Hydra command (`+key=` adds a key: skipped) and `section.key` spans -> keys of the composed config;
 `experiment=NAME` -> conf/experiment/NAME.yaml; repo paths (`skyrl_stepwise/...`, `conf/...`, `examples/...`,
@@ -26,6 +27,7 @@ PATH_RE = re.compile(r"(?<![\w./~-])((?:%s)/[\w./*-]*)" % "|".join(re.escape(d) 
 OVERRIDE_RE = re.compile(r"^(\+{0,2})([A-Za-z_][\w]*(?:\.[\w]+)*)=(.*)$", re.S)
 KEY_SPAN_RE = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+)(\.\*)?$")
 FILE_EXTS = (".py", ".yaml", ".yml", ".json", ".jsonl", ".md", ".parquet", ".png", ".gguf", ".txt", ".log", ".pkl")
+DOTTED_RE = re.compile(r"^(skyrl_stepwise(?:\.\w+)*)(?::(\w+))?(?:\(.*\))?$")
 PACKAGE_PATH_RE = re.compile(r"^[a-z_]+/[\w/.-]*\.py$")
 FENCE_RE = re.compile(r"^(```+|~~~+)[ \t]*([\w+-]*)[^\n]*\n(.*?)^\1[ \t]*$", re.S | re.M)
 INLINE_RE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
@@ -88,6 +90,19 @@ def module_exists(name: str, facts: Facts) -> bool:
     if name.split(".")[0] == "skyrl_stepwise":
         return spec.origin is not None and Path(spec.origin).resolve().is_relative_to(facts.root.resolve())
     return True
+
+
+def check_dotted(name: str, facts: Facts) -> str | None:
+    """None if a dotted name of this package (`skyrl_stepwise.run.config.RunConfig`, `pkg.mod:Class`) names a
+    module of this checkout, or an attribute right under one (read from the files: nothing is imported)."""
+    m = DOTTED_RE.match(name)
+    parts = m.group(1).split(".")
+    for n in range(len(parts), 0, -1):
+        base = facts.root.joinpath(*parts[:n])
+        if base.with_suffix(".py").exists() or base.is_dir():  # a package, namespace ones (envs/) included
+            left = len(parts) - n + (1 if m.group(2) else 0)
+            return None if left <= 1 else f"{name}: no module {'.'.join(parts[:n + 1])}"
+    return f"{name}: no such module"
 
 
 def check_key(key: str, facts: Facts) -> str | None:
@@ -244,6 +259,10 @@ def check_markdown(text: str, facts: Facts, where: str = "") -> list[str]:
         override = OVERRIDE_RE.match(span.split(" ")[0])
         if override and override.group(2).split(".")[0] in facts.sections and "." in override.group(2):
             errors += check_overrides([span.split(" ")[0]], facts)
+        elif DOTTED_RE.match(span):
+            error = check_dotted(span, facts)
+            if error:
+                errors.append(error)
         elif PACKAGE_PATH_RE.match(span) and span.split("/")[0] not in REPO_DIRS:
             # a path inside the package (`inference/weights.py`): it must still be there
             if not (facts.root / "skyrl_stepwise" / span).exists() and not (facts.root / span).exists():

@@ -89,6 +89,8 @@ def test_every_command_key_and_path_in_the_docs_exists(facts):
     ("Tested by tests/test_no_such_file.py::test_x.", "path tests/test_no_such_file.py"),
     ("```bash\npython benchmarks/no_such_bench.py --n 3\n```", "benchmarks/no_such_bench.py"),
     ("In `policy/no_such_module.py`.", "path policy/no_such_module.py"),
+    ("Typed by `skyrl_stepwise.no_such_room.config.RunConfig`.", "no module skyrl_stepwise.no_such_room"),
+    ("Subclass `skyrl_stepwise.envs.gone:Env`.", "no module skyrl_stepwise.envs.gone"),
 ])
 def test_the_checker_fails_on_a_stale_command_key_or_path(facts, markdown, stale):
     errors = checker.check_markdown(markdown, facts, "page.md")
@@ -107,6 +109,7 @@ def test_the_checker_passes_what_exists(facts):
         "python benchmarks/chaos.py --noise-run && pytest -m own_model tests/test_docs.py",
         "```",
         "`trainer.lora.rank`, `generator.context.*`, `sft.parquet`, `examples/own_task/`, `train/forward_tokens`.",
+        "`skyrl_stepwise.tools.Tool`, `skyrl_stepwise.envs.humaneval:HumanEvalEnv`, `skyrl_stepwise.cli.COMMANDS`.",
     ])
     assert checker.check_markdown(markdown, facts) == []
 
