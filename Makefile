@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml requirements-embedded.txt
 ARGS ?=
 
 run: install
-	$(BIN)/python -m skyrl_stepwise.train experiment=search_r1_tiny $(ARGS)
+	$(BIN)/python -m skyrl_stepwise.cli.train experiment=search_r1_tiny $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not own_model" tests

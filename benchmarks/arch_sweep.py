@@ -8,12 +8,12 @@ accepts it, the conformance batch of tests/arch_zoo.py is packed and compared wi
 
     exact (max |packed - alone|)   accepted, and every logprob within 1e-5 (fp32)
     refused (reason)               the start-up refuses it, naming the model type
-    MISMATCH (err)                 accepted, but a logprob is off: a bug in trainer/packing/
+    MISMATCH (err)                 accepted, but a logprob is off: a bug in policy/packing/
     skipped (why)                  not a decoder-only LM we can build offline (encoder-decoder, multimodal, ...)
 
     python benchmarks/arch_sweep.py                 # every model type: progress on stderr, a markdown table on stdout
     python benchmarks/arch_sweep.py mistral gpt_neo # some
-    python benchmarks/arch_sweep.py --proxy [types] # the fp32 proxy (trainer/packing/proxy.py) vs the model itself
+    python benchmarks/arch_sweep.py --proxy [types] # the fp32 proxy (policy/packing/proxy.py) vs the model itself
 
 `--proxy`: each tiny model is built at twice its depth (per-layer fields repeated), its auto packing checked in fp32
 on the model itself and on the proxy the worker builds under bf16 compute (the fewest leading layers that hold
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import torch  # noqa: E402
 from arch_zoo import ARCHITECTURES, COMMON, WINDOW, conformance_batch, logprobs_alone  # noqa: E402
 
-from skyrl_stepwise.trainer.batching import forward_logprobs, pack_micro_batch, rank_micro_batches  # noqa: E402
-from skyrl_stepwise.trainer.packing import attention_layout, refuse_inexact_attention, resolve_packing  # noqa: E402
-from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal  # noqa: E402
+from skyrl_stepwise.policy.batching import forward_logprobs, pack_micro_batch, rank_micro_batches  # noqa: E402
+from skyrl_stepwise.policy.packing import attention_layout, refuse_inexact_attention, resolve_packing  # noqa: E402
+from skyrl_stepwise.policy.packing.selfcheck import check_packing, refusal  # noqa: E402
 
 TOLERANCE = 1e-5
 MAX_PARAMS = 5_000_000  # a config we failed to shrink (a size key we do not know) is skipped, not allocated
@@ -263,7 +263,7 @@ def proxy_verdict(model_type: str) -> str:
     """One type at twice its tiny depth: does the fp32 proxy's self-check agree with the model's own fp32 check?"""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.packing.proxy import build_fp32_proxy
+    from skyrl_stepwise.policy.packing.proxy import build_fp32_proxy
 
     config = tiny_config(model_type)
     if isinstance(config, str):

@@ -30,7 +30,7 @@ PROMPT = [{"role": "user", "content": "Answer with one word, yes or no: is the s
 def run(arm: list[str], data: Path, out: Path, steps: int, shared: bool) -> list[dict]:
     """One training run through the CLI; its per-step records."""
     threads = [] if shared else ["engine.num_threads=1", "trainer.fsdp.num_threads_per_rank=1"]
-    command = [sys.executable, "-m", "skyrl_stepwise.train", "experiment=search_r1_tiny", f"total_steps={steps}",
+    command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", f"total_steps={steps}",
                f"data.train_path={data}", "data.val_path=", "data.train_batch_size=4", "data.shuffle=false",
                "generator.n_samples_per_prompt=4", "generator.max_turns=2", "generator.sampling.max_generate_length=64",
                "trainer.algorithm.dynamic_sampling=false", "trainer.ckpt_interval=0", "sft.enabled=false",

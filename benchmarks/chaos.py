@@ -92,18 +92,18 @@ def worker(out: Path, model_dir: Path, plan: dict) -> None:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
     from skyrl_stepwise.data.dataset import PromptRow
     from skyrl_stepwise.envs.base import EnvRegistry, StepResult
     from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
     from skyrl_stepwise.inference import EngineConfig, HFEngine
     from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalClientConfig
     from skyrl_stepwise.tools import Tool, ToolExecutor
-    from skyrl_stepwise.trainer import checkpoint
-    from skyrl_stepwise.trainer.config import FSDPConfig, TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.checkpoint import store as checkpoint
+    from skyrl_stepwise.policy.config import FSDPConfig, TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     fired = {(w["kind"], w.get("step")) for w in witnessed(out) if w["event"] == "fired"}
     state = {"step": 0}

@@ -1,7 +1,7 @@
 """What the checkpoint manifest's content hashes cost per save and per resume, on a SmolLM2-135M-sized checkpoint.
 
 A randomly initialised model of SmolLM2-135M's config (fp32) with AdamW moments after one step: ~0.5 GB of weights
-and ~1.1 GB of optimizer state, saved through trainer/checkpoint.save_checkpoint (one rank). Reported: the save
+and ~1.1 GB of optimizer state, saved through checkpoint/store.save_checkpoint (one rank). Reported: the save
 and the driver's verify_checkpoint, each in total and the part spent hashing (sha256 over every file, from the page
 cache, as right after a save; a resume from a cold disk also pays the read, which the load itself pays anyway).
 
@@ -25,8 +25,8 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from skyrl_stepwise.models import resolve_model_path
-    from skyrl_stepwise.trainer import checkpoint
-    from skyrl_stepwise.trainer.checkpoint_verify import verify_checkpoint
+    from skyrl_stepwise.checkpoint import store as checkpoint
+    from skyrl_stepwise.checkpoint.verify import verify_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp/ckpt_hash_bench")
@@ -56,7 +56,7 @@ def main() -> None:
 
     save, save_hash, verify, verify_hash = [], [], [], []
     with mock.patch.object(checkpoint, "file_digest", timed_digest), \
-            mock.patch("skyrl_stepwise.trainer.checkpoint_verify.file_digest", timed_digest):
+            mock.patch("skyrl_stepwise.checkpoint.verify.file_digest", timed_digest):
         for step in range(1, args.reps + 1):
             hashing.append(0.0)
             start = time.perf_counter()

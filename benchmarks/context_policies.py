@@ -138,7 +138,7 @@ async def rollout_arm(policy: str, args, tokenizer, engine):
 
 def summarise(policy: str, out, seconds: float, args) -> ArmResult:
     """The table's numbers for one arm, from its step samples."""
-    from skyrl_stepwise.trainer.tree import unique_tokens
+    from skyrl_stepwise.policy.tree import unique_tokens
 
     m = out.rollout_metrics
     last = {t: r for t, r, is_last in zip(out.trajectory_ids, out.stop_reasons, out.is_last_step) if is_last}
@@ -196,7 +196,8 @@ def make_worker():
     import tempfile
 
     from skyrl_stepwise.models import resolve_model_path
-    from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import TrainerConfig
 
     with tempfile.TemporaryDirectory() as ckpt:
         cfg = TrainerConfig(model_path=str(resolve_model_path("smollm2")), micro_batch_tokens=2048, ckpt_interval=0,
@@ -211,8 +212,8 @@ def make_worker():
 
 def update_seconds(worker, cfg, out) -> float:
     """Wall seconds of one tree-packed policy update on these step samples, from the shared snapshot."""
-    from skyrl_stepwise.trainer.advantages import compute_advantages
-    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.algorithms.advantages import compute_advantages
+    from skyrl_stepwise.policy.batching import TrainBatch
 
     worker.restore_snapshot()
     batch = TrainBatch.from_output(out, compute_advantages(out, cfg.algorithm))

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from skyrl_stepwise.trainer.evaluation import paired_bootstrap, transitions
+from skyrl_stepwise.loop.evaluation import paired_bootstrap, transitions
 
 POLICIES = ("none", "truncate", "sliding_window", "summarize")
 PER_STEP = {  # column -> metrics.jsonl key, averaged over the RL steps

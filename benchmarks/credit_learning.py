@@ -63,11 +63,11 @@ async def train_run(mode: str, seed: int, args) -> list[dict]:
     from skyrl_stepwise.inference.config import EngineConfig
     from skyrl_stepwise.inference.hf_engine import HFEngine
     from skyrl_stepwise.models.prepare import resolve_model_path
-    from skyrl_stepwise.trainer.advantages import loss_weights
-    from skyrl_stepwise.trainer.batching import TrainBatch, pack_indices, pack_micro_batch
-    from skyrl_stepwise.trainer.config import AlgorithmConfig
-    from skyrl_stepwise.trainer.credit import compute_credit
-    from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
+    from skyrl_stepwise.algorithms.advantages import loss_weights
+    from skyrl_stepwise.policy.batching import TrainBatch, pack_indices, pack_micro_batch
+    from skyrl_stepwise.policy.config import AlgorithmConfig
+    from skyrl_stepwise.algorithms.credit import compute_credit
+    from skyrl_stepwise.policy.fsdp_worker import micro_batch_loss
 
     torch.manual_seed(seed)
     path = resolve_model_path("smollm2")

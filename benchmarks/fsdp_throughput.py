@@ -55,7 +55,7 @@ def write_random_model(name: str, folder: str) -> None:
 def search_r1_rollouts(trajectories: int, turns: int, prompt_len: int, response_len: int, obs_len: int,
                        vocab: int, seed: int = 0):
     """Step-wise samples of `trajectories` synthetic multi-turn rollouts (2 per prompt), with advantages."""
-    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.policy.batching import TrainBatch
 
     rng = random.Random(seed)
     batch = TrainBatch([], [], [], [], advantages=[])
@@ -75,7 +75,7 @@ def search_r1_rollouts(trajectories: int, turns: int, prompt_len: int, response_
 
 def merged(batch, turns: int):
     """The same rollouts as one sample per trajectory: observations join the response, masked out."""
-    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.policy.batching import TrainBatch
 
     out = TrainBatch([], [], [], [], advantages=[])
     for s in range(0, len(batch), turns):
@@ -106,7 +106,7 @@ def model_flops(batch, micro_batches, n_params_dense: int, layers: int, hidden: 
     """
     head = 6 * hidden * vocab * sum(len(r) for r in batch.response_ids)
     if packing == "tree":
-        from skyrl_stepwise.trainer.tree import build_trie
+        from skyrl_stepwise.policy.tree import build_trie
 
         tries = [build_trie([batch.prompt_ids[i] + batch.response_ids[i] for i in mb]) for mb in micro_batches]
         tokens = sum(max(1, len(t)) for t in tries)
@@ -138,8 +138,9 @@ def main() -> None:
                              "flex_attention the tree loads its own attention; measured on an H200, README)")
     args = parser.parse_args()
 
-    from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
-    from skyrl_stepwise.trainer.batching import rank_micro_batches
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.batching import rank_micro_batches
 
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in device_name), None)

@@ -1,7 +1,7 @@
 """The packed-row GPU path: flex_attention (compiled) rows and tree, exact per architecture, and what the tree saves.
 
 Part 1, exactness: for tiny random models of the windowed and full-attention architectures in tests/arch_zoo.py, the
-worker's flex_attention path (trainer/packing/flex.py: a BlockMask per layer type, windows in depth) packs the
+worker's flex_attention path (policy/packing/flex.py: a BlockMask per layer type, windows in depth) packs the
 conformance batch as rows and as a tree; logprobs are compared with each sample forwarded alone (sdpa, the model's own
 masks) and gradients with one sample per row. fp32.
 
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from arch_zoo import ARCHITECTURES, conformance_batch, tiny_model  # noqa: E402
 
-from skyrl_stepwise.trainer.batching import TrainBatch, forward_logprobs, pack_micro_batch  # noqa: E402
-from skyrl_stepwise.trainer.packing import attention_layout  # noqa: E402
-from skyrl_stepwise.trainer.packing.flex import register_packed_flex_attention  # noqa: E402
+from skyrl_stepwise.policy.batching import TrainBatch, forward_logprobs, pack_micro_batch  # noqa: E402
+from skyrl_stepwise.policy.packing import attention_layout  # noqa: E402
+from skyrl_stepwise.policy.packing.flex import register_packed_flex_attention  # noqa: E402
 
 FLEX_ARCHS = ["llama", "qwen3", "mistral", "gemma3_text", "cohere2", "olmo3", "exaone4", "qwen3_moe"]
 
@@ -47,7 +47,7 @@ def flex_packs(arch: str) -> str | None:
     """Why the trainer would not pack this zoo architecture with flex_attention (None: it would, so check it)."""
     from dataclasses import replace
 
-    from skyrl_stepwise.trainer.packing import refuse_inexact_attention
+    from skyrl_stepwise.policy.packing import refuse_inexact_attention
 
     layout = replace(attention_layout(tiny_model(arch, "sdpa")), attn_implementation="flex_attention")
     if layout.one_sample_per_row:

@@ -55,8 +55,9 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     from skyrl_stepwise.inference.weights import weights_file
     from skyrl_stepwise.models import resolve_model_path
-    from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
-    from skyrl_stepwise.trainer.config import LoRAConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.config import LoRAConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         def config(lora: bool) -> TrainerConfig:

@@ -69,7 +69,7 @@ def run_processes(root: psutil.Process, baseline: set[int]) -> list[psutil.Proce
 def main() -> None:
     overrides = sys.argv[1:]
     out = Path(tempfile.mkdtemp(prefix="memory_"))
-    command = [sys.executable, "-m", "skyrl_stepwise.train", "experiment=search_r1_tiny", "logging.wandb_mode=disabled",
+    command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", "logging.wandb_mode=disabled",
                f"logging.output_dir={out / 'run'}", *overrides]
     baseline = {p.pid for p in psutil.process_iter()}
     start = time.perf_counter()

@@ -88,7 +88,8 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     from skyrl_stepwise.inference.weights import weights_file
-    from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import TrainerConfig
 
     sampler = PeakSampler()
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     args, overrides = parser.parse_known_args()
-    from skyrl_stepwise.train import load_config, run
+    from skyrl_stepwise.cli.train import load_config, run
 
     out = Path(tempfile.mkdtemp(prefix="reward_learning_"))
     cfg = load_config(["experiment=search_r1_tiny", f"total_steps={args.steps}",

@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from skyrl_stepwise.trainer.evaluation import paired_bootstrap, transitions
+from skyrl_stepwise.loop.evaluation import paired_bootstrap, transitions
 
 # what usually explains "RL does not beat SFT": how many groups carry signal, how far the policy moved, what limits
 # the reward (the gold answer retrieved vs answered), and how the per-step credit departs from the outcome
@@ -46,7 +46,7 @@ def by_source(after: list[float], before: list[float], sources: list[str]) -> di
 
 def stage_evals(run_dir: Path) -> dict:
     """Each saved eval stage ("after SFT", "after RL (step N)", ...) by name, with per-prompt scores."""
-    from skyrl_stepwise.trainer.evaluation import load_evals
+    from skyrl_stepwise.loop.evaluation import load_evals
 
     return {e.stage: e for e in load_evals(run_dir)}
 
@@ -156,7 +156,7 @@ def main() -> None:
                         help="train nothing: tabulate arm folders of earlier runs (OUT/<mode>); each arm is compared with "
                              "the first one listed from its own OUT folder")
     args, overrides = parser.parse_known_args()
-    from skyrl_stepwise.trainer.config import STEP_ADVANTAGES
+    from skyrl_stepwise.policy.config import STEP_ADVANTAGES
 
     unknown = [m for m in args.modes if m not in STEP_ADVANTAGES]
     if unknown and not args.report:  # `--modes a b key=value` swallows the override as a mode
@@ -185,7 +185,7 @@ def main() -> None:
 def train_arm(mode: str, run_dir: Path, steps: int, eval_prompts: int, overrides: list[str]) -> None:
     """The main job (eval, cached SFT, eval, RL, eval) for one step_advantage mode; writes arm.json beside it, so
     a finished arm is reported even when a later one fails (`--report`)."""
-    from skyrl_stepwise.train import load_config, run
+    from skyrl_stepwise.cli.train import load_config, run
 
     cfg = load_config(["experiment=search_r1_tiny", f"total_steps={steps}", f"eval_interval={steps}",
                        f"data.max_eval_prompts={eval_prompts}", f"trainer.algorithm.step_advantage={mode}",

@@ -82,12 +82,13 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from skyrl_stepwise.ablate import measure
+    from skyrl_stepwise.cli.ablate import measure
     from skyrl_stepwise.generator.merge import merge_stepwise_output
     from skyrl_stepwise.models import resolve_model_path
-    from skyrl_stepwise.trainer import PolicyWorker, TrainerConfig
-    from skyrl_stepwise.trainer.credit import compute_advantages
-    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.algorithms.credit import compute_advantages
+    from skyrl_stepwise.policy.batching import TrainBatch
 
     path = resolve_model_path("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -33,9 +33,9 @@ async def main(args: argparse.Namespace) -> None:
     from skyrl_stepwise.inference.config import EngineConfig
     from skyrl_stepwise.inference.vllm_engine import VLLMEngine, ensure_ray
     from skyrl_stepwise.models import resolve_model_path
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.weight_sync import WeightSync, WeightSyncConfig, probe_logprobs
-    from skyrl_stepwise.trainer.worker_group import PolicyGroup
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.weight_sync import WeightSync, WeightSyncConfig, probe_logprobs
+    from skyrl_stepwise.policy.worker_group import PolicyGroup
 
     model = str(resolve_model_path("smollm2"))
     ensure_ray()

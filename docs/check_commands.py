@@ -51,12 +51,6 @@ class Facts:
     experiments: set[str]
 
 
-def _run_module(name: str) -> str:
-    """`skyrl_stepwise.run.<name>` once the #48 move is in this checkout, else the old top-level module."""
-    new = (ROOT / "skyrl_stepwise" / "run" / f"{name}.py").exists()
-    return f"skyrl_stepwise.run.{name}" if new else f"skyrl_stepwise.{name}"
-
-
 def load_facts(root: Path = ROOT) -> Facts:
     """Read everything the checks compare against, once (composing the config takes a few seconds)."""
     if str(root) not in sys.path:
@@ -64,7 +58,7 @@ def load_facts(root: Path = ROOT) -> Facts:
     from hydra import compose, initialize_config_dir
 
     cli = importlib.import_module("skyrl_stepwise.cli")
-    config_module = importlib.import_module(_run_module("config"))
+    config_module = importlib.import_module("skyrl_stepwise.run.config")
     config_module.register_configs()
     with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
         composed = compose(config_name="config")

@@ -25,24 +25,7 @@ def run_config_class() -> type:
     """The run's config schema, imported from this checkout (not an installed copy elsewhere)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    return _config_module().RunConfig
-
-
-def _config_module():
-    """skyrl_stepwise.run.config (until the #48 move lands on this branch: skyrl_stepwise.config). Chosen by the
-    checkout's files, not by what imports: an editable install elsewhere may offer the other layout."""
-    import importlib
-
-    new = (ROOT / "skyrl_stepwise" / "run" / "config.py").exists()
-    return importlib.import_module("skyrl_stepwise.run.config" if new else "skyrl_stepwise.config")
-
-
-def _app_config_module():
-    """skyrl_stepwise.run.app_config (until the #48 move lands on this branch: skyrl_stepwise.app_config)."""
-    import importlib
-
-    new = (ROOT / "skyrl_stepwise" / "run" / "app_config.py").exists()
-    return importlib.import_module("skyrl_stepwise.run.app_config" if new else "skyrl_stepwise.app_config")
+    return importlib.import_module("skyrl_stepwise.run.config").RunConfig
 
 
 def base_config() -> dict:
@@ -51,8 +34,11 @@ def base_config() -> dict:
     from omegaconf import OmegaConf
 
     run_config_class()
-    _config_module().register_configs()
-    with initialize_config_dir(config_dir=_app_config_module().CONF_DIR, version_base="1.3"):
+    from skyrl_stepwise.run.app_config import CONF_DIR
+    from skyrl_stepwise.run.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         composed = compose(config_name="config")
     return OmegaConf.to_container(composed, resolve=False)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from skyrl_stepwise.trainer.batching import TrainBatch
+from skyrl_stepwise.policy.batching import TrainBatch
 
 WINDOW = 6
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -53,15 +53,15 @@ def main(out: Path, model_dir: Path, total_steps: int, max_staleness: int, kill_
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
     from skyrl_stepwise.data.dataset import PromptRow
     from skyrl_stepwise.envs.base import EnvRegistry
     from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
     from skyrl_stepwise.inference import EngineConfig, HFEngine
-    from skyrl_stepwise.trainer.config import FSDPConfig, TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.policy.config import FSDPConfig, TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     cfg = RunConfig(total_steps=total_steps)
     cfg.generator = GeneratorConfig(max_turns=1, max_input_length=256, n_samples_per_prompt=4, show_progress=False,

@@ -26,9 +26,9 @@ def _load(path) -> GeneratorOutput:
 def test_replay_ablation_report_matches_samples(tmp_path, model_path):
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.ablate import run
-    from skyrl_stepwise.train import load_config
-    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+    from skyrl_stepwise.cli.ablate import run
+    from skyrl_stepwise.cli.train import load_config
+    from skyrl_stepwise.policy.fsdp_worker import weights_checksum
 
     # the KL loss is the GPU recipe's default: it needs reference logprobs in the replay and in every mode's run;
     # one prompt and one training step per mode keep the replay and the curves cheap (an update of SmolLM2 on

@@ -48,7 +48,7 @@ def test_report_says_when_nothing_is_flagged(tmp_path):
 
 
 def test_timing_repeats_is_validated_with_its_key():
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run.app_config import load_config
 
     assert load_config(["experiment=search_r1_tiny"]).ablation.timing_repeats == 3
     with pytest.raises(ValueError, match=r"ablation\.timing_repeats must be >= 1"):
@@ -56,7 +56,7 @@ def test_timing_repeats_is_validated_with_its_key():
 
 
 def test_ablate_help_lists_the_ablation_keys_not_trains(capsys):
-    from skyrl_stepwise import ablate
+    from skyrl_stepwise.cli import ablate
 
     with pytest.raises(SystemExit) as exit_:
         ablate.main(["--help"])

@@ -9,10 +9,10 @@ import pytest
 
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
-from skyrl_stepwise.trainer.advantages import group_advantages, loss_weights, trajectory_scores
-from skyrl_stepwise.trainer.credit import compute_advantages
-from skyrl_stepwise.trainer.config import AlgorithmConfig
-from skyrl_stepwise.trainer.credit import compute_credit
+from skyrl_stepwise.algorithms.advantages import group_advantages, loss_weights, trajectory_scores
+from skyrl_stepwise.algorithms.credit import compute_advantages
+from skyrl_stepwise.policy.config import AlgorithmConfig
+from skyrl_stepwise.algorithms.credit import compute_credit
 
 
 @dataclass
@@ -158,7 +158,7 @@ def test_errors_name_the_problem():
         compute_advantages(out, AlgorithmConfig())
 
 
-# ------------------------------------------------------------------ per-step credit (trainer/credit.py)
+# ------------------------------------------------------------------ per-step credit (algorithms/credit.py)
 
 def _step_adv(out: GeneratorOutput, cfg: AlgorithmConfig) -> dict[tuple[TrajectoryID, int], float]:
     """(trajectory, turn) -> the advantage on that step's first loss-masked token."""

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from skyrl_stepwise.trainer.agreement import AgreementAlarm, SyncRecord, check_agreement
-from skyrl_stepwise.trainer.loop import combine_train_metrics
+from skyrl_stepwise.loop.agreement import AgreementAlarm, SyncRecord, check_agreement
+from skyrl_stepwise.loop.loop import combine_train_metrics
 
 
 def test_check_agreement_stops_past_the_threshold_only():

@@ -9,7 +9,7 @@ import torch
 from test_advantages import sample_trajs, stepwise_output
 
 from skyrl_stepwise.generator.merge import merge_stepwise_output
-from skyrl_stepwise.trainer.batching import (TrainBatch, balanced_partition, forward_logprobs, gather_logprobs,
+from skyrl_stepwise.policy.batching import (TrainBatch, balanced_partition, forward_logprobs, gather_logprobs,
                                              pack_indices, pack_micro_batch, packing_stats, prompt_mini_batches)
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, get_scheduler
 
-from skyrl_stepwise.trainer import checkpoint
-from skyrl_stepwise.trainer.checkpoint import (COMPLETE, find_latest_complete, load_checkpoint, resolve_resume,
+from skyrl_stepwise.checkpoint import store as checkpoint
+from skyrl_stepwise.checkpoint.store import (COMPLETE, find_latest_complete, load_checkpoint, resolve_resume,
                                                save_checkpoint, step_dir)
 
 # single-process DCP warns that it assumes a single process, which is exactly the case here

@@ -1,7 +1,7 @@
 """Faults around checkpoints: a COMPLETE checkpoint that does not read back, and a save that fails.
 
 Corrupt newest checkpoint + resume=auto: set aside (step_N.corrupt) with a warning naming the folder and the file,
-and the previous complete checkpoint is loaded whole (checkpoint_verify.py says why that is bitwise safe); no
+and the previous complete checkpoint is loaded whole (skyrl_stepwise/checkpoint/verify.py says why that is bitwise safe); no
 readable checkpoint at all, or an explicitly named corrupt one: a CorruptCheckpoint naming folder, file and what to
 do, never DCP's stack trace. A failed save: a CheckpointSaveError naming the folder and the cause, its .tmp gone,
 nothing pruned, and resume=auto still picks the previous complete checkpoint.
@@ -14,11 +14,11 @@ import errno
 import pytest
 import torch
 
-from skyrl_stepwise.trainer import checkpoint
-from skyrl_stepwise.trainer.checkpoint import (CheckpointSaveError, CorruptCheckpoint, complete_checkpoints,
+from skyrl_stepwise.checkpoint import store as checkpoint
+from skyrl_stepwise.checkpoint.store import (CheckpointSaveError, CorruptCheckpoint, complete_checkpoints,
                                                lineage_entry, load_checkpoint, save_checkpoint, step_dir)
-from skyrl_stepwise.trainer.checkpoint_verify import corrupt_cause, resume_checkpoint, verify_checkpoint
-from skyrl_stepwise.trainer.driver_state import DRIVER_STATE, dump
+from skyrl_stepwise.checkpoint.verify import corrupt_cause, resume_checkpoint, verify_checkpoint
+from skyrl_stepwise.checkpoint.driver_state import DRIVER_STATE, dump
 
 from test_bitwise_resume import tiny_chat_model  # noqa: F401 (a fixture)
 from test_checkpoint import _setup, _step
@@ -210,14 +210,14 @@ def test_a_checkpoint_saved_before_content_hashes_still_loads_and_says_so(tmp_pa
     import json
     import logging
 
-    from skyrl_stepwise.trainer.checkpoint import MANIFEST, read_manifest
+    from skyrl_stepwise.checkpoint.store import MANIFEST, read_manifest
 
     weights = _two_checkpoints(tmp_path)
     folder = step_dir(tmp_path, 2)
     files, hashed = read_manifest(folder)
     assert hashed and all(len(digest) == 64 for _, digest in files.values())
     (folder / MANIFEST).write_text(json.dumps({name: size for name, (size, _) in files.items()}))
-    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.trainer.checkpoint_verify"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.checkpoint.verify"):
         assert verify_checkpoint(folder)["step"] == 2
     assert f"{MANIFEST} of sizes only" in caplog.text and "without checking its bytes" in caplog.text
     model, opt, sched = _setup(seed=7)
@@ -228,7 +228,7 @@ def test_a_checkpoint_saved_before_content_hashes_still_loads_and_says_so(tmp_pa
         verify_checkpoint(folder)
     (folder / MANIFEST).unlink()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.trainer.checkpoint_verify"):
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.checkpoint.verify"):
         with pytest.raises(CorruptCheckpoint):
             verify_checkpoint(folder)
     assert f"no {MANIFEST}" in caplog.text

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from skyrl_stepwise import train
-from skyrl_stepwise.config import RunConfig
+from skyrl_stepwise.cli import train
+from skyrl_stepwise.run.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def test_a_wrong_key_or_value_exits_nonzero_naming_it(override, key, tmp_path, c
 def test_cfg_job_refuses_to_print_a_config_the_run_would_refuse(command, override, key, tmp_path, capsys,
                                                                  monkeypatch):
     """`--cfg job` prints without running the job, so it once printed configs that every run refuses."""
-    from skyrl_stepwise import sft
+    from skyrl_stepwise.cli import sft
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("--cfg job must not run"))
@@ -97,7 +97,7 @@ def test_help_lists_the_recipes_and_main_keys(capsys):
 
 
 def test_ablate_is_a_hydra_app_too(capsys):
-    from skyrl_stepwise import ablate
+    from skyrl_stepwise.cli import ablate
 
     with pytest.raises(SystemExit) as exit_:
         ablate.main(["--help"])
@@ -147,33 +147,33 @@ def test_load_config_outside_hydra_still_gets_a_run_dir():
 
 
 def test_console_shows_our_lines_and_warnings_run_log_gets_everything(tmp_path, capsys):
-    from skyrl_stepwise.logging_setup import run_logging
+    from skyrl_stepwise.host.logs import run_logging
 
     with run_logging(tmp_path, "INFO", "INFO") as run_log:
-        logging.getLogger("skyrl_stepwise.train").info("engines up")
+        logging.getLogger("skyrl_stepwise.cli.train").info("engines up")
         logging.getLogger("vllm.engine").info("chatter from a library")
         logging.getLogger("vllm.engine").warning("a library warning")
-        logging.getLogger("skyrl_stepwise.train").debug("debug detail")
+        logging.getLogger("skyrl_stepwise.cli.train").debug("debug detail")
     console = capsys.readouterr().out
     assert "engines up" in console and "a library warning" in console
     assert "chatter" not in console and "debug detail" not in console
     text = run_log.read_text()
     assert "engines up" in text and "chatter from a library" in text and "a library warning" in text
-    logging.getLogger("skyrl_stepwise.train").info("after the run")
+    logging.getLogger("skyrl_stepwise.cli.train").info("after the run")
     assert "after the run" not in run_log.read_text()  # handlers removed at the end
 
 
 def test_known_benign_dependency_warnings_go_to_run_log_only(tmp_path, capsys):
     """vLLM-on-CPU start-up notes and Ray's token notice printed ~9 WARNING lines a user cannot act on; a new
     warning from the same component, and ours, still reach the console."""
-    from skyrl_stepwise.logging_setup import BenignWarningFilter, run_logging
+    from skyrl_stepwise.host.logs import BenignWarningFilter, run_logging
 
     with run_logging(tmp_path, "INFO", "INFO") as run_log:
         logging.getLogger("vllm.platforms.cpu").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
         logging.getLogger("ray._private.authentication.authentication_token_setup").warning(
             "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
         logging.getLogger("vllm.platforms.cpu").warning("KV cache is larger than free memory")
-        logging.getLogger("skyrl_stepwise.train").warning("Triton is not installed (our own words)")
+        logging.getLogger("skyrl_stepwise.cli.train").warning("Triton is not installed (our own words)")
     console = capsys.readouterr().out
     assert "triton-cpu" not in console and "Token authentication" not in console
     assert "KV cache is larger" in console and "our own words" in console
@@ -191,7 +191,7 @@ def test_ray_worker_output_goes_to_run_log_and_warnings_to_the_console(tmp_path)
     """`route_worker_logs` in a plain subprocess standing in for a Ray worker: its stderr is what Ray forwards."""
     run_log = tmp_path / "run.log"
     code = ("import logging, os, sys\n"
-            "from skyrl_stepwise.logging_setup import route_worker_logs\n"
+            "from skyrl_stepwise.host.logs import route_worker_logs\n"
             "route_worker_logs()\n"
             "print('INFO 12:00 [kv_cache_utils.py] vllm chatter')\n"
             "os.write(2, b'weights 100%\\n')\n"
@@ -227,8 +227,8 @@ def _history(steps: int) -> list[dict]:
 def test_run_report_from_a_metrics_history(tmp_path):
     import matplotlib.image
 
-    from skyrl_stepwise.run_report import write_run_report
-    from skyrl_stepwise.trainer.evaluation import eval_result, save_evals
+    from skyrl_stepwise.run.report import write_run_report
+    from skyrl_stepwise.loop.evaluation import eval_result, save_evals
 
     cfg = RunConfig()
     cfg.total_steps = 4
@@ -254,7 +254,7 @@ def test_run_report_from_a_metrics_history(tmp_path):
 
 
 def test_a_failed_run_still_gets_its_report(tmp_path):
-    from skyrl_stepwise.run_report import write_run_report
+    from skyrl_stepwise.run.report import write_run_report
 
     cfg = RunConfig()
     cfg.trainer.ckpt_dir = str(tmp_path / "ckpts")
@@ -266,11 +266,11 @@ def test_a_failed_run_still_gets_its_report(tmp_path):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_recipes_run_float32_on_cpus_that_would_emulate_bf16(native, monkeypatch):
-    import skyrl_stepwise.hardware as hardware
-    from skyrl_stepwise.train import load_config
+    import skyrl_stepwise.host.hardware as hardware
+    from skyrl_stepwise.cli.train import load_config
 
     monkeypatch.setattr(hardware, "cpu_bf16_is_native", lambda: native)
-    monkeypatch.setattr("skyrl_stepwise.config._has_cuda", lambda: False)
+    monkeypatch.setattr("skyrl_stepwise.run.config._has_cuda", lambda: False)
     cfg = load_config(["experiment=search_r1_tiny"])
     if native:  # the recipe as written
         assert (cfg.engine.dtype, cfg.trainer.fsdp.mixed_precision) == ("bfloat16", True)
@@ -284,7 +284,7 @@ def test_bf16_recipes_run_float32_on_cpus_that_would_emulate_bf16(native, monkey
 
 def test_sft_is_a_hydra_app_with_help_and_writes_no_run_dir(capsys, tmp_path, monkeypatch):
     """`skyrl-stepwise sft --help` used to fail parsing `--help` as an override."""
-    from skyrl_stepwise import sft
+    from skyrl_stepwise.cli import sft
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:

@@ -67,11 +67,11 @@ class RecordingSync:
 
 
 def _step_log(tokenizer, tmp_path, offload: bool) -> tuple[list[str], dict]:
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
     from skyrl_stepwise.data.dataset import PromptRow
     from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     log: list[str] = []
     cfg = RunConfig(total_steps=1)

@@ -177,9 +177,9 @@ async def test_plugin_error_fails_only_its_trajectory(tokenizer):
 
 
 async def test_a_trajectory_weighs_the_same_however_it_was_cut(tokenizer):
-    from skyrl_stepwise.trainer.advantages import loss_weights
-    from skyrl_stepwise.trainer.credit import compute_advantages
-    from skyrl_stepwise.trainer.config import AlgorithmConfig
+    from skyrl_stepwise.algorithms.advantages import loss_weights
+    from skyrl_stepwise.algorithms.credit import compute_advantages
+    from skyrl_stepwise.policy.config import AlgorithmConfig
 
     first = len(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True))
     cfg = AlgorithmConfig(loss_reduction="trajectory_mean")
@@ -204,7 +204,7 @@ async def test_a_trajectory_weighs_the_same_however_it_was_cut(tokenizer):
 
 async def test_show_and_rollouts_mark_where_the_context_was_edited(tokenizer):
     from skyrl_stepwise.chat import create_renderer
-    from skyrl_stepwise.trainer.rollout_samples import format_sample, rollout_samples
+    from skyrl_stepwise.loop.rollout_samples import format_sample, rollout_samples
 
     gen, _, _ = make(tokenizer, ContextConfig(policy="sliding_window", window=2))
     out = await run(gen)
@@ -218,9 +218,9 @@ async def test_show_and_rollouts_mark_where_the_context_was_edited(tokenizer):
 
 def _report(ctx: ContextConfig, run_dir, steps: list[dict], max_input_length: int = 4096) -> str:
     """report.md of a run with this context config whose steps logged these rollout metrics."""
-    from skyrl_stepwise.config import RunConfig
-    from skyrl_stepwise.run_report import write_run_report
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.run.config import RunConfig
+    from skyrl_stepwise.run.report import write_run_report
+    from skyrl_stepwise.loop.tracking import Tracker
 
     cfg = RunConfig()
     cfg.total_steps, cfg.trainer.ckpt_dir = len(steps), str(run_dir / "ckpts")
@@ -280,7 +280,7 @@ def _lcp(a: list[int], b: list[int]) -> int:
 def _assert_trie_shares_exactly_the_common_prefixes(seqs: list[list[int]]):
     """Under packing=tree two samples share a node iff they share the whole prefix up to it: the first lcp nodes
     are the same nodes, the next ones differ; and a row forwards each distinct prefix once."""
-    from skyrl_stepwise.trainer.tree import build_trie, unique_tokens
+    from skyrl_stepwise.policy.tree import build_trie, unique_tokens
 
     trie = build_trie(seqs)
     for a in range(len(seqs)):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from skyrl_stepwise.data.dataset import PromptRow, load_prompt_dataset, write_parquet
-from skyrl_stepwise.trainer.data_fingerprint import check_same_data, data_fingerprint
-from skyrl_stepwise.trainer.loop import PromptLoader
+from skyrl_stepwise.checkpoint.data_fingerprint import check_same_data, data_fingerprint
+from skyrl_stepwise.loop.loop import PromptLoader
 from test_rollout_ahead import _trainer
 
 
@@ -36,7 +36,7 @@ def test_the_fingerprint_sees_any_change_of_the_rows_and_only_that():
 
 async def test_a_resume_on_other_rows_stops_before_training_and_checkpoints_carry_the_fingerprint(
         tokenizer, tmp_path, monkeypatch, caplog):
-    from skyrl_stepwise.trainer import loop
+    from skyrl_stepwise.loop import loop
 
     trainer, _, policy = _trainer(tokenizer, tmp_path, max_staleness=0)
     trainer.cfg.data.train_path = "train.parquet"

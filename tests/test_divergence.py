@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_stepwise.trainer.divergence import DivergenceConfig, DivergenceError, DivergenceGuard
-from skyrl_stepwise.trainer.sft import SFTConfig, train_sft
+from skyrl_stepwise.loop.divergence import DivergenceConfig, DivergenceError, DivergenceGuard
+from skyrl_stepwise.loop.sft import SFTConfig, train_sft
 
 
 def _run(guard: DivergenceGuard, steps: list[dict[str, float]]) -> int:
@@ -93,15 +93,15 @@ def test_sft_warms_up_by_default_and_validates_its_keys():
 
 
 def test_rl_guard_keys_are_validated_with_their_path():
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run.app_config import load_config
 
     with pytest.raises(ValueError, match=r"trainer\.divergence\.entropy_rise_nats must be > 0"):
         load_config(["experiment=search_r1_tiny", "trainer.divergence.entropy_rise_nats=0"])
 
 
 def test_the_sft_cache_key_ignores_the_guard_but_not_the_warmup():
-    from skyrl_stepwise.app_config import load_config
-    from skyrl_stepwise.trainer.warm_start import cache_key
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.loop.warm_start import cache_key
 
     base = cache_key(load_config(["experiment=search_r1_tiny"]), "digest")
     for override in ("sft.divergence.grad_norm_factor=50", "sft.divergence.enabled=false",
@@ -113,7 +113,7 @@ def test_the_sft_cache_key_ignores_the_guard_but_not_the_warmup():
 def _sft_batch():
     import torch
 
-    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.policy.batching import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (24, 16, 24, 16)]
@@ -125,9 +125,9 @@ def _sft_batch():
 def test_a_tiny_model_at_a_huge_lr_is_stopped_and_a_sane_lr_is_not(tiny_model_dir, lr, diverges):
     """A real worker: SFT steps at lr 3 (no warm-up, clipping off) blow up the loss and grad norm; at 1e-3 the
     same steps train normally."""
-    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.policy.config import TrainerConfig
 
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_tokens=64)
     cfg.fsdp.world_size, cfg.fsdp.mixed_precision = 1, False

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from arch_zoo import conformance_batch
-from skyrl_stepwise.trainer.batching import forward_logprobs, pack_micro_batch
-from skyrl_stepwise.trainer.config import TrainerConfig
+from skyrl_stepwise.policy.batching import forward_logprobs, pack_micro_batch
+from skyrl_stepwise.policy.config import TrainerConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -28,7 +28,7 @@ DROPOUT_MODELS = {  # a tiny model with dropout 0.5 wherever its family keeps on
 def _worker(tmp_path, name: str, keep_dropout: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     model_type, overrides, _ = DROPOUT_MODELS[name]
     torch.manual_seed(0)

@@ -30,9 +30,9 @@ def _row(name: str):
 
 
 def _trainer(tokenizer, tmp_path, dynamic: bool):
-    from skyrl_stepwise.config import RunConfig
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.run.config import RunConfig
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     def script(prompt, session, index):  # session: "<tag>/<row>/<index>_<rep>"
         row, rep = session.split("/")[1], int(session.rsplit("_", 1)[1])
@@ -66,7 +66,7 @@ async def test_dynamic_sampling_draws_until_enough_groups_have_signal_and_trains
     assert metrics == {"advantages/groups_with_signal": 2.0, "advantages/groups_with_signal_frac": 1.0,
                        "dynamic_sampling/draws": 2.0, "dynamic_sampling/generated_groups": 4.0,
                        "dynamic_sampling/generated_signal_frac": 0.5,
-                       # step-level credit (trainer/credit.py) of the 4 trained one-turn steps
+                       # step-level credit (algorithms/credit.py) of the 4 trained one-turn steps
                        "credit/steps": 4.0, "credit/reward_turn0": 0.75, "credit/advantage_turn0": 0.0,
                        "credit/sign_flip_frac": 0.0}
     assert len(output) == 8  # every generated sample is reported (reward metrics cover all of them)
@@ -95,14 +95,14 @@ async def test_without_dynamic_sampling_every_group_is_trained_and_counted(token
 
 
 def test_max_sample_batches_is_validated():
-    from skyrl_stepwise.trainer.config import AlgorithmConfig
+    from skyrl_stepwise.policy.config import AlgorithmConfig
 
     with pytest.raises(ValueError, match="trainer.algorithm.max_sample_batches must be >= 1, got 0"):
         AlgorithmConfig(max_sample_batches=0).validate()
 
 
 def test_the_report_says_what_dynamic_sampling_generated_to_find_its_groups():
-    from skyrl_stepwise.run_report import learning_summary
+    from skyrl_stepwise.run.report import learning_summary
 
     history = [{"advantages/groups_with_signal": 4.0, "advantages/groups_with_signal_frac": 1.0,
                 "dynamic_sampling/draws": d, "dynamic_sampling/generated_groups": 4.0 * d,
@@ -115,7 +115,7 @@ def test_the_report_says_what_dynamic_sampling_generated_to_find_its_groups():
 
 def test_dynamic_sampling_with_one_sample_per_prompt_is_refused_at_startup():
     """One-sample groups never score differently: every step would be skipped and nothing trained."""
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
 
     cfg = RunConfig()
     cfg.trainer.algorithm.dynamic_sampling, cfg.generator.n_samples_per_prompt = True, 1
@@ -140,9 +140,9 @@ class SlowYesEnv:
 def _discounted_trainer(tokenizer, tmp_path, dynamic: bool):
     """Rows "same*": both samples answer yes at once. Row "late": sample 0 answers yes at once, sample 1 only on its
     second turn, so both score 1 in total but gamma < 1 gives their steps different advantages."""
-    from skyrl_stepwise.config import RunConfig
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.run.config import RunConfig
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     def script(prompt, session, index):
         row, rep = session.split("/")[1], int(session.rsplit("_", 1)[1])
@@ -187,7 +187,7 @@ async def test_groups_with_signal_counts_per_step_advantages_without_dynamic_sam
 
 def test_signal_ignores_advantages_on_tokens_that_are_not_trained():
     from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
-    from skyrl_stepwise.trainer.advantages import signal_groups
+    from skyrl_stepwise.algorithms.advantages import signal_groups
 
     output = GeneratorOutput(prompt_token_ids=[[1]] * 4, response_ids=[[2, 3]] * 4, rewards=[0.0] * 4,
                              loss_masks=[[1, 0], [1, 0], [1, 1], [0, 1]],

@@ -7,8 +7,8 @@ import torch
 
 from skyrl_stepwise.inference import EnginePool, GenerationResult, SamplingParams
 from skyrl_stepwise.inference.truncation import truncation_keep_mask
-from skyrl_stepwise.trainer.batching import TrainBatch, gather_logprobs
-from skyrl_stepwise.trainer.weight_sync import PROBE_SESSION, probe_logprobs
+from skyrl_stepwise.policy.batching import TrainBatch, gather_logprobs
+from skyrl_stepwise.policy.weight_sync import PROBE_SESSION, probe_logprobs
 
 
 class ScriptedEngine:

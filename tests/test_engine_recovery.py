@@ -9,7 +9,7 @@ import pytest
 
 from skyrl_stepwise.inference.recovery import EngineDeadError, restart_dead_engines
 from skyrl_stepwise.inference.scripted import ScriptedEngine
-from skyrl_stepwise.trainer.engine_recovery import EngineRecoveryError
+from skyrl_stepwise.loop.engine_recovery import EngineRecoveryError
 from test_rollout_ahead import SlowPolicy
 
 
@@ -57,12 +57,12 @@ class Sync:
 
 
 def _trainer(tokenizer, tmp_path, die_after: int, sync_works: bool = True):
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
     from skyrl_stepwise.data.dataset import PromptRow
     from skyrl_stepwise.envs.base import EnvRegistry, StepResult
     from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     class OneTurn:
         async def reset(self, prompt_messages, extras):
@@ -134,11 +134,11 @@ async def test_a_killed_vllm_actor_is_restarted_and_takes_the_trainers_weights(v
     at lr 1e-3, to 1e-3 (a checkpoint-weights engine differs from it by > 1e-2: test_weight_sync)."""
     import ray
 
-    from skyrl_stepwise.trainer.batching import TrainBatch
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.engine_recovery import recover_engines
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.weight_sync import WeightSync, WeightSyncConfig, probe_logprobs
+    from skyrl_stepwise.policy.batching import TrainBatch
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.loop.engine_recovery import recover_engines
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.weight_sync import WeightSync, WeightSyncConfig, probe_logprobs
 
     class Group:
         def __init__(self, worker):

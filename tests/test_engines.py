@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from skyrl_stepwise.inference import EngineConfig, EnginePool, SamplingParams, create_engine
-from skyrl_stepwise.trainer.batching import gather_logprobs
+from skyrl_stepwise.policy.batching import gather_logprobs
 
 pytestmark = pytest.mark.integration
 

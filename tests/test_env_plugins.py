@@ -7,7 +7,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from skyrl_stepwise.config import EnvironmentConfig
+from skyrl_stepwise.run.config import EnvironmentConfig
 from skyrl_stepwise.envs import builtin
 from skyrl_stepwise.envs.base import StepResult
 from skyrl_stepwise.envs.builtin import EnvPluginError, build_env_registry, check_env_classes, known_env_classes
@@ -72,10 +72,10 @@ def test_train_fails_in_seconds_on_an_unknown_env_class_and_says_why_in_the_run_
     """Before the model, retriever or engines: the command fails naming the registry, report.md says why."""
     import time
 
-    from skyrl_stepwise import train
+    from skyrl_stepwise.cli import train
     from skyrl_stepwise.data.dataset import write_parquet
 
-    from skyrl_stepwise import run_setup
+    from skyrl_stepwise.run import setup as run_setup
 
     monkeypatch.setattr(run_setup, "plan_resources", lambda *a: pytest.fail("got past the start-up checks"))
     write_parquet([{"prompt": [{"role": "user", "content": "Guess."}], "env_class": "gues", "data_source": "t",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_stepwise.trainer.advantages import groups_with_signal
-from skyrl_stepwise.trainer.evaluation import (bootstrap_interval, eval_result, eval_subset, eval_table, load_evals,
+from skyrl_stepwise.algorithms.advantages import groups_with_signal
+from skyrl_stepwise.loop.evaluation import (bootstrap_interval, eval_result, eval_subset, eval_table, load_evals,
                                               save_evals)
 from skyrl_stepwise.generator import TrajectoryID
 
@@ -68,7 +68,7 @@ async def test_eval_scores_every_prompt_even_failed_or_overlong_ones(tokenizer):
     from skyrl_stepwise.envs.base import EnvRegistry, StepResult
     from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
     from skyrl_stepwise.inference.scripted import ScriptedEngine
-    from skyrl_stepwise.trainer.loop import evaluate_prompts
+    from skyrl_stepwise.loop.loop import evaluate_prompts
 
     class OneTurn:
         async def reset(self, prompt_messages, extras):
@@ -98,7 +98,7 @@ async def test_eval_scores_every_prompt_even_failed_or_overlong_ones(tokenizer):
 def test_the_summary_prints_rl_minus_sft_paired_over_the_same_prompts():
     """The main job's own verdict: RL - SFT on the same prompts with a paired interval, fixed/broken counts; a
     consistent gain that the separate intervals would call overlapping is resolved by pairing."""
-    from skyrl_stepwise.trainer.evaluation import eval_result, paired_bootstrap, rl_minus_sft
+    from skyrl_stepwise.loop.evaluation import eval_result, paired_bootstrap, rl_minus_sft
 
     sft = [1.0] * 30 + [0.0] * 70
     rl = [1.0] * 30 + [1.0] * 12 + [0.0] * 58  # 12 prompts fixed, none broken
@@ -121,7 +121,7 @@ def test_the_base_model_eval_can_use_the_first_prompts_of_the_fixed_subset(monke
     stages every prompt), and a negative value is refused naming the key."""
     import asyncio
 
-    from skyrl_stepwise.train import EvalStages, load_config
+    from skyrl_stepwise.cli.train import EvalStages, load_config
 
     cfg = load_config(["experiment=search_r1_tiny", "logging.output_dir=/tmp/unused"])
     assert cfg.data.max_eval_prompts == 128 and cfg.data.max_base_eval_prompts == 32
@@ -131,7 +131,7 @@ def test_the_base_model_eval_can_use_the_first_prompts_of_the_fixed_subset(monke
         seen.append((stage, list(rows)))
         return None
 
-    monkeypatch.setattr("skyrl_stepwise.trainer.loop.evaluate_prompts", fake_evaluate)
+    monkeypatch.setattr("skyrl_stepwise.loop.loop.evaluate_prompts", fake_evaluate)
     stages = EvalStages(cfg, None, list(range(10)))
     stages.add = lambda result: None
     asyncio.run(stages.run("before SFT", limit=3))

@@ -12,7 +12,7 @@ from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, S
 from skyrl_stepwise.inference.base import GenerationResult
 from skyrl_stepwise.inference.pool import EnginePool
 from skyrl_stepwise.inference.scripted import ScriptedEngine
-from skyrl_stepwise.trainer.advantages import group_advantages
+from skyrl_stepwise.algorithms.advantages import group_advantages
 
 PROMPT = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
 ROWS = ("a", "b", "c", "d")
@@ -84,7 +84,7 @@ def test_a_group_left_with_one_trajectory_gets_no_advantage():
 
 
 async def test_each_failure_is_contained_counted_and_releases_its_session(tokenizer):
-    from skyrl_stepwise.trainer.loop import expand
+    from skyrl_stepwise.loop.loop import expand
 
     engine, registry = _setup(tokenizer, "t")
     gen = StepwiseGenerator(tokenizer, engine, registry, _generator_config())
@@ -101,7 +101,7 @@ async def test_each_failure_is_contained_counted_and_releases_its_session(tokeni
 
 
 async def test_a_batch_where_everything_failed_fails_loudly(tokenizer):
-    from skyrl_stepwise.trainer.loop import expand
+    from skyrl_stepwise.loop.loop import expand
 
     registry = EnvRegistry()
     registry.register("faulty", lambda: FaultyEnv("reset"))
@@ -130,11 +130,11 @@ class CapturingPolicy:
 
 @pytest.mark.integration
 async def test_one_real_training_step_with_failures(tokenizer, model_path, tmp_path):
-    from skyrl_stepwise.config import RunConfig
-    from skyrl_stepwise.trainer.config import FSDPConfig, TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.run.config import RunConfig
+    from skyrl_stepwise.policy.config import FSDPConfig, TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     cfg = RunConfig(total_steps=1)
     cfg.generator = _generator_config()
@@ -199,9 +199,9 @@ async def test_env_output_outside_the_contract_fails_that_trajectory_only_naming
     import logging
     import math
 
-    from skyrl_stepwise.trainer.credit import compute_credit
-    from skyrl_stepwise.trainer.config import AlgorithmConfig
-    from skyrl_stepwise.trainer.loop import expand
+    from skyrl_stepwise.algorithms.credit import compute_credit
+    from skyrl_stepwise.policy.config import AlgorithmConfig
+    from skyrl_stepwise.loop.loop import expand
 
     eos = tokenizer.eos_token_id
     answers = {0: "yes", 1: "no", 2: "yes"}
@@ -249,12 +249,12 @@ async def test_a_failed_trajectory_is_shown_up_to_its_failure_and_reported(token
     rollouts.jsonl, `show --failed` prints them, and the report counts them by cause."""
     import json
 
-    from skyrl_stepwise.config import RunConfig
-    from skyrl_stepwise.run_report import write_run_report
-    from skyrl_stepwise.show import main as show
-    from skyrl_stepwise.trainer.loop import expand
-    from skyrl_stepwise.trainer.rollout_samples import RolloutLog
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.run.config import RunConfig
+    from skyrl_stepwise.run.report import write_run_report
+    from skyrl_stepwise.cli.show import main as show
+    from skyrl_stepwise.loop.loop import expand
+    from skyrl_stepwise.loop.rollout_samples import RolloutLog
+    from skyrl_stepwise.loop.tracking import Tracker
 
     engine, registry = _setup(tokenizer, "t")
     gen = StepwiseGenerator(tokenizer, engine, registry, _generator_config())
@@ -310,7 +310,7 @@ async def test_trajectories_in_flight_when_the_run_stops_are_cancelled_not_faile
     import asyncio
     import logging
 
-    from skyrl_stepwise.trainer.loop import expand
+    from skyrl_stepwise.loop.loop import expand
 
     caplog.set_level(logging.WARNING)
     engine = _EngineThatShutsDown()

@@ -17,11 +17,11 @@ from test_advantages import Traj, stepwise_output
 
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
-from skyrl_stepwise.trainer.advantages import loss_weights
-from skyrl_stepwise.trainer.credit import compute_advantages
-from skyrl_stepwise.trainer.batching import TrainBatch, pack_indices, pack_micro_batch
-from skyrl_stepwise.trainer.config import AlgorithmConfig, TrainerConfig
-from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
+from skyrl_stepwise.algorithms.advantages import loss_weights
+from skyrl_stepwise.algorithms.credit import compute_advantages
+from skyrl_stepwise.policy.batching import TrainBatch, pack_indices, pack_micro_batch
+from skyrl_stepwise.policy.config import AlgorithmConfig, TrainerConfig
+from skyrl_stepwise.policy.fsdp_worker import micro_batch_loss
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -54,7 +54,7 @@ def test_config_errors_name_the_key_path(key, value, message):
 
 
 def test_ranks_share_the_node_cores_unless_told():
-    from skyrl_stepwise.trainer.config import FSDPConfig
+    from skyrl_stepwise.policy.config import FSDPConfig
 
     assert FSDPConfig(world_size=2).threads_per_rank(cores=16) == 8
     assert FSDPConfig(world_size=4).threads_per_rank(cores=2) == 1
@@ -63,8 +63,8 @@ def test_ranks_share_the_node_cores_unless_told():
 
 def _stalled_peer_rank(rank: int, port: int, out: str) -> None:
     """Rank 0 waits in an all_reduce that rank 1 (stopped, not dead) never joins."""
-    from skyrl_stepwise.trainer.config import FSDPConfig
-    from skyrl_stepwise.trainer.fsdp_worker import init_distributed
+    from skyrl_stepwise.policy.config import FSDPConfig
+    from skyrl_stepwise.policy.fsdp_worker import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     init_distributed(FSDPConfig(world_size=2, backend="gloo", collective_timeout_s=2))
@@ -221,7 +221,7 @@ def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokeni
 
 
 def _logprobs(model, batch: TrainBatch) -> list[list[float]]:
-    from skyrl_stepwise.trainer.batching import forward_logprobs
+    from skyrl_stepwise.policy.batching import forward_logprobs
 
     out: list[list[float]] = [[] for _ in range(len(batch))]
     for idx in pack_indices(batch.seq_lens(), 4096):
@@ -280,7 +280,7 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, tmp: str) -> N
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = _fsdp_cfg(world, model_path, os.path.join(tmp, "ckpt"))
     worker = PolicyWorker(cfg)
@@ -351,8 +351,8 @@ def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
     # resume in a fresh worker: exact weights, AdamW moments and LR schedule
     assert r["state"]["step"] == 1 and r["state"]["consumed_prompts"] == 2
     # every rank's files carry a content hash in the manifest (rank 1 hashed its own shard), and they verify
-    from skyrl_stepwise.trainer.checkpoint import read_manifest, step_dir
-    from skyrl_stepwise.trainer.checkpoint_verify import verify_checkpoint
+    from skyrl_stepwise.checkpoint.store import read_manifest, step_dir
+    from skyrl_stepwise.checkpoint.verify import verify_checkpoint
 
     files, hashed = read_manifest(step_dir(tmp_path / "ckpt", 1))
     assert hashed and {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng_rank1.pt"} <= set(files)
@@ -363,7 +363,7 @@ def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
     assert r["lrs"][0] == r["lrs"][1] == pytest.approx(0.9 * cfg.optim.lr)
     # snapshot/restore on sharded weights: both ranks agree on the full-weight checksums, which match the plain
     # model's, and the restore is exact (same logprobs as before the step, fresh optimizer and schedule)
-    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+    from skyrl_stepwise.policy.fsdp_worker import weights_checksum
 
     sums = [json.loads((tmp_path / f"checksums_rank{k}.json").read_text()) for k in range(2)]
     assert sums[0] == sums[1]
@@ -375,7 +375,7 @@ def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
 # ------------------------------------------------------------ snapshots and skipped steps, tiny model, 1 rank
 
 def _tiny_worker(path, **optim):
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = _fsdp_cfg(1, path, path / "ckpt")
     cfg.optim.lr = 1e-2  # big enough that one step visibly moves a random tiny model
@@ -393,7 +393,7 @@ def _optimizer_state(worker) -> dict:
 def test_weights_checksum_of_a_sharded_worker_equals_the_plain_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+    from skyrl_stepwise.policy.fsdp_worker import weights_checksum
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     worker = _tiny_worker(tiny_model_dir)
@@ -448,8 +448,8 @@ def test_restore_snapshot_brings_back_optimizer_scheduler_and_rng(tiny_model_dir
 def test_the_reference_in_the_policy_ranks_keeps_the_starting_weights(tiny_model_dir):
     """The KL loss's reference is a frozen shard inside each policy rank (no second group of actors): it scores
     like the policy before any step, keeps scoring like the starting weights after, and takes no RNG draws."""
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.worker_group import ReferenceOnPolicyRanks
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.worker_group import ReferenceOnPolicyRanks
 
     cfg = _tiny_worker(tiny_model_dir).cfg  # a worker seeds torch with cfg.seed when it starts
     plain_draws = torch.rand(3)
@@ -498,7 +498,7 @@ def test_skipped_step_does_not_advance_the_lr_schedule(tiny_model_dir):
 def test_gradient_checkpointing_is_honoured_on_cpu_and_changes_no_number(tiny_model_dir):
     """trainer.fsdp.gradient_checkpointing trades compute for activation memory (benchmarks/policy_memory.py:
     SmolLM2 rank peak 4.4 -> 3.4 GiB): every decoder layer runs again in backward, the step is the same."""
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     results = []
     for checkpointing in (False, True):
@@ -519,7 +519,7 @@ def test_the_worker_divides_by_trajectories_under_trajectory_mean(tiny_model_dir
     """On-policy (ratio 1) the policy-gradient loss is minus the weighted mean advantage: token_mean weighs
     trajectory A (1 loss token, advantage 1) against B (3 tokens over two samples, advantage -0.5) by tokens,
     trajectory_mean weighs each trajectory once. The worker must divide by the matching denominator."""
-    from skyrl_stepwise.trainer.advantages import loss_weights as weights_for
+    from skyrl_stepwise.algorithms.advantages import loss_weights as weights_for
 
     output = GeneratorOutput(prompt_token_ids=[[1, 2], [1, 2], [1, 2, 5, 6, 7]], response_ids=[[3], [5, 6], [8, 9]],
                              rewards=[0.0, 0.0, 0.0], loss_masks=[[1], [1, 0], [1, 1]],

@@ -19,7 +19,7 @@ from skyrl_stepwise.generator.generator import steps_to_output
 from skyrl_stepwise.generator.merge import merge_stepwise_output
 from skyrl_stepwise.generator.output import TrajectoryID
 from skyrl_stepwise.inference.scripted import ScriptedEngine
-from skyrl_stepwise.trainer.tree import build_trie
+from skyrl_stepwise.policy.tree import build_trie
 
 openai = pytest.importorskip("openai")
 
@@ -384,7 +384,7 @@ def test_an_agent_that_cannot_be_imported_fails_at_start_up():
 
 
 def test_gateway_rows_are_checked_at_start_up_and_the_key_composes():
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run.app_config import load_config
     from skyrl_stepwise.envs.builtin import EnvPluginError
     from skyrl_stepwise.gateway.rollout import check_agent_rows
 
@@ -401,11 +401,11 @@ def test_gateway_rows_are_checked_at_start_up_and_the_key_composes():
 
 
 def test_a_mixed_dataset_is_refused_before_anything_starts(tmp_path):
-    """The start-up check the main job runs on train + val rows (run_setup.check_envs_and_tools)."""
-    from skyrl_stepwise.app_config import load_config
+    """The start-up check the main job runs on train + val rows (run.setup.check_envs_and_tools)."""
+    from skyrl_stepwise.run.app_config import load_config
     from skyrl_stepwise.data.dataset import load_prompt_dataset, write_parquet
     from skyrl_stepwise.envs.builtin import EnvPluginError
-    from skyrl_stepwise.run_setup import check_envs_and_tools
+    from skyrl_stepwise.run.setup import check_envs_and_tools
 
     agent = {"prompt": [{"role": "user", "content": "2+3?"}], "env_class": "keyword", "data_source": "t",
              "reward_spec": {"ground_truth": "5"}, "extra_info": {"agent": "examples.agent_program.agent:run"},
@@ -422,8 +422,8 @@ def test_a_mixed_dataset_is_refused_before_anything_starts(tmp_path):
 
 
 def test_the_ablation_refuses_agent_programs(tmp_path):
-    from skyrl_stepwise import ablate
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.cli import ablate
+    from skyrl_stepwise.run.app_config import load_config
 
     cfg = load_config(["gateway.enabled=true", f"logging.output_dir={tmp_path}"])
     with pytest.raises(ValueError, match="does not run agent programs: gateway.enabled=true"):
@@ -686,7 +686,7 @@ async def test_every_route_checks_the_api_key_when_one_is_set():
 
 
 def test_a_non_loopback_host_needs_a_key_of_its_own():
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run.app_config import load_config
 
     for host in ("0.0.0.0", "192.168.1.5", "::", "gpu-box.example.com"):
         for key in ("", "null", "skyrl"):
@@ -842,7 +842,7 @@ async def test_agent_programs_follow_overlong_filtering_and_mask_limit_stops():
 
 def test_context_settings_agent_programs_cannot_follow_are_refused_naming_the_key():
     """generator.context.* and token_budget had no effect under gateway.enabled, while load_config accepted them."""
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run.app_config import load_config
 
     for override, key in (("generator.context.policy=truncate", "generator.context.policy"),
                           ("generator.context.token_budget=500", "generator.context.token_budget"),

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_agent_program_recipe_trains_and_evaluates_through_the_endpoint(tmp_path):
-    from skyrl_stepwise.trainer.rollout_samples import load_rollouts
+    from skyrl_stepwise.loop.rollout_samples import load_rollouts
 
     sys.path.insert(0, str(REPO / "examples" / "agent_program"))
     try:
@@ -32,7 +32,7 @@ def test_the_agent_program_recipe_trains_and_evaluates_through_the_endpoint(tmp_
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # the agent's module
-    command = [sys.executable, "-m", "skyrl_stepwise.train", "experiment=agent_program_tiny", "total_steps=1",
+    command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=agent_program_tiny", "total_steps=1",
                f"data.train_path={train}", f"data.val_path={val}", "trainer.ckpt_interval=0",
                "trainer.algorithm.dynamic_sampling=false", "data.max_eval_prompts=1",
                "generator.sampling.max_generate_length=48", f"logging.output_dir={out}", "logging.wandb_mode=offline"]

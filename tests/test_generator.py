@@ -233,7 +233,7 @@ async def test_no_logprobs_means_none_not_zeros(tokenizer):
 
 
 def test_tis_without_rollout_logprobs_is_rejected_at_config_time():
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
 
     cfg = RunConfig()
     cfg.generator.sampling.logprobs = False

@@ -112,7 +112,7 @@ def test_extract_code_takes_the_last_block():
 
 
 def test_a_run_adds_it_through_env_classes():
-    from skyrl_stepwise.config import EnvironmentConfig
+    from skyrl_stepwise.run.config import EnvironmentConfig
     from skyrl_stepwise.envs.builtin import build_env_registry
 
     environment = EnvironmentConfig(env_classes={"humaneval": "skyrl_stepwise.envs.humaneval:HumanEvalEnv"})

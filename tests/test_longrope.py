@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyrl_stepwise.trainer.batching import TrainBatch
-from skyrl_stepwise.trainer.config import TrainerConfig
+from skyrl_stepwise.policy.batching import TrainBatch
+from skyrl_stepwise.policy.config import TrainerConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -56,7 +56,7 @@ def _alone(model, batch) -> torch.Tensor:
 
 
 def _worker(tmp_path, engine_max_model_len):
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     _phi3().save_pretrained(tmp_path / "m")
     cfg = TrainerConfig(model_path=str(tmp_path / "m"), attn_implementation="eager", packing="auto",
@@ -101,7 +101,7 @@ def test_the_pinned_rope_is_vllms_cos_sin_cache(monkeypatch):
     from types import SimpleNamespace
 
     rope_module = pytest.importorskip("vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope")
-    from skyrl_stepwise.trainer.packing.rope import pin_longrope
+    from skyrl_stepwise.models.rope import pin_longrope
 
     for max_model_len in (MAX_POSITIONS, SWITCH):
         positions = torch.arange(max_model_len)  # the positions such an engine ever scores
@@ -125,7 +125,7 @@ def test_the_transformers_engine_pins_the_same_factors(tmp_path):
     mid-generation. It uses vLLM's rule too, so the trainer's pinned RoPE matches whichever engine sampled."""
     from skyrl_stepwise.inference.config import EngineConfig
     from skyrl_stepwise.inference.hf_engine import HFEngine
-    from skyrl_stepwise.trainer.packing.rope import PINNED_LONGROPE
+    from skyrl_stepwise.models.rope import PINNED_LONGROPE
 
     from transformers import AutoTokenizer
 

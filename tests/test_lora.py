@@ -1,4 +1,4 @@
-"""LoRA on the FSDP2 policy (trainer.lora, trainer/lora.py): only the adapter trains and holds AdamW state, the
+"""LoRA on the FSDP2 policy (trainer.lora, policy/lora.py): only the adapter trains and holds AdamW state, the
 reference is the base with the adapter off (no second copy), the engines receive merged weights that score like the
 trained policy, a checkpoint resumes bitwise, and the packing self-check holds with the adapter trained. Tiny random
 models, one gloo rank in-process."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from arch_zoo import conformance_batch, tiny_model
 
-from skyrl_stepwise.trainer.config import LoRAConfig, TrainerConfig
+from skyrl_stepwise.policy.config import LoRAConfig, TrainerConfig
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 
@@ -52,7 +52,7 @@ def _batch():
 
 
 def _worker(cfg, **kw):
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     return PolicyWorker(cfg, **kw)
 
@@ -88,7 +88,7 @@ def test_lora_is_off_by_default_and_dropout_needs_keep_dropout():
 
 
 def test_one_override_turns_lora_on_in_the_composed_run_config():
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run.app_config import load_config
 
     cfg = load_config(["trainer.lora.enabled=true", "trainer.lora.target_modules=[q_proj,v_proj]"])
     assert cfg.trainer.lora == LoRAConfig(enabled=True, target_modules=["q_proj", "v_proj"])
@@ -99,8 +99,8 @@ def test_one_override_turns_lora_on_in_the_composed_run_config():
 
 def test_a_lora_warm_start_is_cached_apart_from_a_full_one():
     """SFT with LoRA trains another model than full SFT: the warm-start cache must not hand one to the other."""
-    from skyrl_stepwise.app_config import load_config
-    from skyrl_stepwise.trainer.warm_start import cache_key
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.loop.warm_start import cache_key
 
     full = cache_key(load_config(["experiment=search_r1_tiny"]), "digest")
     lora = cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true"]), "digest")
@@ -187,7 +187,7 @@ def test_gradient_checkpointing_with_lora_recomputes_and_changes_no_number(model
 def test_exported_merged_weights_score_like_the_trained_lora_policy(arch, model_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+    from skyrl_stepwise.policy.fsdp_worker import weights_checksum
 
     plain = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32)
     worker = _worker(_cfg(model_dirs[arch], tmp_path))
@@ -230,7 +230,7 @@ def test_the_merge_is_peft_s_own_merge(model_dirs, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.lora import adapted_layers, merged_items
+    from skyrl_stepwise.policy.lora import adapted_layers, merged_items
 
     model = AutoModelForCausalLM.from_pretrained(model_dirs["gpt2"], dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"],
@@ -264,7 +264,7 @@ def test_bitwise_resume_with_lora(model_dirs, tmp_path):
 
 
 def test_packing_self_check_and_tree_packing_hold_with_a_trained_adapter(model_dirs, tmp_path):
-    from skyrl_stepwise.trainer.packing.selfcheck import check_packing_precisely
+    from skyrl_stepwise.policy.packing.selfcheck import check_packing_precisely
 
     worker = _worker(replace(_cfg(model_dirs["llama"], tmp_path), packing="tree"))
     assert worker.cfg.packing == "tree" and worker.packing_check.passed
@@ -311,7 +311,7 @@ def test_lora_on_two_sharded_gloo_ranks_exports_the_trained_policy(model_dirs, t
     from arch_zoo import logprobs_alone
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.fsdp_worker import weights_checksum
+    from skyrl_stepwise.policy.fsdp_worker import weights_checksum
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from skyrl_stepwise.trainer.config import AlgorithmConfig
-from skyrl_stepwise.trainer.losses import kl_penalty, policy_loss
+from skyrl_stepwise.policy.config import AlgorithmConfig
+from skyrl_stepwise.algorithms.losses import kl_penalty, policy_loss
 
 PLAIN = AlgorithmConfig(use_kl_loss=False, tis_ratio_clip_high=None)
 
@@ -119,8 +119,8 @@ def test_trajectory_mean_weighs_every_trajectory_once_however_it_is_cut():
     """Trajectory A: 1 loss token (advantage 1) in one step; B: 3 loss tokens (advantage 2) over two steps, with
     an observation token masked. token_mean: -(1 + 2 + 2 + 2) / 4; trajectory_mean: -(1 / 1 + 6 / 3) / 2."""
     from skyrl_stepwise.generator import GeneratorOutput, TrajectoryID
-    from skyrl_stepwise.trainer.advantages import loss_weights
-    from skyrl_stepwise.trainer.batching import TrainBatch, pack_micro_batch
+    from skyrl_stepwise.algorithms.advantages import loss_weights
+    from skyrl_stepwise.policy.batching import TrainBatch, pack_micro_batch
 
     a, b = TrajectoryID("q", 0), TrajectoryID("q", 1)
     output = GeneratorOutput(prompt_token_ids=[[1], [1], [1, 5, 6, 7]], response_ids=[[2], [5, 6], [8, 9]],
@@ -157,7 +157,7 @@ def test_agreement_gap_is_measured_on_loss_masked_tokens_before_the_update():
 
 
 def _zero_signal_batch(advantage: float = 0.0):
-    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.policy.batching import TrainBatch
 
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     responses = [[8, 9, 10, 11, 12], [13, 14, 15]]
@@ -173,10 +173,10 @@ def test_a_batch_without_signal_skips_forward_and_backward_with_the_weights_of_t
     """Every trained advantage 0 and no KL term: the gradient is exactly 0, so the update skips its forward and
     backward (2.5 min a step on the issue's box) and AdamW steps on zeros: weights bitwise those of the full
     pass (momentum and weight decay still move them); with a KL term, or one non-zero advantage, it runs."""
-    from skyrl_stepwise.trainer import fsdp_worker
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.losses import no_gradient
+    from skyrl_stepwise.policy import fsdp_worker
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.algorithms.losses import no_gradient
 
     def worker(use_kl: bool = False):
         cfg = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_tokens=64)
@@ -214,7 +214,7 @@ def test_a_batch_without_signal_skips_forward_and_backward_with_the_weights_of_t
 def test_the_step_line_says_the_update_was_skipped_and_counts_failed_trajectories(tmp_path, caplog):
     import logging
 
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.loop.tracking import Tracker
 
     caplog.set_level(logging.INFO, logger="skyrl_stepwise")
     tracker = Tracker(tmp_path, "p", "r", "disabled", {})

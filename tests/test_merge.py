@@ -304,8 +304,8 @@ def test_bad_input_is_rejected_with_a_clear_message(change, message):
 def test_per_step_credit_is_the_same_merged_or_not(data, mode):
     """Turn indices ride along with their tokens, so every step keeps its reward, its observation history (the
     anchor) and hence its advantage: the masked tokens of each trajectory get the same advantages either way."""
-    from skyrl_stepwise.trainer.config import AlgorithmConfig
-    from skyrl_stepwise.trainer.credit import compute_credit
+    from skyrl_stepwise.policy.config import AlgorithmConfig
+    from skyrl_stepwise.algorithms.credit import compute_credit
 
     trajs, out = data
     # a turn that sampled no token has no turn index, so the observation after it cannot keep its history apart

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_generator import canonical
 
-from skyrl_stepwise.config import EnvironmentConfig
+from skyrl_stepwise.run.config import EnvironmentConfig
 from skyrl_stepwise.envs.builtin import EnvPluginError, build_env_registry, check_env_classes
 from skyrl_stepwise.envs.openenv import observation_text, parse_openenv_spec
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
@@ -252,7 +252,7 @@ def test_readme_openenv_commands_parse_as_hydra_overrides_and_openenv_addresses(
     them, and each env class's value is an OpenEnv address the start-up check accepts."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run.app_config import load_config
 
     commands = _readme_openenv_commands()
     assert len(commands) >= 2

@@ -103,8 +103,8 @@ def test_train_repeats_the_base_model_warning_of_model_prepare(tmp_path, monkeyp
     An instruct model, a folder used as it is and a folder prepared before the flag was recorded are judged too."""
     import logging
 
-    from skyrl_stepwise import run_setup
-    from skyrl_stepwise.app_config import load_config
+    from skyrl_stepwise.run import setup as run_setup
+    from skyrl_stepwise.run.app_config import load_config
     from skyrl_stepwise.models.prepare import prepared_base_model
 
     monkeypatch.setattr(prepare, "convert_gguf", lambda info, template, out_dir, name=None:
@@ -126,7 +126,7 @@ def test_train_repeats_the_base_model_warning_of_model_prepare(tmp_path, monkeyp
     monkeypatch.setattr(run_setup, "_datasets", lambda cfg: ([], []))
     monkeypatch.setattr(run_setup, "check_envs_and_tools", lambda cfg, rows: False)
     monkeypatch.setattr(run_setup, "plan_resources", lambda *args: None)
-    with caplog.at_level(logging.INFO, logger="skyrl_stepwise.train"), run_setup.prepared(cfg):
+    with caplog.at_level(logging.INFO, logger="skyrl_stepwise.cli.train"), run_setup.prepared(cfg):
         pass
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("looks like a base (non-instruct) model" in w and "sft.enabled=true" in w for w in warnings), warnings

@@ -17,9 +17,9 @@ import torch
 from arch_zoo import (ARCHITECTURES, TEMPLATE_ARCHITECTURE, attention_implementations, conformance_batch,
                       logprobs_alone, tiny_model)
 
-from skyrl_stepwise.trainer.batching import TrainBatch, forward_logprobs, pack_micro_batch, rank_micro_batches
-from skyrl_stepwise.trainer.packing import attention_layout, resolve_packing
-from skyrl_stepwise.trainer.packing.selfcheck import check_packing, refusal
+from skyrl_stepwise.policy.batching import TrainBatch, forward_logprobs, pack_micro_batch, rank_micro_batches
+from skyrl_stepwise.policy.packing import attention_layout, resolve_packing
+from skyrl_stepwise.policy.packing.selfcheck import check_packing, refusal
 
 # one sample per row: state along the row, a layer kind we cannot mask (chunked), or longrope with rows of unknown size
 STATE_CARRYING = {"granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2",
@@ -88,8 +88,8 @@ def test_packed_samples_score_exactly_as_alone_or_are_refused(model_type):
 def test_explicit_tree_on_a_recurrent_model_is_refused_at_worker_start(tmp_path):
     """A user asking for packing=tree on Qwen3.5 (gated delta net) is stopped before the first step, with the model
     type and the key in the message; auto picks rows with one sample per row and passes the self-check."""
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     tiny_model("qwen3_5_text").save_pretrained(tmp_path / "m")
     cfg = TrainerConfig(model_path=str(tmp_path / "m"), packing="tree", ckpt_dir=str(tmp_path / "c"))
@@ -107,7 +107,7 @@ def _gpt_neo_config(tmp_path):
     """A saved tiny GPT-Neo (a local band by row index: rows exact, tree not) and a worker config with auto packing."""
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    from skyrl_stepwise.trainer.config import TrainerConfig
+    from skyrl_stepwise.policy.config import TrainerConfig
 
     torch.manual_seed(0)
     GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96, vocab_size=96,
@@ -122,7 +122,7 @@ def test_auto_falls_back_to_rows_when_the_tree_fails_the_models_self_check(tmp_p
     """GPT-Neo's local band follows the row index: as rows (contiguous samples) it is exact, in a tree (positions by
     depth) it is not, and nothing in the config says so. auto means "tree wherever exact": the self-check decides,
     auto trains rows and says why; an explicit tree is refused."""
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = _gpt_neo_config(tmp_path)
     cfg.fsdp.mixed_precision = False
@@ -142,7 +142,7 @@ def test_set_packing_runs_the_self_check_before_a_packing_first_trains(tmp_path)
     same self-check as start-up: on GPT-Neo (the tree scores 0.13 nats off, only the check can tell) a worker started
     with rows neither trains the tree it is asked for nor resolves a later auto to an unchecked tree; a refused
     switch names the model type and why, and leaves the worker on its packing."""
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = _gpt_neo_config(tmp_path)
     cfg.fsdp.mixed_precision = False
@@ -163,11 +163,11 @@ def test_under_bf16_compute_an_fp32_proxy_catches_a_leak_the_coarse_bar_lets_thr
     can only use a 1-nat bar: GPT-Neo's tree scores 0.1 nats off there and passed it, so auto trained a tree that
     is not exact. The same check on an fp32 copy of the architecture (2 layers, random weights) fails it at 1e-3:
     auto falls back to rows and an explicit tree is refused, naming the proxy."""
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker, mixed_precision_on
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker, mixed_precision_on
 
     # bf16 compute whatever this host has: on a CPU without native bf16 torch emulates it (slower, same numbers),
     # and the run itself would compute in fp32 there, where this leak cannot hide
-    monkeypatch.setattr("skyrl_stepwise.hardware.cpu_bf16_is_native", lambda: True)
+    monkeypatch.setattr("skyrl_stepwise.host.hardware.cpu_bf16_is_native", lambda: True)
     cfg = _gpt_neo_config(tmp_path)
     assert cfg.fsdp.mixed_precision and mixed_precision_on(cfg.fsdp, torch.device("cpu"))
     worker = PolicyWorker(cfg, trainable=False)
@@ -186,8 +186,8 @@ def test_the_fp32_proxy_keeps_every_layer_type_in_the_fewest_layers():
     proxy's layout (windows, state-carrying layers) is the model's."""
     from transformers import AutoConfig
 
-    from skyrl_stepwise.trainer.packing.layout import layer_windows
-    from skyrl_stepwise.trainer.packing.proxy import build_fp32_proxy, proxy_config
+    from skyrl_stepwise.policy.packing.layout import layer_windows
+    from skyrl_stepwise.policy.packing.proxy import build_fp32_proxy, proxy_config
 
     types = ["sliding_attention"] * 5 + ["full_attention"]
     gemma = AutoConfig.for_model("gemma3_text", num_hidden_layers=12, layer_types=types * 2, sliding_window=6,
@@ -224,7 +224,7 @@ def test_the_fp32_proxy_keeps_every_layer_type_in_the_fewest_layers():
 def test_attention_that_drops_soft_capping_or_sinks_is_refused():
     """Gemma 2 soft-caps attention logits and gpt-oss has learned sinks; transformers' sdpa and our packed flex skip
     them, so those attentions would train another function than the engine samples from."""
-    from skyrl_stepwise.trainer.packing import refuse_inexact_attention
+    from skyrl_stepwise.policy.packing import refuse_inexact_attention
 
     with pytest.raises(ValueError, match=r"trainer.attn_implementation=sdpa is not exact on gemma2.*soft-capping"):
         refuse_inexact_attention(attention_layout(tiny_model("gemma2", "sdpa")))
@@ -281,7 +281,7 @@ def test_selfcheck_catches_a_length_dependent_rope_the_layout_missed():
 def test_dynamic_rope_is_refused_whatever_the_packing():
     """transformers' dynamic NTK RoPE recomputes its frequencies from each forward's longest position and keeps them
     for later forwards: no packing (not even one sample per row) scores a sample as it scored alone."""
-    from skyrl_stepwise.trainer.packing import refuse_inexact_attention
+    from skyrl_stepwise.policy.packing import refuse_inexact_attention
 
     model = tiny_model("llama", max_position_embeddings=16,
                        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
@@ -323,8 +323,8 @@ def test_selfcheck_passes_on_exact_packing_with_probes_longer_than_the_window(mo
 def test_masks_keep_samples_apart_and_windows_in_depth():
     """The mask rule itself: rows are block-diagonal, a window counts depth (positions), layer types with different
     windows get a mask each, a single sample needs none, and a varlen kernel refuses a tree row."""
-    from skyrl_stepwise.trainer.packing.layout import AttentionLayout
-    from skyrl_stepwise.trainer.packing.masks import allowed_mask, row_model_inputs
+    from skyrl_stepwise.policy.packing.layout import AttentionLayout
+    from skyrl_stepwise.policy.packing.masks import allowed_mask, row_model_inputs
 
     # rows: two samples of 3 and 2 tokens
     end, depth = torch.tensor([3, 3, 3, 5, 5]), torch.tensor([0, 1, 2, 0, 1])

@@ -1,4 +1,4 @@
-"""Placement of policy ranks and vLLM engines on GPUs (skyrl_stepwise.placement).
+"""Placement of policy ranks and vLLM engines on GPUs (skyrl_stepwise.run.placement).
 
 The pure tests check the plans for the Search-R1 recipe. The integration tests reserve the plans on a
 simulated Ray cluster with fake GPUs (ray.cluster_utils.Cluster) and start one tiny actor per role.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_stepwise.placement import (
+from skyrl_stepwise.run.placement import (
     Layout,
     PlacementConfig,
     Slot,
@@ -36,7 +36,7 @@ from skyrl_stepwise.placement import (
 
 def _recipe_sizes(*overrides: str) -> dict:
     """World size and engines of conf/experiment/search_r1.yaml as composed by the trainer."""
-    from skyrl_stepwise.train import load_config
+    from skyrl_stepwise.cli.train import load_config
 
     cfg = load_config(["experiment=search_r1", "logging.output_dir=unused", *overrides])
     return dict(world_size=cfg.trainer.fsdp.world_size, num_engines=cfg.engine.num_engines)
@@ -60,8 +60,8 @@ def test_the_recipe_is_what_the_plans_assume():
 
 
 def test_run_layouts_from_configs():
-    from skyrl_stepwise.placement import plan_run_layout
-    from skyrl_stepwise.train import load_config
+    from skyrl_stepwise.run.placement import plan_run_layout
+    from skyrl_stepwise.cli.train import load_config
 
     gpu = plan_run_layout(load_config(["experiment=search_r1", "logging.output_dir=unused"]), gpus_requested=True)
     assert (gpu.mode, gpu.gpus_needed, len(gpu.policy), len(gpu.engines)) == ("colocated", 8, 8, 4)
@@ -319,7 +319,7 @@ def _start_probes(layout: Layout, pg) -> dict:
 def _fit(sizes: dict) -> dict:
     from ray.util.placement_group import remove_placement_group
 
-    from skyrl_stepwise.placement import create_placement_group
+    from skyrl_stepwise.run.placement import create_placement_group
 
     layout = _plan("colocated", **sizes)
     pg = create_placement_group(layout, timeout_s=60)
@@ -330,7 +330,7 @@ def _fit(sizes: dict) -> dict:
 
 
 def _failure(layout: Layout, timeout_s: float) -> dict:
-    from skyrl_stepwise.placement import create_placement_group
+    from skyrl_stepwise.run.placement import create_placement_group
 
     start = time.monotonic()
     try:
@@ -344,7 +344,7 @@ def _busy() -> dict:
     """All 8 GPUs held by one group; a second that would fit an empty cluster must time out, not hang."""
     from ray.util.placement_group import placement_group_table, remove_placement_group
 
-    from skyrl_stepwise.placement import create_placement_group
+    from skyrl_stepwise.run.placement import create_placement_group
 
     holder = create_placement_group(_plan("colocated"), timeout_s=60)
     try:
@@ -359,7 +359,7 @@ def _weight_sync_methods(fit: dict) -> dict:
     """What weight_sync.method resolves to for the placement just observed (engines and rank 0 where they landed)."""
     from types import SimpleNamespace
 
-    from skyrl_stepwise.trainer.weight_sync import resolve_method
+    from skyrl_stepwise.policy.weight_sync import resolve_method
 
     class Engine:  # a vLLM engine as resolve_method sees it: both carriers, on the node it landed on
         def __init__(self, node_id: str) -> None:
@@ -392,9 +392,9 @@ def _observe_weights_file(model_dir: str) -> dict:
     from ray.cluster_utils import Cluster
 
     from skyrl_stepwise.inference.weights import load_weights_file, shared_memory_dir
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.weight_sync import WeightSync, WeightSyncConfig
-    from skyrl_stepwise.trainer.worker_group import PolicyGroup
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.weight_sync import WeightSync, WeightSyncConfig
+    from skyrl_stepwise.policy.worker_group import PolicyGroup
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
                                                             "include_dashboard": False})
@@ -466,7 +466,7 @@ def _observe(shape: str) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from skyrl_stepwise.placement import cluster_gpus
+    from skyrl_stepwise.run.placement import cluster_gpus
 
     nodes = int(shape.split("x")[0])
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 8, "include_dashboard": False})

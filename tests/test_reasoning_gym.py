@@ -52,7 +52,7 @@ def test_run_spec_builds_a_cached_file_and_the_env_is_registered(tmp_path):
     stamp = path.stat().st_mtime_ns
     assert cached_task_file(spec, tmp_path).stat().st_mtime_ns == stamp  # generated once
     assert [r["instance_id"] for r in task_rows(spec)] == [r.instance_id for r in load_prompt_dataset(path)]
-    from skyrl_stepwise.config import EnvironmentConfig
+    from skyrl_stepwise.run.config import EnvironmentConfig
 
     assert "reasoning_gym" in build_env_registry(EnvironmentConfig()).names()
 

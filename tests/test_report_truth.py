@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from skyrl_stepwise.config import RunConfig
-from skyrl_stepwise.run_report import write_run_report
-from skyrl_stepwise.trainer.divergence import DivergenceConfig, DivergenceError, DivergenceGuard
+from skyrl_stepwise.run.config import RunConfig
+from skyrl_stepwise.run.report import write_run_report
+from skyrl_stepwise.loop.divergence import DivergenceConfig, DivergenceError, DivergenceGuard
 
 
 def _cfg(tmp_path) -> RunConfig:
@@ -41,7 +41,7 @@ def test_a_failure_is_reported_with_its_whole_message_and_the_sft_steps_are_in_t
 
 
 def test_a_very_long_failure_line_is_cut_after_a_full_sentence(tmp_path):
-    from skyrl_stepwise.run_report import failure_text
+    from skyrl_stepwise.run.report import failure_text
 
     line = "First sentence here. " * 200
     cut = failure_text(RuntimeError(line + "\nsecond line"))
@@ -55,7 +55,7 @@ def test_an_interrupted_run_without_a_checkpoint_does_not_promise_a_resume(tmp_p
     assert "**interrupted at step 1** of 3" in text
     assert "resumes from the last complete checkpoint" not in text
     assert f"No checkpoint was saved before that (trainer.ckpt_interval={cfg.trainer.ckpt_interval})" in text
-    from skyrl_stepwise.trainer.checkpoint import COMPLETE
+    from skyrl_stepwise.checkpoint.store import COMPLETE
 
     step = tmp_path / "ckpts" / "step_1"  # with one: named
     step.mkdir(parents=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from skyrl_stepwise.resource_plan import (GIB, MemoryView, ResourcePlanError, engine_node_memory, make_plan,
+from skyrl_stepwise.run.resource_plan import (GIB, MemoryView, ResourcePlanError, engine_node_memory, make_plan,
                                           longest_prompt_tokens)
 
 # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x K and V
@@ -16,10 +16,10 @@ FRESH_VM_NODE = MemoryView("the engine's NUMA node 0", int(9.46 * GIB), int(6.46
 
 
 def _recipe(model_path, monkeypatch, native_bf16: bool):
-    from skyrl_stepwise.train import load_config
+    from skyrl_stepwise.cli.train import load_config
 
-    monkeypatch.setattr("skyrl_stepwise.hardware.cpu_bf16_is_native", lambda: native_bf16)
-    monkeypatch.setattr("skyrl_stepwise.config._has_cuda", lambda: False)
+    monkeypatch.setattr("skyrl_stepwise.host.hardware.cpu_bf16_is_native", lambda: native_bf16)
+    monkeypatch.setattr("skyrl_stepwise.run.config._has_cuda", lambda: False)
     cfg = load_config(["experiment=search_r1_tiny"])
     cfg.engine.model_path = cfg.trainer.model_path = str(model_path)
     return cfg

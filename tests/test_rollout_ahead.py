@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from skyrl_stepwise.trainer.rollout_ahead import RolloutAhead
+from skyrl_stepwise.loop.rollout_ahead import RolloutAhead
 
 
 class FakeRun:
@@ -141,13 +141,13 @@ class SlowPolicy:
 
 
 def _trainer(tokenizer, tmp_path, max_staleness: int):
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
     from skyrl_stepwise.data.dataset import PromptRow
     from skyrl_stepwise.envs.base import EnvRegistry, StepResult
     from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
     from skyrl_stepwise.inference.scripted import ScriptedEngine
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     class OneTurn:
         async def reset(self, prompt_messages, extras):
@@ -243,7 +243,7 @@ async def test_a_checkpoint_save_never_stalls_the_rollouts_running_ahead(tokeniz
 
 
 def test_config_refuses_stale_rollouts_without_importance_weights_or_with_memory_handover():
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
 
     cfg = RunConfig()
     cfg.trainer.max_staleness = 1
@@ -300,15 +300,15 @@ async def test_real_smollm2_trains_on_rollouts_sampled_one_update_ago(tokenizer,
     sync the engine scores exactly like the trainer."""
     import json
 
-    from skyrl_stepwise.config import RunConfig
+    from skyrl_stepwise.run.config import RunConfig
     from skyrl_stepwise.data.dataset import PromptRow
     from skyrl_stepwise.envs.base import EnvRegistry
     from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
     from skyrl_stepwise.inference import EngineConfig, HFEngine
-    from skyrl_stepwise.trainer.config import FSDPConfig, TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.loop import RLTrainer, eval_config
-    from skyrl_stepwise.trainer.tracking import Tracker
+    from skyrl_stepwise.policy.config import FSDPConfig, TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.loop.loop import RLTrainer, eval_config
+    from skyrl_stepwise.loop.tracking import Tracker
 
     cfg = RunConfig(total_steps=3)
     cfg.generator = GeneratorConfig(max_turns=1, max_input_length=256, n_samples_per_prompt=4, show_progress=False,

@@ -12,7 +12,7 @@ from skyrl_stepwise.envs.base import EnvRegistry
 from skyrl_stepwise.envs.tool import ToolEnvConfig, register_tool_env
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID
 from skyrl_stepwise.inference.scripted import ScriptedEngine
-from skyrl_stepwise.trainer.rollout_samples import RolloutLog, load_rollouts, pick_trajectories
+from skyrl_stepwise.loop.rollout_samples import RolloutLog, load_rollouts, pick_trajectories
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 PROMPT = [{"role": "user", "content": "What is six times seven?"}]
@@ -61,8 +61,8 @@ def test_picks_best_and_worst_of_each_group_first():
 
 
 async def test_show_prints_a_step_and_the_report_has_the_section(tokenizer, tmp_path, capsys):
-    from skyrl_stepwise.run_report import rollouts_section
-    from skyrl_stepwise.show import main
+    from skyrl_stepwise.run.report import rollouts_section
+    from skyrl_stepwise.cli.show import main
 
     gen, out = await _tool_output(tokenizer, merge=True)
     log = RolloutLog(tmp_path, gen.loop.renderer, num_samples=2)

@@ -8,8 +8,8 @@ import json
 import pytest
 import yaml
 
-from skyrl_stepwise import train
-from skyrl_stepwise.run_record import (LAUNCHES, RECORD, ConfigMismatchError, check_launch, config_tree,
+from skyrl_stepwise.cli import train
+from skyrl_stepwise.run.record import (LAUNCHES, RECORD, ConfigMismatchError, check_launch, config_tree,
                                        differences, save_record)
 
 

@@ -9,7 +9,7 @@ from family_tokenizers import FAMILIES, family_tokenizer
 from test_generator import canonical
 
 from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig
-from skyrl_stepwise.trainer.sft import conversation_samples, sft_batches, split_turns
+from skyrl_stepwise.loop.sft import conversation_samples, sft_batches, split_turns
 
 CONVERSATION = [
     {"role": "system", "content": "You are a search agent."},
@@ -47,8 +47,8 @@ def test_sft_batches_cover_every_conversation_each_epoch(tokenizer):
 
 @pytest.mark.integration
 def test_an_sft_step_lowers_the_loss_on_its_batch(tokenizer, model_path):
-    from skyrl_stepwise.trainer.config import FSDPConfig, OptimConfig, TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import FSDPConfig, OptimConfig, TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     batch = sft_batches(conversation_samples(tokenizer, [CONVERSATION] * 2, GeneratorConfig()), 2, 1, 0)[0]
     worker = PolicyWorker(TrainerConfig(model_path=str(model_path), optim=OptimConfig(lr=1e-4),
@@ -72,7 +72,7 @@ class _InProcessPolicy:
 def _tiny_sft_batches() -> list:
     import torch
 
-    from skyrl_stepwise.trainer.batching import TrainBatch
+    from skyrl_stepwise.policy.batching import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128, (12,), generator=g).tolist() for _ in range(6)]
@@ -84,10 +84,10 @@ def _tiny_sft_batches() -> list:
 
 
 def test_a_resumed_sft_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_model_dir, tmp_path):
-    from skyrl_stepwise.trainer.checkpoint import complete_checkpoints
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
-    from skyrl_stepwise.trainer.sft import train_sft
+    from skyrl_stepwise.checkpoint.store import complete_checkpoints
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.loop.sft import train_sft
 
     def policy(ckpt_dir):
         cfg = TrainerConfig(model_path=str(tiny_model_dir), ckpt_dir=str(ckpt_dir), max_ckpts_to_keep=1)
@@ -149,10 +149,10 @@ def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, ti
 
     # the recipe as written (bf16 mixed precision), whatever this host computes: on a CPU without native bf16 the
     # recipe already runs float32 and `trainer.fsdp.mixed_precision=false` would change nothing to key on
-    monkeypatch.setattr("skyrl_stepwise.hardware.cpu_bf16_is_native", lambda: True)
+    monkeypatch.setattr("skyrl_stepwise.host.hardware.cpu_bf16_is_native", lambda: True)
 
-    from skyrl_stepwise.trainer.warm_start import cache_key
-    from skyrl_stepwise.train import load_config
+    from skyrl_stepwise.loop.warm_start import cache_key
+    from skyrl_stepwise.cli.train import load_config
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
@@ -195,7 +195,7 @@ def test_tool_call_demonstrations_train_the_calls_the_parser_reads_under_the_rl_
     """OpenAI-shaped `tool_calls` become the hermes call text the renderer parses back into the same call, and the
     prompt shows the run's tool schemas exactly as the tool env's RL prompt does."""
     from skyrl_stepwise.chat import create_renderer
-    from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.tools.config import configured_tool_schemas
 
     tools = configured_tool_schemas(None)
     cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]))
@@ -225,7 +225,7 @@ def test_tool_call_demonstrations_are_written_in_each_familys_own_call_format(fa
     parser reads the trained ids back into exactly that call; a family whose calls cannot be written is refused by
     name, never trained on a format its parser does not read."""
     from skyrl_stepwise.chat import create_renderer
-    from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.tools.config import configured_tool_schemas
 
     tokenizer, tools = family_tokenizer(family), configured_tool_schemas(None)
     cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]),
@@ -257,7 +257,7 @@ def test_tool_demonstrations_do_not_depend_on_their_call_ids(family):
     RL; a demonstration's own ids (`toolu_...`, not the `call_0` gpt-oss's and Gemma 4's parsers assign) once had
     its tool result trained as a user turn there, a layout RL never produces."""
     from skyrl_stepwise.chat import create_renderer
-    from skyrl_stepwise.tools.base import configured_tool_schemas
+    from skyrl_stepwise.tools.config import configured_tool_schemas
 
     tokenizer, tools = family_tokenizer(family), configured_tool_schemas(None)
     cfg = GeneratorConfig(sampling=GeneratorSamplingConfig(stop=[]),

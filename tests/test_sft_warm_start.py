@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from skyrl_stepwise.trainer.divergence import DivergenceConfig, DivergenceError, DivergenceGuard
-from skyrl_stepwise.trainer.sft import SFTConfig, terminator_nats, warm_start_settings
+from skyrl_stepwise.loop.divergence import DivergenceConfig, DivergenceError, DivergenceGuard
+from skyrl_stepwise.loop.sft import SFTConfig, terminator_nats, warm_start_settings
 
 
 def test_a_terminator_the_model_never_produced_lowers_the_lr_and_lengthens_the_warmup():
@@ -70,8 +70,8 @@ def test_a_wild_first_step_is_caught_by_the_absolute_grad_norm_bound():
 
 
 def test_set_optim_changes_lr_and_warmup_before_the_first_step_and_is_refused_after(tiny_model_dir):
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
     from test_divergence import _sft_batch
 
     cfg = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_tokens=64)
@@ -116,8 +116,8 @@ def _sft_setup(monkeypatch, tmp_path, model_path, nats: float, script: list[dict
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from skyrl_stepwise.app_config import load_config
-    from skyrl_stepwise.trainer import worker_group
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.policy import worker_group
 
     conversations = [[{"role": "user", "content": f"What is {i} + {i}?"},
                       {"role": "assistant", "content": str(2 * i)}] for i in range(16)]
@@ -139,7 +139,7 @@ def _step(loss: float, grad_norm: float, entropy: float, lr: float = 0.0) -> dic
 
 def test_sft_on_a_model_that_never_produced_its_terminator_lowers_the_lr_and_says_so(monkeypatch, tmp_path,
                                                                                     model_path):
-    from skyrl_stepwise.trainer.warm_start import sft_model
+    from skyrl_stepwise.loop.warm_start import sft_model
 
     cfg = _sft_setup(monkeypatch, tmp_path, model_path, 21.3, [_step(15.0 - k, 400.0, 3.8) for k in range(4)])
     lines: list[str] = []
@@ -158,7 +158,7 @@ def test_sft_on_a_model_that_never_produced_its_terminator_lowers_the_lr_and_say
 def test_a_diverged_warm_start_leaves_its_steps_in_the_run_dir(monkeypatch, tmp_path, model_path):
     """An instruct-like model (terminator 0.3 nats) keeps sft.lr; its divergence at step 3 stops SFT, and the
     steps up to it are in sft_metrics.jsonl, not only on the console."""
-    from skyrl_stepwise.trainer.warm_start import sft_model
+    from skyrl_stepwise.loop.warm_start import sft_model
 
     cfg = _sft_setup(monkeypatch, tmp_path, model_path, 0.3,
                      [_step(2.0, 5.0, 2.9), _step(1.9, 6.0, 2.8), _step(9.0, 400.0, 8.5), _step(1.0, 1.0, 1.0)])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from skyrl_stepwise.logging_setup import run_logging
-from skyrl_stepwise.startup_failures import LogMark, StartupFailure, ray_worker_output, root_cause, starting
+from skyrl_stepwise.host.logs import run_logging
+from skyrl_stepwise.run.startup_failures import LogMark, StartupFailure, ray_worker_output, root_cause, starting
 
 VLLM_ROOT_CAUSE = ("ValueError: Available memory on node 0 (6.46/9.46 GiB) on kv cache allocation is less than "
                    "requested memory for kv (9.19 GiB). Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, "
@@ -59,7 +59,7 @@ def test_an_oom_kill_names_the_kill():
 def test_a_coloured_ray_error_is_read_in_the_named_workers_own_log_file(tmp_path, monkeypatch):
     """A Ray started before the run (a user's cluster, a test session) routes no worker output into run.log, and
     its log_to_driver copy arrives after the exception: the worker's own file under Ray's logs folder has it."""
-    import skyrl_stepwise.startup_failures as sf
+    import skyrl_stepwise.run.startup_failures as sf
 
     _vllm_like_log(tmp_path / "worker-0a1b-01000000-30051.err")
     (tmp_path / "worker-0a1b-01000000-30052.err").write_text("KeyError: 'another worker, not this one'\n")
@@ -160,8 +160,8 @@ def test_policy_ranks_without_weights_name_the_missing_file(tmp_path):
     import ray
     from transformers import LlamaConfig
 
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.worker_group import PolicyGroup
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.worker_group import PolicyGroup
 
     model_dir = tmp_path / "no_weights"
     LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -184,7 +184,7 @@ def test_a_retriever_that_crashes_is_named_with_its_own_error(tmp_path):
 
     missing = tmp_path / "no_such_corpus.jsonl"
     with run_logging(tmp_path, console_level="WARNING") as run_log:
-        from skyrl_stepwise.logging_setup import children_output_to
+        from skyrl_stepwise.host.logs import children_output_to
 
         with pytest.raises(StartupFailure) as failed, starting("the local retriever"), children_output_to(run_log):
             with local_retriever(str(missing), "bm25", timeout_s=120):
@@ -221,10 +221,11 @@ def test_a_gateway_on_a_taken_port_says_so(tokenizer, tmp_path):
 
 def test_the_console_line_and_report_name_the_root_cause(tmp_path, capsys, monkeypatch):
     """Through the main job's entry point: the engine fails to start; one console line names vLLM's error."""
-    from skyrl_stepwise import run_setup, train
+    from skyrl_stepwise.run import setup as run_setup
+    from skyrl_stepwise.cli import train
 
     def fail_to_start(*args, **kwargs):  # as a Ray worker does: its output goes to run.log
-        from skyrl_stepwise.logging_setup import active_run_log
+        from skyrl_stepwise.host.logs import active_run_log
 
         with open(active_run_log(), "a") as log:
             log.write("Traceback (most recent call last):\n" + VLLM_ROOT_CAUSE + "\n")

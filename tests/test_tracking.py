@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from skyrl_stepwise.trainer.tracking import Tracker, scrub
+from skyrl_stepwise.loop.tracking import Tracker, scrub
 
 
 def test_scrub_drops_credentials_and_keeps_token_counts():
@@ -35,8 +35,8 @@ def test_rewind_drops_steps_logged_after_the_checkpoint(tmp_path, caplog):
 
 def test_a_skipped_update_is_on_the_console_line_and_in_the_report(tmp_path, caplog):
     """train/skipped_step (a non-finite gradient norm: the whole batch's gradient lost) was in neither."""
-    from skyrl_stepwise.config import RunConfig
-    from skyrl_stepwise.run_report import write_run_report
+    from skyrl_stepwise.run.config import RunConfig
+    from skyrl_stepwise.run.report import write_run_report
 
     caplog.set_level(logging.INFO, logger="skyrl_stepwise")
     tracker = Tracker(tmp_path, "p", "r", "disabled", {})

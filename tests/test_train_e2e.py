@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from skyrl_stepwise.data.dataset import load_prompt_dataset, write_parquet
-from skyrl_stepwise.trainer.checkpoint import complete_checkpoints
-from skyrl_stepwise.trainer.loop import PromptLoader
+from skyrl_stepwise.checkpoint.store import complete_checkpoints
+from skyrl_stepwise.loop.loop import PromptLoader
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def _dataset(tmp: Path) -> Path:
 
 
 def _command(data: Path, out: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "skyrl_stepwise.train", "experiment=tool_task_tiny", f"total_steps={steps}",
+    return [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=tool_task_tiny", f"total_steps={steps}",
             f"environment.tool.tools_path={OWN_TASK / 'tools.yaml'}", "+environment.env_classes.guess=guess:GuessEnv",
             f"data.train_path={data}", f"data.val_path={data.parent / 'own' / 'val.parquet'}",
             "data.train_batch_size=2", "data.shuffle=false",
@@ -166,8 +166,8 @@ def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
     import contextlib
     import io
 
-    from skyrl_stepwise.show import main as show
-    from skyrl_stepwise.trainer.rollout_samples import load_rollouts
+    from skyrl_stepwise.cli.show import main as show
+    from skyrl_stepwise.loop.rollout_samples import load_rollouts
 
     assert "environment/guessed" in first[0]  # GuessEnv's own metric
     samples = load_rollouts(out)
@@ -194,11 +194,11 @@ def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
 
 def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path):
     """The main job's shape at toy size: eval the base model, SFT (2 demonstrations), eval, 1 RL step, eval."""
-    from skyrl_stepwise.trainer.evaluation import load_evals
+    from skyrl_stepwise.loop.evaluation import load_evals
 
     out = tmp_path / "run"
     # a seed of its own: the SFT cache key changes, so SFT really runs (and its folder is removed afterwards)
-    command = [sys.executable, "-m", "skyrl_stepwise.train", "experiment=search_r1_tiny", "total_steps=1",
+    command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", "total_steps=1",
                "sft.max_rows=2", "sft.batch_size=2", f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
                "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
                "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled",

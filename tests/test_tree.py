@@ -1,4 +1,4 @@
-"""Prefix-tree packing (trainer/tree.py): trie properties (hypothesis), scheduling, the masks per attention, and the
+"""Prefix-tree packing (policy/tree.py): trie properties (hypothesis), scheduling, the masks per attention, and the
 acceptance on SmolLM2 fp32: tree logprobs == separate forwards, loss and every gradient == rows packing."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skyrl_stepwise.trainer.batching import (TrainBatch, forward_logprobs, pack_micro_batch, packing_stats,
+from skyrl_stepwise.policy.batching import (TrainBatch, forward_logprobs, pack_micro_batch, packing_stats,
                                              rank_micro_batches)
-from skyrl_stepwise.trainer.config import AlgorithmConfig, TrainerConfig
-from skyrl_stepwise.trainer.packing.masks import allowed_mask, dense_mask
-from skyrl_stepwise.trainer.tree import PrefixCounter, build_trie, pack_units, tree_units, unique_tokens
+from skyrl_stepwise.policy.config import AlgorithmConfig, TrainerConfig
+from skyrl_stepwise.policy.packing.masks import allowed_mask, dense_mask
+from skyrl_stepwise.policy.tree import PrefixCounter, build_trie, pack_units, tree_units, unique_tokens
 
 # a tiny alphabet makes random sequences share prefixes (and diverge again) all the time
 tokens = st.integers(0, 3)
@@ -172,7 +172,7 @@ def _tiny_model(attn: str = "sdpa"):
 def test_eager_and_flex_tree_masks_give_the_sdpa_logprobs(attn):
     """eager takes the additive mask; flex (CPU: forward only, uncompiled, as a reference for the GPU path) the
     BlockMask from the trie over a row padded to 128. Both must score like sdpa's boolean mask."""
-    from skyrl_stepwise.trainer.packing.flex import register_packed_flex_attention
+    from skyrl_stepwise.policy.packing.flex import register_packed_flex_attention
 
     batch = _toy_batch()
     mb = pack_micro_batch(batch, [0, 1, 2, 3], "tree")
@@ -190,7 +190,7 @@ def test_eager_and_flex_tree_masks_give_the_sdpa_logprobs(attn):
 def test_worker_tree_and_rows_train_the_same_step(tiny_model_dir):
     """The PolicyWorker (FSDP2, 1 rank) with packing=tree: same logprobs, loss and gradient norm as rows from one
     snapshot, fewer tokens forwarded, and the accounting in the step's metrics."""
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = TrainerConfig(model_path=str(tiny_model_dir), micro_batch_tokens=64, ckpt_dir=str(tiny_model_dir / "c"),
                         packing="rows")
@@ -260,7 +260,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _loss_and_grads(model, batch: TrainBatch, packing: str, cfg: AlgorithmConfig):
-    from skyrl_stepwise.trainer.fsdp_worker import micro_batch_loss
+    from skyrl_stepwise.policy.fsdp_worker import micro_batch_loss
 
     model.zero_grad(set_to_none=True)
     loss, metrics = micro_batch_loss(model, pack_micro_batch(batch, list(range(len(batch))), packing), cfg,
@@ -328,7 +328,7 @@ def test_tree_is_exact_in_float64(model_path, tokenizer):
     computes in float32 even in a float64 model, so that change of summation order is rounded to float32."""
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.packing import attention_layout, row_model_inputs
+    from skyrl_stepwise.policy.packing import attention_layout, row_model_inputs
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64, attn_implementation="sdpa")
     batch = _acceptance_batch(tokenizer)
@@ -353,7 +353,7 @@ def test_ablation_tree_mode_replays_the_same_samples_from_the_same_start(tiny_mo
     forwards the distinct prefixes only and takes the same update (grad norm) as step_wise rows."""
     from test_advantages import sample_trajs, stepwise_output
 
-    from skyrl_stepwise.ablate import LocalPolicy, replay_costs
+    from skyrl_stepwise.cli.ablate import LocalPolicy, replay_costs
 
     cfg = TrainerConfig(model_path=str(tiny_model_dir), ckpt_dir=str(tiny_model_dir / "c"), packing="rows")
     cfg.fsdp.mixed_precision = False
@@ -371,7 +371,7 @@ def test_ablation_tree_mode_replays_the_same_samples_from_the_same_start(tiny_mo
 
 
 def test_step_metrics_sum_the_token_counts_and_recompute_the_compression():
-    from skyrl_stepwise.trainer.loop import combine_train_metrics
+    from skyrl_stepwise.loop.loop import combine_train_metrics
 
     batch = _toy_batch()
     first = packing_stats(batch, [[0, 1, 2, 3]], "tree", 100)
@@ -386,7 +386,7 @@ def test_worker_with_flex_attention_loads_the_packed_flex_kernel(tiny_model_dir)
     forward reference) and scores like plain rows, with the tree and with rows (both take a BlockMask)."""
     from transformers import AutoModelForCausalLM
 
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = TrainerConfig(model_path=str(tiny_model_dir), packing="tree", attn_implementation="flex_attention",
                         ckpt_dir=str(tiny_model_dir / "c"))

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from skyrl_stepwise.placement import PlacementConfig, Slot, role_options
+from skyrl_stepwise.run.placement import PlacementConfig, Slot, role_options
 
 
 def test_role_resources_pin_cpu_actors_and_are_refused_with_gpu_bundles():
@@ -53,7 +53,7 @@ def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model
     import ray
     from ray.cluster_utils import Cluster
 
-    from skyrl_stepwise.trainer.checkpoint import complete_checkpoints
+    from skyrl_stepwise.checkpoint.store import complete_checkpoints
     from test_train_e2e import OWN_TASK, REPO, _command, _dataset
 
     if ray.is_initialized():

@@ -17,7 +17,7 @@ from skyrl_stepwise.inference.weight_broadcast import (TensorSpec, WeightBroadca
                                                        manifest_to_wire, open_store, plan_buckets)
 from skyrl_stepwise.inference.weights import (engine_tensors, load_weights_file, weights_file,
                                               write_weights_file)
-from skyrl_stepwise.trainer.weight_sync import (WeightSync, WeightSyncConfig, can_sync_through_a_file,
+from skyrl_stepwise.policy.weight_sync import (WeightSync, WeightSyncConfig, can_sync_through_a_file,
                                                 probe_logprobs, resolve_method)
 
 
@@ -158,9 +158,9 @@ class _MeasuredGroup:
 @pytest.mark.integration
 async def test_vllm_engine_scores_like_the_trainer_after_a_file_sync_and_after_a_broadcast(
         vllm_engine, model_path, tokenizer, tmp_path):
-    from skyrl_stepwise.trainer.batching import TrainBatch
-    from skyrl_stepwise.trainer.config import TrainerConfig
-    from skyrl_stepwise.trainer.fsdp_worker import PolicyWorker
+    from skyrl_stepwise.policy.batching import TrainBatch
+    from skyrl_stepwise.policy.config import TrainerConfig
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     cfg = TrainerConfig(model_path=str(model_path), ckpt_dir=str(tmp_path / "ckpts"))
     cfg.fsdp.mixed_precision = False  # fp32 on both sides, as the session engine
@@ -259,7 +259,7 @@ def test_a_full_shared_memory_falls_back_to_disk_naming_the_sizes(tmp_path, monk
 
     import asyncio
 
-    monkeypatch.setattr("skyrl_stepwise.trainer.weight_sync.current_node_id", lambda: "here")
+    monkeypatch.setattr("skyrl_stepwise.policy.weight_sync.current_node_id", lambda: "here")
     sync = WeightSync(WeightSyncConfig(method="file"), Group(), Engine())
     with caplog.at_level(logging.WARNING, logger="skyrl_stepwise"):
         assert asyncio.run(sync.sync()) == 3
@@ -274,7 +274,7 @@ def test_weight_sync_probe_is_longer_than_the_sliding_window():
     it), stays within the engine's context, and stays the short question for full-attention models."""
     from family_tokenizers import family_tokenizer
 
-    from skyrl_stepwise.trainer.weight_sync import weight_sync_probe_ids
+    from skyrl_stepwise.policy.weight_sync import weight_sync_probe_ids
 
     tok = family_tokenizer("gemma-2")
     short = weight_sync_probe_ids(tok, None, 4096)

@@ -32,8 +32,8 @@ def _child(model_dir: str, ckpt_dir: str) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from test_fsdp_worker import _fsdp_batch, _fsdp_cfg
 
-    from skyrl_stepwise.trainer.checkpoint_verify import resume_checkpoint
-    from skyrl_stepwise.trainer.worker_group import PolicyGroup, PolicyWorkerDied
+    from skyrl_stepwise.checkpoint.verify import resume_checkpoint
+    from skyrl_stepwise.policy.worker_group import PolicyGroup, PolicyWorkerDied
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = _fsdp_cfg(2, model_dir, ckpt_dir)

@@ -4,7 +4,7 @@ Replaying the *same* rollouts through every builder makes cost differences due t
 With exact history a trajectory is one token chain, so `trajectory` (one sample per trajectory,
 observations masked) and `step_wise_merged` build identical samples; a template fallback or
 re-tokenization drift breaks the chain and both then yield one sample per chain.
-`tree` trains the step-wise samples themselves with trainer.packing=tree (trainer/tree.py): the same per-step
+`tree` trains the step-wise samples themselves with trainer.packing=tree (policy/tree.py): the same per-step
 samples and loss, every distinct prefix of a prompt group forwarded once.
 """
 
@@ -42,7 +42,7 @@ class SampleCost:
     def of(cls, output: GeneratorOutput, packing: str = "rows") -> SampleCost:
         """`packing="tree"`: the forward runs each distinct prefix of the batch once (one trie, one micro-batch;
         the replay replaces it with what the worker actually forwarded)."""
-        from skyrl_stepwise.trainer.tree import unique_tokens
+        from skyrl_stepwise.policy.tree import unique_tokens
 
         padded = batch_padded_seq_len(output)
         seqs = [p + r for p, r in zip(output.prompt_token_ids, output.response_ids)]

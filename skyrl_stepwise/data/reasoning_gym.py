@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from skyrl_stepwise.envs.reasoning_gym import ENTRY_ENCODING, decode_entry, encode_entry  # noqa: F401
+
 ENV_CLASS = "reasoning_gym"
-ENTRY_ENCODING = "tagged-json/1"  # reward_spec.entry_encoding: rows without it are from the lossy format
-_TAG = "__rg_type__"
 # Registered tasks `create_dataset(name, size, seed)` cannot build, with the reason (shown by check_task and --list).
 NEEDS_CONFIG = {"composite": "it mixes other tasks and needs their list in its config (datasets=...), which a task "
                              "name, size and seed cannot give"}
@@ -74,48 +73,6 @@ def parse_spec(value: str, key: str) -> TaskSpec:
         raise ValueError(f"{key}: {value!r}: SIZE must be positive")
     check_task(parts[0], key)
     return TaskSpec(parts[0], size, seed)
-
-
-def _tagged(value: Any, path: str) -> Any:
-    """`value` as plain JSON values, tuples/sets/frozensets/bytes and dicts with non-string keys tagged so
-    `decode_entry` gives them back as they were; any other type fails naming where it is (never its repr)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, list):
-        return [_tagged(v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, (tuple, set, frozenset)):
-        return {_TAG: type(value).__name__, "items": [_tagged(v, f"{path}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, bytes):
-        return {_TAG: "bytes", "hex": value.hex()}
-    if isinstance(value, dict):
-        if all(isinstance(k, str) for k in value) and _TAG not in value:
-            return {k: _tagged(v, f"{path}.{k}") for k, v in value.items()}
-        return {_TAG: "dict", "items": [[_tagged(k, f"{path} key {k!r}"), _tagged(v, f"{path}[{k!r}]")]
-                                        for k, v in value.items()]}
-    raise TypeError(f"{path}: a value of type {type(value).__name__} cannot be stored losslessly")
-
-
-def _untagged(obj: dict) -> Any:
-    """json.loads' object_hook (called innermost first): a tagged value back as its type (`_tagged`'s inverse)."""
-    kind = obj.get(_TAG)
-    if kind is None:
-        return obj
-    if kind == "bytes":
-        return bytes.fromhex(obj["hex"])
-    if kind == "dict":
-        return {k: v for k, v in obj["items"]}
-    return {"tuple": tuple, "set": set, "frozenset": frozenset}[kind](obj["items"])
-
-
-def encode_entry(entry: dict[str, Any]) -> str:
-    """A reasoning-gym entry as text that `decode_entry` turns back into an equal entry (tuples stay tuples, int
-    keys stay ints). Plain `json.dumps(default=str)` lost both, and a scorer comparing grids then never matched."""
-    return json.dumps(_tagged(entry, "entry"))
-
-
-def decode_entry(text: str) -> dict[str, Any]:
-    """`encode_entry`'s inverse."""
-    return json.loads(text, object_hook=_untagged)
 
 
 def check_entry(task: str, index: int, entry: dict[str, Any], stored: str) -> None:

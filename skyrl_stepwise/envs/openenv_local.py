@@ -63,7 +63,7 @@ class LocalServer:
         self.url = ""
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> str:
-        from skyrl_stepwise.logging_setup import active_run_log
+        from skyrl_stepwise.host.logs import active_run_log
 
         port = _free_port()
         log_path = active_run_log()

@@ -33,7 +33,7 @@ from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
 from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check
 from skyrl_stepwise.retrieval.client import (RetrievalClient, RetrievalError, RetrievalUnavailable,
                                              RetrieverEndpointConfig)
-from skyrl_stepwise.retrieval.index import Document, split_contents
+from skyrl_stepwise.retrieval.index import format_documents  # noqa: F401  (the demonstrations read it here)
 
 ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 # Search-R1's message, verbatim (search_r1/llm_agent/generation.py).
@@ -78,15 +78,6 @@ def parse_action(text: str) -> tuple[str, str] | None:
     """("search" | "answer", stripped body) of the first tag pair in the action, or None if invalid."""
     m = ACTION_RE.search(text)
     return (m.group(1), m.group(2).strip()) if m else None
-
-
-def format_documents(docs: list[Document], template: str) -> str:
-    """Search-R1's `_passages2string`: title = first line of contents (quotes kept), text = the rest."""
-    parts = []
-    for i, doc in enumerate(docs, 1):
-        title, text = split_contents(doc["contents"])
-        parts.append(template.format(index=i, title=title, text=text))
-    return "".join(parts)
 
 
 def ground_truth_targets(extras: dict[str, Any]) -> list[str]:

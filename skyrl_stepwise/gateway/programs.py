@@ -16,7 +16,7 @@ import logging
 from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
 from skyrl_stepwise.gateway.service import Gateway
 
-logger = logging.getLogger("skyrl_stepwise.train")
+logger = logging.getLogger("skyrl_stepwise.cli.train")
 
 
 class AgentPrograms:

@@ -15,7 +15,7 @@ and the total reward of every trajectory is preserved.
 
 Turn indices (when the input has them) are carried per token too; the observation delta takes the index of the
 step before it. The merge computes no credit: each step's reward stays on that step's tokens, so per-step
-advantages (trainer/credit.py) come out the same per token whether samples are merged or not.
+advantages (algorithms/credit.py) come out the same per token whether samples are merged or not.
 """
 
 from __future__ import annotations

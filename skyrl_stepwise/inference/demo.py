@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.7)
     args = parser.parse_args(argv)
 
-    from skyrl_stepwise.logging_setup import run_logging
+    from skyrl_stepwise.host.logs import run_logging
     from skyrl_stepwise.models.prepare import cache_root
 
     log_dir = Path(args.log_dir) if args.log_dir else cache_root() / "demo"

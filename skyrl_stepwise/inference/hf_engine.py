@@ -57,14 +57,14 @@ class HFEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from skyrl_stepwise.trainer.packing.rope import pin_longrope
+        from skyrl_stepwise.models.rope import pin_longrope
 
         self.cfg = cfg
         path = resolve_model_path(cfg.model_path)
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
-        # longrope: the factors vLLM uses at this context for every token, as the trainer does (packing/rope.py);
+        # longrope: the factors vLLM uses at this context for every token, as the trainer does (models/rope.py);
         # transformers' per-forward choice would switch mid-generation, with the KV cache holding the other ones
         pin_longrope(self.model, cfg.max_model_len, key="engine.max_model_len")
         self.model.to(self.device).eval()

@@ -3,7 +3,7 @@
 An engine actor can die mid-run (OOM-killed, a segfault in a kernel, a node lost): every request to it fails, a
 step's rollouts fail with it, and the run used to stop. Here an engine whose health check fails is restarted in
 place (same config, same placement) by its own `restart()`; the caller then loads the current weights into it and
-verifies them with the probe before any rollout uses it (trainer/engine_recovery.py).
+verifies them with the probe before any rollout uses it (loop/engine_recovery.py).
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ def ensure_ray() -> None:
     """Join the cluster named by RAY_ADDRESS (multi-node runs), else start a small local Ray.
 
     The local one has few prestarted workers and no dashboard, which is what a 2-core box can afford;
-    a cluster brings its own resources, so nothing is capped there. Inside a run (logging_setup.run_logging)
+    a cluster brings its own resources, so nothing is capped there. Inside a run (host.logs.run_logging)
     the workers' output goes to the run's run.log and only their warnings and errors reach the console.
     """
     import ray
 
-    from skyrl_stepwise.logging_setup import adopt_library_loggers, ray_init_options
+    from skyrl_stepwise.host.logs import adopt_library_loggers, ray_init_options
 
     if ray.is_initialized():
         return

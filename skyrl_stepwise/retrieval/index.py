@@ -76,6 +76,15 @@ def split_contents(contents: str) -> tuple[str, str]:
     return title, text
 
 
+def format_documents(docs: list[Document], template: str) -> str:
+    """Search-R1's `_passages2string`: title = first line of contents (quotes kept), text = the rest."""
+    parts = []
+    for i, doc in enumerate(docs, 1):
+        title, text = split_contents(doc["contents"])
+        parts.append(template.format(index=i, title=title, text=text))
+    return "".join(parts)
+
+
 def corpus_digest(path: str | Path) -> str:
     """Content hash of the corpus file: a changed corpus gets a new index instead of stale results."""
     h = hashlib.sha256()

@@ -12,18 +12,17 @@ from typing import Iterator
 import httpx
 
 
-
 @contextlib.contextmanager
-def local_retriever(corpus: str | None = None, kind: str = "bm25", port: int = 0,
+def local_retriever(corpus: str, kind: str = "bm25", port: int = 0,
                     timeout_s: float = 300.0) -> Iterator[str]:
-    """Yield the /retrieve URL of a server on 127.0.0.1; the index is built (once) before it is healthy."""
+    """Yield the /retrieve URL of a server on 127.0.0.1 over the corpus JSONL at `corpus`; the index is built
+    (once) before it is healthy."""
     if not port:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "skyrl_stepwise.retrieval.server", "--port", str(port), "--retriever", kind]
-    if corpus and corpus != "embedded":
-        cmd += ["--corpus", corpus]
+    cmd = [sys.executable, "-m", "skyrl_stepwise.retrieval.server", "--port", str(port), "--retriever", kind,
+           "--corpus", str(corpus)]
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     try:

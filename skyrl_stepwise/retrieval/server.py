@@ -205,13 +205,6 @@ class BackgroundServer:
         self.stop()
 
 
-def default_corpus() -> Path:
-    """The embedded Wikipedia corpus, built on first use, so `retriever serve` works with no arguments."""
-    from skyrl_stepwise.data.embedded import build_embedded_search_r1
-
-    return build_embedded_search_r1().corpus
-
-
 def default_index_dir() -> Path:
     """Indexes live in the shared cache so every run over the same corpus reuses them."""
     from skyrl_stepwise.models.prepare import cache_root
@@ -223,7 +216,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """CLI flags; a default topk outside the allowed range is a usage error, not a runtime 422 on every call."""
     p = argparse.ArgumentParser(prog="skyrl-stepwise retriever serve", description=__doc__.splitlines()[0])
     p.add_argument("--corpus", type=Path, default=None,
-                   help="corpus JSONL {id, contents}; default: the embedded Wikipedia corpus")
+                   help="corpus JSONL {id, contents} (required here; `skyrl-stepwise retriever serve` serves the "
+                        "embedded Wikipedia corpus when none is given)")
     p.add_argument("--index-dir", type=Path, default=None, help="where indexes are saved and reused "
                    "(default: $SKYRL_STEPWISE_CACHE/indexes)")
     p.add_argument("--retriever", choices=RETRIEVERS, default="bm25")
@@ -258,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     args = parse_args(argv)
-    corpus = args.corpus or default_corpus()
+    if args.corpus is None:  # the embedded corpus is data's business (cli/retriever.py builds it): no import up
+        raise SystemExit("retrieval server: --corpus is required (`skyrl-stepwise retriever serve` serves the "
+                         "embedded Wikipedia corpus when none is given)")
+    corpus = args.corpus
     retriever = load_or_build(corpus, args.index_dir or default_index_dir(), args.retriever,
                               backend=args.bm25_backend)
     limits = ServerLimits(default_topk=args.topk, max_topk=args.max_topk, max_queries=args.max_queries,

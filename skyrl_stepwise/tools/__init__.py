@@ -8,9 +8,8 @@ executor that answers every parsed call of a turn, concurrently, without ever ra
 """
 
 from skyrl_stepwise.tools.base import (BUILTIN_TOOLS, FailedCall, Tool, ToolLike, ToolUnavailable, build_tool,
-                                       build_tools, close_tools, is_retrieval_tool, load_tools, resolve_tool_class,
-                                       tool_schemas)
-from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_tools_yaml, parse_tool_specs
+                                       build_tools, close_tools, is_retrieval_tool, resolve_tool_class, tool_schemas)
+from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_tools, load_tools_yaml, parse_tool_specs
 from skyrl_stepwise.tools.executor import ToolExecutor, ToolResult, to_messages
 
 __all__ = ["BUILTIN_TOOLS", "FailedCall", "Tool", "ToolConfigError", "ToolExecutor", "ToolLike", "ToolResult",

@@ -13,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from skyrl_stepwise.tools.config import ToolConfigError, ToolSpecConfig, load_tools_yaml, validate_tool_schema
+from skyrl_stepwise.tools.schema import ToolConfigError, ToolSpecConfig, validate_tool_schema
 
 # Builtin short names for `class_name`; imported lazily so base does not depend on builtin.
 BUILTIN_TOOLS: dict[str, str] = {
@@ -190,19 +189,6 @@ def build_tools(specs: list[ToolSpecConfig]) -> dict[str, ToolLike]:
             raise ToolConfigError(f"{spec.source}: tools[{i}]: duplicate tool name {spec.name!r}")
         tools[spec.name] = build_tool(spec, i)
     return tools
-
-
-def load_tools(path: str | Path) -> dict[str, ToolLike]:
-    """Read, validate and instantiate a tools YAML file in one step (what a recipe usually wants)."""
-    return build_tools(load_tools_yaml(path))
-
-
-def configured_tool_schemas(tools_path: str | Path | None) -> list[dict[str, Any]]:
-    """The schemas the `tool` env shows the model for `environment.tool.tools_path` (None: the built-in search and
-    calculator), without building any tool: what SFT prompts and rollout logs need to match RL prompts."""
-    if tools_path is None:
-        return [resolve_tool_class("search").default_schema, resolve_tool_class("calculator").default_schema]
-    return [spec.tool_schema for spec in load_tools_yaml(tools_path)]
 
 
 def tool_schemas(tools: dict[str, ToolLike]) -> list[dict[str, Any]]:

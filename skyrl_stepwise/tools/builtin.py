@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from skyrl_stepwise.envs.search import format_documents
+from skyrl_stepwise.retrieval.index import format_documents
 from skyrl_stepwise.retrieval.client import (RetrievalClient, RetrievalError, RetrievalUnavailable,
                                              RetrieverEndpointConfig)
 from skyrl_stepwise.tools.base import FailedCall, Tool, ToolUnavailable

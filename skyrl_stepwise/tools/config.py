@@ -15,7 +15,7 @@ tool index and the key instead of a model that silently never gets its arguments
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -25,6 +25,9 @@ from skyrl_stepwise.tools.schema import (FUNCTION_KEYS, SCHEMA_KEYS, TOOL_NAME_R
 SPEC_KEYS = {"class_name", "config", "tool_schema"}
 __all__ = ["FUNCTION_KEYS", "SCHEMA_KEYS", "SPEC_KEYS", "TOOL_NAME_RE", "ToolConfigError", "ToolSpecConfig",
            "check_satisfiable", "load_tools_yaml", "parse_tool_specs", "validate_tool_schema"]
+
+if TYPE_CHECKING:
+    from skyrl_stepwise.tools.base import ToolLike
 
 
 def _to_container(data: Any) -> Any:
@@ -116,3 +119,20 @@ def yaml_error_message(path: str | Path, error: yaml.YAMLError) -> str:
     lines = (mark.buffer or "").splitlines() if getattr(mark, "buffer", None) else []
     shown = f"\n  {lines[mark.line]}\n  {' ' * mark.column}^" if mark.line < len(lines) else ""
     return f"{path}:{mark.line + 1}:{mark.column + 1}: invalid YAML: {problem}{shown}"
+
+
+def load_tools(path: str | Path) -> dict[str, ToolLike]:
+    """Read, validate and instantiate a tools YAML file in one step (what a recipe usually wants)."""
+    from skyrl_stepwise.tools.base import build_tools
+
+    return build_tools(load_tools_yaml(path))
+
+
+def configured_tool_schemas(tools_path: str | Path | None) -> list[dict[str, Any]]:
+    """The schemas the `tool` env shows the model for `environment.tool.tools_path` (None: the built-in search and
+    calculator), without building any tool: what SFT prompts and rollout logs need to match RL prompts."""
+    from skyrl_stepwise.tools.base import resolve_tool_class
+
+    if tools_path is None:
+        return [resolve_tool_class("search").default_schema, resolve_tool_class("calculator").default_schema]
+    return [spec.tool_schema for spec in load_tools_yaml(tools_path)]

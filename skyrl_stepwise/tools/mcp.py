@@ -89,7 +89,7 @@ def _transport(cfg: MCPServerConfig):
         return cfg.url
     from mcp.client.stdio import StdioServerParameters, get_default_environment, stdio_client
 
-    from skyrl_stepwise.logging_setup import active_run_log
+    from skyrl_stepwise.host.logs import active_run_log
 
     command = server_command(cfg.command)
     params = StdioServerParameters(command=command[0], args=command[1:], cwd=cfg.cwd,

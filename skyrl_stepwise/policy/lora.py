@@ -1,0 +1,161 @@
+"""LoRA on the FSDP2 policy (`trainer.lora.enabled=true`), on peft.
+
+peft injects its LoRA layers into the HF model in place (`inject_adapter_in_model`) before the model is sharded,
+so the rest of the worker (packing, layout, self-check, checkpoints) sees the same model object, and only the
+adapter's parameters require grad (the optimizer is built from those alone).
+
+Two things the engines and the KL loss need are built here on peft's layers:
+  - the reference is the base model: the same sharded model with every adapter layer switched off
+    (`adapter_disabled`, what peft's `PeftModel.disable_adapter()` does), no second copy of the weights;
+  - the engines receive merged full weights under the base model's names (`merged_items`): W + scaling * B @ A
+    (transposed for GPT-2's Conv1D, fan_in_fan_out), computed on the gathered full tensors, so engines load
+    them unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from skyrl_stepwise.policy.config import LoRAConfig
+
+ADAPTER = "default"  # peft's adapter name: one adapter per policy
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class AdaptedLayer:
+    """What merging one adapted layer needs: peft's scaling (alpha / rank) and whether the base weight is stored
+    transposed ([in, out], GPT-2's Conv1D)."""
+
+    scaling: float
+    fan_in_fan_out: bool
+
+
+def _linear_classes() -> tuple[type, ...]:
+    from transformers.pytorch_utils import Conv1D
+
+    return torch.nn.Linear, Conv1D
+
+
+def decoder_linear_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every linear layer (nn.Linear, GPT-2's Conv1D) inside the model's decoder layers (the classes HF lists in
+    `_no_split_modules`), by full module name: what LoRA may adapt (never the embeddings or the LM head)."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    linear = _linear_classes()
+    found: dict[str, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in layer_classes:
+            for sub, child in module.named_modules():
+                if sub and isinstance(child, linear):
+                    found[f"{name}.{sub}"] = child
+    return found
+
+
+def resolve_target_modules(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The full module names `targets` (trainer.lora.target_modules) name on this model: each entry is a module
+    name or its suffix (peft's rule), or "all-linear". An entry that names none of the decoder layers' linear
+    modules is refused, listing the names there are."""
+    candidates = decoder_linear_modules(model)
+    if not candidates:
+        raise ValueError(f"trainer.lora: {type(model).__name__} has no linear modules inside its decoder layers "
+                         f"({getattr(model, '_no_split_modules', None)}) for LoRA to adapt")
+    chosen: dict[str, None] = {}
+    for target in targets:
+        if target == ALL_LINEAR:
+            chosen.update(dict.fromkeys(candidates))
+            continue
+        hits = [n for n in candidates if n == target or n.endswith(f".{target}")]
+        if not hits:
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in candidates})
+            raise ValueError(f"trainer.lora.target_modules: {target!r} names no linear module in the decoder layers "
+                             f"of {type(model).__name__}; its linear modules are {leaves} (or use {ALL_LINEAR})")
+        chosen.update(dict.fromkeys(hits))
+    return list(chosen)
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> str:
+    """Inject a LoRA adapter into `model` in place (before sharding) and freeze everything else; returns the
+    start-up log line. B starts at zero, so the adapted model computes exactly what the base does."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers.pytorch_utils import Conv1D
+
+    targets = resolve_target_modules(model, list(cfg.target_modules))
+    modules = decoder_linear_modules(model)
+    conv1d = [n for n in targets if isinstance(modules[n], Conv1D)]
+    if conv1d and len(conv1d) != len(targets):
+        raise ValueError(f"trainer.lora.target_modules mixes Conv1D ({conv1d[:3]}) and nn.Linear modules, whose "
+                         f"weights peft stores transposed to each other; adapt one kind only")
+    inject_adapter_in_model(LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                       target_modules=targets, bias="none", fan_in_fan_out=bool(conv1d)), model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    stray = [n for n in trainable if ".lora_" not in n]
+    if not trainable or stray:
+        raise RuntimeError(f"LoRA left {len(trainable) - len(stray)} adapter and these other parameters trainable: "
+                           f"{stray[:5]}")
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in targets})
+    return (f"LoRA rank {cfg.rank}, alpha {cfg.alpha:g} on {len(targets)} modules ({', '.join(leaves)}): "
+            f"{count:,} of {total:,} parameters train")
+
+
+def adapted_layers(model: torch.nn.Module) -> dict[str, AdaptedLayer]:
+    """Every LoRA layer of `model` by module name (empty without LoRA)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: AdaptedLayer(float(m.scaling[ADAPTER]), bool(m.fan_in_fan_out))
+            for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+@contextlib.contextmanager
+def adapter_disabled(model: torch.nn.Module):
+    """The base model inside the block: every adapter layer switched off (peft's `enable_adapters(False)`, what
+    `PeftModel.disable_adapter()` does), restored after, with the parameters' requires_grad as they were."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for param, flag in grads:
+            param.requires_grad_(flag)
+
+
+def merged_items(state: dict[str, torch.Tensor], layers: dict[str, AdaptedLayer],
+                 full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
+    """(base model name, merged weight) for every tensor of an adapted model's state dict, in its order: an
+    adapted layer's `base_layer.weight` becomes W + scaling * B @ A under the layer's own name, the adapter's own
+    tensors are left out, and every other tensor passes under its name. `full` turns a state-dict entry into its
+    full tensor (DTensor.full_tensor on a sharded model: a collective, called in the same order on every rank)."""
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            continue
+        module, sep, leaf = name.partition(".base_layer.")
+        if not sep:
+            yield name, full(tensor)
+            continue
+        value = full(tensor)
+        layer = layers.get(module)
+        if leaf == "weight" and layer is not None:
+            a = full(state[f"{module}.lora_A.{ADAPTER}.weight"])
+            b = full(state[f"{module}.lora_B.{ADAPTER}.weight"])
+            with torch.no_grad():
+                delta = (b.to(value.dtype) @ a.to(value.dtype)) * layer.scaling
+                value = value + (delta.T if layer.fan_in_fan_out else delta)
+        yield f"{module}.{leaf}", value
+
+
+def merged_shapes(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The (name, shape) pairs `merged_items` yields, from the adapted model's state-dict shapes: no weights."""
+    for name, shape in shapes:
+        if ".lora_" not in name:
+            yield name.replace(".base_layer.", ".", 1), shape

@@ -1,0 +1,234 @@
+"""Trainer -> engines after each update (a shared-memory file, a torch.distributed broadcast, or through the
+driver), then proof that the engine now scores like the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
+from skyrl_stepwise.inference.weights import current_node_id, weights_file
+from skyrl_stepwise.policy.batching import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProbeResult:
+    """How far the engine's logprobs are from the trainer's on the same ids after a sync: a silent failed sync
+    (stale or half-loaded weights) shows up here, not as slowly wrong off-policy training."""
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    num_tokens: int
+
+
+METHODS = ("auto", "file", "broadcast", "driver")
+
+
+@dataclass
+class WeightSyncConfig:
+    """How updated weights reach the engines (the `weight_sync` section).
+
+    file: rank 0 writes one safetensors file in the engines' dtype to shared memory and the engines on its node
+    read it. broadcast: rank 0 broadcasts buckets to every engine worker over a torch.distributed group of their
+    own (gloo on CPU, NCCL on GPU; any node). driver: the full state dict through the driver (the fallback for
+    engines that can do neither). auto: file when every engine is on rank 0's node, else broadcast.
+    """
+
+    method: str = "auto"
+    bucket_mb: float = 256  # broadcast: bytes per collective (many small tensors travel in one)
+    timeout_s: float = 600  # broadcast: how long a member waits for the others (group setup and each bucket)
+
+    def validate(self, prefix: str = "weight_sync") -> None:
+        """Name the key: a bad method would otherwise surface after the first RL step."""
+        if self.method not in METHODS:
+            raise ValueError(f"{prefix}.method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"{prefix}.bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"{prefix}.timeout_s must be > 0, got {self.timeout_s}")
+
+
+def engine_dtype(engine) -> str:
+    """The dtype the engines run in (a pool's engines share one config)."""
+    first = engine.engines[0] if hasattr(engine, "engines") else engine
+    return getattr(getattr(first, "cfg", None), "dtype", "float32")
+
+
+def engines_of(engine) -> list:
+    """The engines behind a pool, or the engine itself."""
+    return list(engine.engines) if hasattr(engine, "engines") else [engine]
+
+
+def policy_nodes(group) -> list[str]:
+    """The nodes holding policy ranks (where a weights file can be written); rank 0's first."""
+    nodes = getattr(group, "node_ids", None) or [getattr(group, "node_id", None) or current_node_id()]
+    return list(dict.fromkeys(nodes))
+
+
+def can_sync_through_a_file(group, engine) -> bool:
+    """Every engine can read a weights file and runs on a node that holds a policy rank, which writes it there."""
+    nodes = set(policy_nodes(group))
+    return all(hasattr(e, "update_weights_from_file") and getattr(e, "node_id", None) in nodes
+               for e in engines_of(engine))
+
+
+def can_sync_by_broadcast(engine) -> bool:
+    """Every engine can join a weight broadcast group (vLLM engines; the in-process HF engine cannot)."""
+    return all(hasattr(e, "update_weights_from_broadcast") for e in engines_of(engine))
+
+
+def resolve_method(method: str, group, engine, engines_share_policy_gpus: bool = False) -> str:
+    """`auto` made concrete; an explicit method the engines cannot use fails here, naming the key.
+
+    `engines_share_policy_gpus`: colocated on GPUs (placement.mode=colocated), engine i sits on a policy rank's
+    GPU. A broadcast group would then hold two NCCL ranks on one device, which NCCL refuses, so auto never picks
+    broadcast there. Colocated engines always have a policy rank on their node, so auto picks the file (written
+    on every engine node by that node's first rank); the driver only if an engine cannot read files.
+    """
+    if method == "auto":
+        if can_sync_through_a_file(group, engine):
+            return "file"
+        if engines_share_policy_gpus:
+            logger.warning("weight_sync: engines share GPUs with policy ranks (placement.mode=colocated) but cannot "
+                           "read weight files on their nodes, and NCCL refuses two ranks of one broadcast group on "
+                           "one GPU: weights go through the driver (weight_sync.method=driver)")
+            return "driver"
+        return "broadcast" if can_sync_by_broadcast(engine) else "driver"
+    if method == "file" and not can_sync_through_a_file(group, engine):
+        raise ValueError("weight_sync.method=file needs every engine on a node that holds a policy rank and able "
+                         "to read weight files; use weight_sync.method=broadcast (or auto)")
+    if method == "broadcast" and engines_share_policy_gpus:
+        raise ValueError("weight_sync.method=broadcast with placement.mode=colocated on GPUs would put an engine "
+                         "worker and a policy rank of one NCCL group on the same GPU, which NCCL refuses; use "
+                         "weight_sync.method=auto (a weights file on every engine node) or placement.mode=split")
+    if method == "broadcast" and not can_sync_by_broadcast(engine):
+        raise ValueError(f"weight_sync.method=broadcast: {type(engines_of(engine)[0]).__name__} cannot join a weight "
+                         "broadcast group; use weight_sync.method=file or driver (or auto)")
+    return method
+
+
+class WeightSync:
+    """Trainer -> engines after each update; the driver only coordinates (see WeightSyncConfig for the carriers).
+
+    Holds the broadcast group's setup between steps: it is built on the first sync and reused after.
+    """
+
+    def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine,
+                 engines_share_policy_gpus: bool = False) -> None:
+        cfg.validate()
+        self.cfg, self.group, self.engine = cfg, group, engine
+        self.method = resolve_method(cfg.method, group, engine, engines_share_policy_gpus)
+        self._manifest: list | None = None
+        self._warned_fallback = False
+
+    def engines_restarted(self) -> None:
+        """An engine was restarted: a broadcast group that held its old actor is closed and formed again on the
+        next sync (the file and driver methods hold nothing per engine)."""
+        if self._manifest is not None:
+            self.group.call("close_weight_broadcast")
+            self._manifest = None
+
+    async def sync(self) -> int:
+        """Load the trainer's current weights into every engine; returns the number of parameters sent."""
+        if self.method == "file":
+            engines = engines_of(self.engine)
+            nodes = list(dict.fromkeys(e.node_id for e in engines))
+            with weights_file() as path:
+                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine), nodes)
+                try:
+                    if exported.get("warning") and not self._warned_fallback:
+                        logger.warning(exported["warning"])
+                        self._warned_fallback = True
+                    paths = exported["paths"]
+                    await asyncio.gather(*(e.update_weights_from_file(paths[e.node_id]) for e in engines))
+                finally:  # every writer's file, on every node (weights_file() only cleans the driver's `path`)
+                    self.group.call("remove_weights_file", list(exported["paths"].values()))
+            return exported["params"]
+        if self.method == "broadcast":
+            return await self._broadcast()
+        state = self.group.call("full_state_dict")
+        await self.engine.update_weights(list(state.items()))
+        return sum(t.numel() for t in state.values())
+
+    async def _broadcast(self) -> int:
+        engines = engines_of(self.engine)
+        if self._manifest is None:  # the first sync: plan the buckets and form the group
+            self._manifest = self.group.call("weight_manifest", engine_dtype(self.engine),
+                                             int(self.cfg.bucket_mb * 2**20))
+            ranks = [getattr(e, "weight_broadcast_ranks", 1) for e in engines]
+            host, port, backend = self.group.call("open_weight_broadcast", sum(ranks), self.cfg.timeout_s)
+            first_ranks = [1 + sum(ranks[:i]) for i in range(len(engines))]
+            await asyncio.gather(
+                asyncio.to_thread(self.group.call, "join_weight_broadcast"),
+                *[e.join_weight_broadcast(host, port, r, 1 + sum(ranks), backend, self.cfg.timeout_s)
+                  for e, r in zip(engines, first_ranks)])
+        sent, *_ = await asyncio.gather(asyncio.to_thread(self.group.call, "broadcast_weights", self._manifest),
+                                        *[e.update_weights_from_broadcast(self._manifest) for e in engines])
+        return sent["params"]
+
+
+async def sync_weights(group, engine: InferenceEngine, cfg: WeightSyncConfig | None = None) -> int:
+    """One sync with a fresh WeightSync (tests, one-off tools); a training loop keeps one WeightSync instead, so a
+    broadcast group is formed once."""
+    return await WeightSync(cfg or WeightSyncConfig(), group, engine).sync()
+
+
+PROBE_SESSION = "weight-sync-probe"
+PROBE_QUESTION = "What is the capital of France?"
+PROBE_CONTEXT = ("The river flows past old stone bridges, markets open at dawn, and travellers ask for directions "
+                 "to museums, parks and stations. ")
+
+
+def weight_sync_probe_ids(tokenizer, sliding_window: int | None, max_model_len: int, max_tokens: int = 16
+                          ) -> list[int]:
+    """The probe prompt: a chat-templated question, preceded by enough context to be longer than the model's sliding
+    window, so that an engine or trainer applying the window differently (or not at all) disagrees on the probe.
+
+    Capped by the engine's context; a window at least that long can never be crossed, so a short probe suffices.
+    """
+    def ids(context: str) -> list[int]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": context + PROBE_QUESTION}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    probe = ids("")
+    if sliding_window is None or sliding_window + max_tokens >= max_model_len:
+        return probe
+    repeats = 1
+    while len(probe) <= sliding_window + max_tokens and len(probe) + max_tokens < max_model_len:
+        probe = ids(PROBE_CONTEXT * repeats)
+        repeats *= 2
+    return probe if len(probe) + max_tokens <= max_model_len else probe[-(max_model_len - max_tokens):]
+
+
+async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], max_tokens: int = 16,
+                         temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
+                         seed: int | None = None) -> ProbeResult:
+    """Sample from the engine and rescore the same ids with the trainer: the two must agree.
+
+    `temperature`, `top_k` and `top_p` must be the run's (the trainer's = the rollout's): the engine returns
+    logprobs of the truncated distribution it sampled from and the trainer scores the same truncation, so
+    probing with other values would hide a mismatch the rollouts have (or report one they do not; greedy,
+    which vLLM scores at T=1, is refused). `seed` (the run's generator.sampling.seed): the probe's tokens are then
+    a function of the weights alone, so a resumed run probes exactly what the uninterrupted one did.
+    """
+    if temperature <= 0:
+        raise ValueError(f"probe_logprobs: temperature must be > 0 (the trainer's temperature), got {temperature}")
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              logprobs=True, seed=seed)
+    try:
+        result = await engine.generate(probe_ids, sampling, session_id=PROBE_SESSION)
+    finally:
+        if hasattr(engine, "end_session"):  # an EnginePool would otherwise keep the probe's routing entry
+            engine.end_session(PROBE_SESSION)
+    ids = list(result.token_ids)
+    batch = TrainBatch(prompt_ids=[probe_ids], response_ids=[ids], loss_masks=[[1] * len(ids)],
+                       instance_ids=["probe"])
+    trainer_lp = group.call("compute_logprobs", batch)[0]
+    diffs = [abs(a - b) for a, b in zip(trainer_lp, result.logprobs or [])]
+    if not diffs:  # nothing compared (no tokens, or an engine that returned no logprobs) proves nothing: NaN, not 0
+        return ProbeResult(float("nan"), float("nan"), 0)
+    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs))

