@@ -25,7 +25,9 @@ def run_config_class() -> type:
     """The run's config schema, imported from this checkout (not an installed copy elsewhere)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    return importlib.import_module("skyrl_stepwise.run.config").RunConfig
+    from skyrl_stepwise.run.config import RunConfig
+
+    return RunConfig
 
 
 def base_config() -> dict:
