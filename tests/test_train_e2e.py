@@ -76,6 +76,7 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.timeout(2700)  # hang guards below; a CPU without bf16 under load is 2-3x the bf16 host's time
 def test_train_stop_and_resume(tmp_path, model_path):
     import psutil
 
@@ -90,10 +91,10 @@ def test_train_stop_and_resume(tmp_path, model_path):
     proc = subprocess.Popen(_command(data, out, 2) + ["weight_sync.method=broadcast"], stdout=log1, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:  # stop it (SIGTERM, as a scheduler does) during step 2, once step 1's checkpoint is complete
-        deadline = time.monotonic() + 480
+        deadline = time.monotonic() + 1200
         while len(complete_checkpoints(out / "ckpts")) < 1:
             assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 8 minutes"
+            assert time.monotonic() < deadline, "no checkpoint within 20 minutes"
             time.sleep(1)
         time.sleep(3)
         assert proc.poll() is None, "the run finished before it could be stopped"
@@ -135,7 +136,7 @@ def test_train_stop_and_resume(tmp_path, model_path):
     # (another sync method and rollouts ahead: a changed config, which a resume must accept explicitly)
     resumed = subprocess.run(_command(data, out, 2) + ["trainer.resume=auto", "trainer.max_staleness=1",
                                                        "trainer.resume_allow_changes=true"],
-                             capture_output=True, text=True, env=env, timeout=480)
+                             capture_output=True, text=True, env=env, timeout=1200)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_1" in resumed.stdout
     assert "weight sync: file" in resumed.stdout + resumed.stderr
@@ -192,6 +193,7 @@ def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
     assert "## Rollout samples" in report and "tool call unit_convert(" in report and "3000 m" in report
 
 
+@pytest.mark.timeout(1800)  # a cold SFT warm start alone is ~10 min on a 2-core CPU without bf16
 def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path):
     """The main job's shape at toy size: eval the base model, SFT (2 demonstrations), eval, 1 RL step, eval."""
     from skyrl_stepwise.loop.evaluation import load_evals
@@ -205,7 +207,7 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
                # the reference inside the policy's Ray ranks; every step trains (no dynamic sampling), so it scores
                "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.dynamic_sampling=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                          timeout=600)
+                          timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     stages = load_evals(out)
     assert [s.stage for s in stages] == ["before SFT", "after SFT", "after RL (step 1)"]

@@ -47,6 +47,7 @@ def _records(out):
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(2700)  # 562 s on an idle 2-core AVX2 host: the 600 s default is a coin toss under load
 def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model_path, monkeypatch):
     import tempfile
 
@@ -75,10 +76,10 @@ def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model
         with open(console, "w") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            deadline = time.monotonic() + 600
+            deadline = time.monotonic() + 1200
             while len(complete_checkpoints(out / "ckpts")) < 1:
                 assert proc.poll() is None, console.read_text()[-4000:]
-                assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+                assert time.monotonic() < deadline, "no checkpoint within 20 minutes"
                 time.sleep(1)
             text = console.read_text()
             assert "weight sync: broadcast" in text  # the engine is on another node: no shared weights file
