@@ -891,17 +891,17 @@ async def test_the_endpoint_is_announced_when_it_serves_and_refuses_at_once_befo
         await programs.stop()
 
 
-def test_every_gateway_key_is_documented_in_the_readme_endpoint_section():
+def test_every_gateway_key_is_documented_in_the_endpoint_page():
     """gateway.host, gateway.port and gateway.api_key were documented nowhere but `--cfg job`."""
     import dataclasses
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Any agent program: the OpenAI-compatible endpoint", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "agent-programs.md").read_text()
+    section = page.split("# Any agent program: the OpenAI-compatible endpoint", 1)[1]
     for f in dataclasses.fields(GatewayConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         row = next((line for line in section.splitlines() if line.startswith(f"| `gateway.{f.name}` |")), None)
-        assert row is not None, f"gateway.{f.name} is not in the README's endpoint table"
+        assert row is not None, f"gateway.{f.name} is not in docs/agent-programs.md's endpoint table"
         shown = f"{default:g}" if isinstance(default, float) else default if isinstance(default, str) \
             else json.dumps(default)  # false, 0, [] as YAML spells them
         assert f"`{shown}`" == row.split("|")[2].strip(), (row, default)

@@ -231,11 +231,12 @@ async def test_reset_observation_already_in_the_prompt_is_not_repeated():
 
 
 def _readme_openenv_commands() -> list[list[str]]:
-    """The README's `skyrl-stepwise train` commands that name an OpenEnv env class, as the shell splits them."""
+    """The documented `skyrl-stepwise train` commands (docs/ecosystems.md, once the README's) that name an OpenEnv env
+    class, as the shell splits them."""
     import re
     import shlex
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "ecosystems.md").read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
         for line in block.replace("\\\n", " ").splitlines():
