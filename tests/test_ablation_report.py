@@ -55,6 +55,7 @@ def test_timing_repeats_is_validated_with_its_key():
         load_config(["experiment=search_r1_tiny", "ablation.timing_repeats=0"])
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_ablate_help_lists_the_ablation_keys_not_trains(capsys):
     from skyrl_stepwise.cli import ablate
 

@@ -29,6 +29,7 @@ def test_a_maximum_stays_a_maximum_over_mini_batches():
     assert out["agreement/logprob_abs_diff_max"] == 0.5 and out["agreement/logprob_abs_diff_mean"] == pytest.approx(0.2)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_a_broken_sync_stops_the_run_after_logging_the_step_and_before_its_checkpoint(tokenizer, tmp_path):
     """Step 1 trains on-policy; the sync after it 'corrupts' the engine, so step 2's gap jumps: the run stops
     with step 2 logged, naming the sync after step 1, and step 2 is not checkpointed."""
@@ -57,6 +58,7 @@ async def test_a_broken_sync_stops_the_run_after_logging_the_step_and_before_its
     assert trainer.policy.saved_steps == [1]  # the off-policy step's checkpoint was never written
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_worker_reports_the_gap_of_the_whole_mini_batch(tiny_model_dir):
     """A real (1-rank) PolicyWorker over 4 micro-batches: the engine's logprobs are the trainer's own shifted by
     0.05 on every token, and by 0.7 on one token of the last sample: the mean is the token mean over all

@@ -16,6 +16,7 @@ THINK = ["<think>\nI should search.\n</think>\n\n<search> Mona Lisa </search>",
          "<think>\nFound it.\n</think>\n\n<answer> Leonardo </answer>"]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("retention, fallbacks, samples", [("template", 1, 2), ("all", 0, 1)])
 async def test_thinking_retention_on_a_template_that_strips_past_reasoning(retention, fallbacks, samples):
     tok = qwen_fast_tokenizer()
@@ -105,6 +106,7 @@ def test_template_without_chat_template_or_unknown_renderer_fails_naming_it(toke
         GeneratorConfig(thinking_retention="some").validate()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_the_engine_is_told_to_stop_at_the_turn_terminator(tokenizer):
     base = copy.deepcopy(tokenizer)
     base.eos_token = "<|endoftext|>"

@@ -87,6 +87,7 @@ def test_auto_resume_sets_a_corrupt_newest_checkpoint_aside_and_loads_the_previo
         checkpoint.check_fresh_start(tmp_path, "none", overwrite=False)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_load_that_fails_on_the_ranks_falls_back_too_and_all_corrupt_stops_loudly(tmp_path):
     _two_checkpoints(tmp_path)
     model, opt, sched = _setup(seed=7)
@@ -120,6 +121,7 @@ def test_an_explicitly_named_corrupt_checkpoint_is_refused_naming_the_previous_o
         load_checkpoint(step_dir(tmp_path, 2), model, opt, sched)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("where", ["mkdir", "dcp", "small files", "rename"])
 def test_a_failed_save_names_folder_and_cause_and_costs_no_older_checkpoint(tmp_path, monkeypatch, where):
     _two_checkpoints(tmp_path)
@@ -142,6 +144,7 @@ def test_a_failed_save_names_folder_and_cause_and_costs_no_older_checkpoint(tmp_
     assert resume_checkpoint("auto", tmp_path, lambda p: load_checkpoint(p, model2, opt2, sched2))[1]["step"] == 2
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_resave_of_an_existing_step_keeps_the_old_one_until_the_new_one_is_written(tmp_path, monkeypatch):
     _two_checkpoints(tmp_path)  # e.g. resumed explicitly from step_1: step_2 is written again
     model, opt, sched = _setup()
@@ -176,6 +179,7 @@ def test_a_run_whose_newest_checkpoint_is_corrupt_resumes_bitwise_from_the_previ
     assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_flipped_exponent_byte_in_a_weight_is_found_before_the_load_and_resume_falls_back(tmp_path):
     """A weight saved as 4.5 whose exponent byte flips on disk reads back as ~1e-38: same size, a shard DCP loads
     without a word. The manifest's content hash finds it before anything loads; resume=auto sets the checkpoint
@@ -204,6 +208,7 @@ def test_a_flipped_exponent_byte_in_a_weight_is_found_before_the_load_and_resume
     assert "CORRUPT CHECKPOINT" in warnings[0] and ".distcp" in warnings[0]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_checkpoint_saved_before_content_hashes_still_loads_and_says_so(tmp_path, caplog):
     """A MANIFEST of sizes only (what saves wrote before content hashes) is still checked for sizes and loads, with a
     log line saying its bytes were not checked; a folder without any MANIFEST too."""

@@ -22,6 +22,7 @@ from skyrl_stepwise.run.config import RunConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_cfg_job_prints_the_composed_config_as_yaml():
     """The real entry point (`skyrl-stepwise train`, through cli.py) in a subprocess."""
     out = subprocess.run([sys.executable, "-m", "skyrl_stepwise.cli", "train", "experiment=search_r1_tiny",
@@ -96,6 +97,7 @@ def test_help_lists_the_recipes_and_main_keys(capsys):
     assert "--multirun" in text and "--cfg" in text
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_ablate_is_a_hydra_app_too(capsys):
     from skyrl_stepwise.cli import ablate
 
@@ -117,6 +119,7 @@ def _record_runs(monkeypatch) -> list[RunConfig]:
     return runs
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path, monkeypatch):
     runs = _record_runs(monkeypatch)
     sweep = tmp_path / "sweep"
@@ -131,6 +134,7 @@ def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path, monkeypatch):
         assert f"seed={cfg.trainer.seed}" in (d / ".hydra" / "overrides.yaml").read_text()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_run_dir_is_hydras_unless_output_dir_is_set(tmp_path, monkeypatch):
     runs = _record_runs(monkeypatch)
     train.main(["experiment=search_r1_tiny", f"hydra.run.dir={tmp_path / 'hydra_dir'}"])
@@ -187,6 +191,7 @@ def test_known_benign_dependency_warnings_go_to_run_log_only(tmp_path, capsys):
     assert BenignWarningFilter().filter(record)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_ray_worker_output_goes_to_run_log_and_warnings_to_the_console(tmp_path):
     """`route_worker_logs` in a plain subprocess standing in for a Ray worker: its stderr is what Ray forwards."""
     run_log = tmp_path / "run.log"
@@ -224,6 +229,7 @@ def _history(steps: int) -> list[dict]:
     return rows
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_run_report_from_a_metrics_history(tmp_path):
     import matplotlib.image
 
@@ -253,6 +259,7 @@ def test_run_report_from_a_metrics_history(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 40_000
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_failed_run_still_gets_its_report(tmp_path):
     from skyrl_stepwise.run.report import write_run_report
 
@@ -282,6 +289,7 @@ def test_bf16_recipes_run_float32_on_cpus_that_would_emulate_bf16(native, monkey
         assert cfg.fit_precision_to_host() == []  # already float32: nothing to change
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_sft_is_a_hydra_app_with_help_and_writes_no_run_dir(capsys, tmp_path, monkeypatch):
     """`skyrl-stepwise sft --help` used to fail parsing `--help` as an override."""
     from skyrl_stepwise.cli import sft

@@ -157,6 +157,7 @@ def sleepy_worker(monkeypatch):
     return worker, log
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_fake_uses_vllms_own_method_names():
     from vllm.v1.engine.async_llm import AsyncLLM
 

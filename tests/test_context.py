@@ -232,6 +232,7 @@ def _report(ctx: ContextConfig, run_dir, steps: list[dict], max_input_length: in
     return write_run_report(cfg, run_dir).read_text()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_a_policy_that_never_fires_says_so_in_the_report(tokenizer, tmp_path):
     """context/fires_per_trajectory = 0 alone goes unnoticed: report.md says in words that the run was policy=none,
     and why (the key whose threshold was never reached); a policy that fired says how often."""

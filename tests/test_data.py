@@ -24,6 +24,7 @@ def built(tmp_path_factory):
     return build_embedded_search_r1(tmp_path_factory.mktemp("embedded") / "sr1", seed=0)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_embedded_build_is_deterministic_and_reused(built, tmp_path):
     again = build_embedded_search_r1(tmp_path / "sr1", seed=0)
     for split in ("train", "validation"):

@@ -48,6 +48,7 @@ def test_queries_are_derived_deterministically():
     assert primary_query("who wrote Hamlet?") == "who wrote Hamlet"
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_build_is_deterministic_cached_and_keyed(demo_path, tmp_path):
     again = build_search_r1_demonstrations(N_ROWS, out_dir=demo_path.parent, cache=False)
     assert again == demo_path

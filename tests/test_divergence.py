@@ -99,6 +99,7 @@ def test_rl_guard_keys_are_validated_with_their_path():
         load_config(["experiment=search_r1_tiny", "trainer.divergence.entropy_rise_nats=0"])
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_sft_cache_key_ignores_the_guard_but_not_the_warmup():
     from skyrl_stepwise.run.app_config import load_config
     from skyrl_stepwise.loop.warm_start import cache_key
@@ -121,6 +122,7 @@ def _sft_batch():
                       instance_ids=["a", "b"], advantages=[[0.0] * 24, [0.0] * 16])
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("lr, diverges", [(3.0, True), (1e-3, False)])
 def test_a_tiny_model_at_a_huge_lr_is_stopped_and_a_sane_lr_is_not(tiny_model_dir, lr, diverges):
     """A real worker: SFT steps at lr 3 (no warm-up, clipping off) blow up the loss and grad norm; at 1e-3 the

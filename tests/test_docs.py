@@ -39,12 +39,14 @@ def _build(config_file: Path, site_dir: Path) -> None:
     build(load_config(config_file=str(config_file), site_dir=str(site_dir), strict=True))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_site_builds_strictly(tmp_path):
     _build(ROOT / "mkdocs.yml", tmp_path / "site")
     page = (tmp_path / "site" / "config-reference" / "index.html").read_text()
     assert "trainer.lora.enabled" in page and "generator.context.policy" in page
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_broken_link_or_a_page_left_out_of_the_nav_fails_the_build(tmp_path):
     """Our mkdocs.yml's validation settings turn these into errors (mkdocs only logs them by default)."""
     from mkdocs.exceptions import Abort

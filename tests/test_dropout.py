@@ -48,6 +48,7 @@ def _training_logprobs(worker, batch) -> torch.Tensor:
         return forward_logprobs(worker.model, pack_micro_batch(batch, list(range(len(batch))), "rows"))[0]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("name", sorted(DROPOUT_MODELS))
 def test_training_logprobs_have_no_dropout_and_equal_the_eval_logprobs(tmp_path, name):
     """Two training forwards give identical logprobs, equal to the eval-mode ones the engine's would match; the

@@ -68,6 +68,7 @@ def test_installed_packages_add_envs_through_entry_points(monkeypatch):
     assert isinstance(build_env_registry(EnvironmentConfig()).make("guess"), GuessEnv)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_train_fails_in_seconds_on_an_unknown_env_class_and_says_why_in_the_run_dir(tmp_path, capsys, monkeypatch):
     """Before the model, retriever or engines: the command fails naming the registry, report.md says why."""
     import time

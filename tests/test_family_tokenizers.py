@@ -155,6 +155,7 @@ def _reference(spec):
 
 
 # one per way of building: smollm2 vocabulary (plain, BOS-adding) and Qwen vocabulary (with and without BOS token)
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("name", ["smollm2", "command-r7b", "qwen2.5", "deepseek-r1-distill-qwen"])
 def test_shared_vocabulary_builds_the_same_tokenizer(name):
     """family_tokenizer shares one parsed BPE model between families (the suites' time was spent re-parsing it):

@@ -83,6 +83,7 @@ def _stalled_peer_rank(rank: int, port: int, out: str) -> None:
     os._exit(0)  # gloo aborts when a group with a timed-out pair is torn down at exit
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_collective_a_stalled_rank_never_joins_raises_after_the_configured_timeout(tmp_path):
     """trainer.fsdp.collective_timeout_s bounds how long a live rank waits on one that is stopped but not dead,
     instead of torch's 30 minutes (gloo)."""
@@ -403,6 +404,7 @@ def test_weights_checksum_of_a_sharded_worker_equals_the_plain_model(tiny_model_
     assert worker.weights_checksum() != digest
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_restore_snapshot_taken_before_any_step_gives_a_fresh_worker(tiny_model_dir):
     worker = _tiny_worker(tiny_model_dir)
     batch = _fsdp_batch(128)
@@ -426,6 +428,7 @@ def test_restore_snapshot_taken_before_any_step_gives_a_fresh_worker(tiny_model_
     assert worker.weights_checksum() == after
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_restore_snapshot_brings_back_optimizer_scheduler_and_rng(tiny_model_dir):
     worker = _tiny_worker(tiny_model_dir, scheduler="linear", num_training_steps=10)
     batch = _fsdp_batch(128)
@@ -445,6 +448,7 @@ def test_restore_snapshot_brings_back_optimizer_scheduler_and_rng(tiny_model_dir
     assert torch.equal(torch.rand(3), draws)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_reference_in_the_policy_ranks_keeps_the_starting_weights(tiny_model_dir):
     """The KL loss's reference is a frozen shard inside each policy rank (no second group of actors): it scores
     like the policy before any step, keeps scoring like the starting weights after, and takes no RNG draws."""
@@ -474,11 +478,13 @@ def test_the_reference_in_the_policy_ranks_keeps_the_starting_weights(tiny_model
         _tiny_worker(tiny_model_dir).compute_ref_logprobs(batch)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_restore_snapshot_without_snapshot_says_so(tiny_model_dir):
     with pytest.raises(RuntimeError, match="call snapshot"):
         _tiny_worker(tiny_model_dir).restore_snapshot()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_skipped_step_does_not_advance_the_lr_schedule(tiny_model_dir):
     worker = _tiny_worker(tiny_model_dir, scheduler="constant_with_warmup", num_warmup_steps=4)
     good = _fsdp_batch(128)
@@ -495,6 +501,7 @@ def test_skipped_step_does_not_advance_the_lr_schedule(tiny_model_dir):
     assert worker.scheduler.last_epoch == 2
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_gradient_checkpointing_is_honoured_on_cpu_and_changes_no_number(tiny_model_dir):
     """trainer.fsdp.gradient_checkpointing trades compute for activation memory (benchmarks/policy_memory.py:
     SmolLM2 rank peak 4.4 -> 3.4 GiB): every decoder layer runs again in backward, the step is the same."""
@@ -515,6 +522,7 @@ def test_gradient_checkpointing_is_honoured_on_cpu_and_changes_no_number(tiny_mo
     assert ckpt[:2] == pytest.approx(plain[:2], rel=1e-5) and ckpt[2] == plain[2]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_worker_divides_by_trajectories_under_trajectory_mean(tiny_model_dir):
     """On-policy (ratio 1) the policy-gradient loss is minus the weighted mean advantage: token_mean weighs
     trajectory A (1 loss token, advantage 1) against B (3 tokens over two samples, advantage -0.5) by tokens,

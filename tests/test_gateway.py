@@ -685,6 +685,7 @@ async def test_every_route_checks_the_api_key_when_one_is_set():
         assert (await http.get("/v1/models")).status_code == 200
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_non_loopback_host_needs_a_key_of_its_own():
     from skyrl_stepwise.run.app_config import load_config
 
@@ -742,6 +743,7 @@ def _abandoned_agent(task):
     _LATE["done"].set()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_a_timed_out_agent_is_warned_and_its_late_calls_are_refused_at_once(caplog):
     """An agent dropped for gateway.agent_timeout_s had no warning line, and a call it had in flight was answered
     200 long after its session had failed. Now the failure is warned like an env failure, and the in-flight call and
@@ -840,6 +842,7 @@ async def test_agent_programs_follow_overlong_filtering_and_mask_limit_stops():
         assert tokens["cut"] > 0 and tokens["long"] == 0 and tokens["fine"] > 0 and filtered == 1, tokens
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_context_settings_agent_programs_cannot_follow_are_refused_naming_the_key():
     """generator.context.* and token_budget had no effect under gateway.enabled, while load_config accepted them."""
     from skyrl_stepwise.run.app_config import load_config

@@ -64,6 +64,7 @@ async def test_the_canonical_solution_passes_and_a_wrong_one_does_not(rows):
     assert (await _answer(row, f"```python\n{wrong}```"))[0] == 0.0
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_canonical_solutions_of_a_sample_all_pass(rows):
     for problem in load_problems()[1:164:33]:
         reward, metrics, _ = await _answer(rows[problem["task_id"]], f"```python\n{_full_solution(problem)}```")
@@ -82,6 +83,7 @@ async def test_the_python_tool_runs_in_the_episodes_sandbox(rows):
         assert "def check(" not in observation["content"]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_shortcuts_do_not_pay(rows, monkeypatch):
     problem = load_problems()[0]
     row = rows[problem["task_id"]]

@@ -65,6 +65,7 @@ def _worker(tmp_path, engine_max_model_len):
     return PolicyWorker(cfg, trainable=False)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_past_the_switch_the_trainer_scores_every_token_with_the_long_factors_as_the_engine_does(tmp_path):
     """engine.max_model_len 64 > original 16: the engine-style forward (long factors for all tokens: the same weights
     with short_factor = long_factor) and the trainer agree on short and long samples alike; plain transformers
@@ -82,6 +83,7 @@ def test_past_the_switch_the_trainer_scores_every_token_with_the_long_factors_as
     assert "long RoPE factors" in note and "engine.max_model_len=64 > original_max_position_embeddings=16" in note
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_within_the_switch_every_token_keeps_the_short_factors(tmp_path):
     """engine.max_model_len <= original: vLLM uses the short factors for every token; so does the trainer, even for
     a forward past the switch (the self-check's probe, a longer packed row)."""
@@ -120,6 +122,7 @@ def test_the_pinned_rope_is_vllms_cos_sin_cache(monkeypatch):
         torch.testing.assert_close(sin[0], v_sin.repeat(1, 2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_transformers_engine_pins_the_same_factors(tmp_path):
     """engine.backend=transformers decodes with a KV cache: transformers' per-forward choice would switch factors
     mid-generation. It uses vLLM's rule too, so the trainer's pinned RoPE matches whichever engine sampled."""

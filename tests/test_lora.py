@@ -87,6 +87,7 @@ def test_lora_is_off_by_default_and_dropout_needs_keep_dropout():
     cfg.validate()  # kept knowingly
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_one_override_turns_lora_on_in_the_composed_run_config():
     from skyrl_stepwise.run.app_config import load_config
 
@@ -97,6 +98,7 @@ def test_one_override_turns_lora_on_in_the_composed_run_config():
         load_config(["trainer.lora.enabled=true", "trainer.lora.dropout=0.05"])
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_lora_warm_start_is_cached_apart_from_a_full_one():
     """SFT with LoRA trains another model than full SFT: the warm-start cache must not hand one to the other."""
     from skyrl_stepwise.run.app_config import load_config
@@ -117,6 +119,7 @@ def test_a_target_module_the_model_lacks_is_refused_naming_the_key_and_the_modul
         _worker(_cfg(model_dirs["llama"], tmp_path, target_modules=["q_proj", "query_key_value"]))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_target_modules_resolve_by_suffix_within_the_decoder_layers(model_dirs, tmp_path):
     worker = _worker(_cfg(model_dirs["llama"], tmp_path, target_modules=["q_proj", "mlp.down_proj"]))
     assert sorted(worker.lora_layers) == [f"model.layers.{i}.{m}" for i in (0, 1)
@@ -127,6 +130,7 @@ def test_target_modules_resolve_by_suffix_within_the_decoder_layers(model_dirs, 
 
 # ------------------------------------------------------------------------------------- training, reference
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_only_the_adapter_trains_and_holds_optimizer_state(model_dirs, tmp_path):
     worker = _worker(_cfg(model_dirs["llama"], tmp_path))
     adapter = {n for n, p in worker.model.named_parameters() if p.requires_grad}
@@ -147,6 +151,7 @@ def test_only_the_adapter_trains_and_holds_optimizer_state(model_dirs, tmp_path)
             assert torch.equal(before[name], after[name]), f"base weight {name} changed"
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_lora_reference_is_the_base_model_without_a_second_copy(model_dirs, tmp_path):
     cfg = _cfg(model_dirs["llama"], tmp_path)
     cfg.algorithm.use_kl_loss, cfg.algorithm.kl_loss_coef = True, 0.1
@@ -164,6 +169,7 @@ def test_the_lora_reference_is_the_base_model_without_a_second_copy(model_dirs, 
     assert {n for n, p in worker.model.named_parameters() if p.requires_grad} == trainable  # adapter back on
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_gradient_checkpointing_with_lora_recomputes_and_changes_no_number(model_dirs, tmp_path):
     """The adapter inside a checkpointed decoder layer still gets its gradient (non-reentrant checkpointing: the
     layer's input from the frozen embedding needs no grad), and the step is the same as without checkpointing."""
@@ -183,6 +189,7 @@ def test_gradient_checkpointing_with_lora_recomputes_and_changes_no_number(model
 
 # ------------------------------------------------------------------------------------------- weight export
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_exported_merged_weights_score_like_the_trained_lora_policy(arch, model_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -245,6 +252,7 @@ def test_the_merge_is_peft_s_own_merge(model_dirs, tmp_path):
 
 # ------------------------------------------------------------------------------ checkpoints and packing
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_bitwise_resume_with_lora(model_dirs, tmp_path):
     batch = _batch()
     cfg = _cfg(model_dirs["qwen2"], tmp_path / "ckpt")
@@ -263,6 +271,7 @@ def test_bitwise_resume_with_lora(model_dirs, tmp_path):
     assert all(torch.equal(_full(a), _full(b)) for a, b in zip(fresh.model.parameters(), straight.model.parameters()))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_packing_self_check_and_tree_packing_hold_with_a_trained_adapter(model_dirs, tmp_path):
     from skyrl_stepwise.policy.packing.selfcheck import check_packing_precisely
 
@@ -301,6 +310,7 @@ def _lora_rank(rank: int, port: int, model_path: str, tmp: str) -> None:
     worker.shutdown()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_lora_on_two_sharded_gloo_ranks_exports_the_trained_policy(model_dirs, tmp_path):
     """FSDP2 really shards the adapter (A, B split over 2 ranks with the frozen base in the same groups): the
     merged export gathered from the shards scores what the sharded LoRA policy scores, and the reference is the base."""

@@ -168,6 +168,7 @@ def _zero_signal_batch(advantage: float = 0.0):
                       advantages=advantages)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_batch_without_signal_skips_forward_and_backward_with_the_weights_of_the_full_pass(tiny_model_dir,
                                                                                             monkeypatch):
     """Every trained advantage 0 and no KL term: the gradient is exactly 0, so the update skips its forward and

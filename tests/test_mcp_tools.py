@@ -160,6 +160,7 @@ def _call(name: str, **arguments) -> ToolCallRequest:
     return ToolCallRequest(name=name, arguments=arguments)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_listed_tools_are_called_and_server_errors_are_tool_errors(server_path, tmp_path, caplog):
     tools = load_tools(_tools_file(tmp_path, _server(server_path, tools=["add", "fail", "slow"])))
     try:
@@ -212,6 +213,7 @@ def test_start_up_errors_name_the_file_and_entry(server_path, tmp_path):
         load_tools(_tools_file(tmp_path, {"mcp_server": {"comand": ["x"]}}))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_tools_whose_schema_no_call_can_satisfy_are_refused_by_name(tmp_path):
     """A listed tool we cannot offer is refused at load, naming the file, entry, tool and reason; listing all of a
     server's tools names every such tool and the usable ones to put in `mcp_server.tools`; selecting those loads."""
@@ -235,6 +237,7 @@ async def test_tools_whose_schema_no_call_can_satisfy_are_refused_by_name(tmp_pa
         await close_tools(tools)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_a_trajectory_whose_server_dies_is_dropped_and_counted(server_path, tmp_path, tokenizer):
     eos = tokenizer.eos_token_id
     die = canonical(tokenizer, '<tool_call>{"name": "die", "arguments": {}}</tool_call>') + [eos]
@@ -272,6 +275,7 @@ def test_a_server_that_never_answers_the_handshake_fails_the_start_up_in_time(tm
         load_tools(_tools_file(tmp_path, _server(path, connect_timeout_s=0.5)))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_results_of_every_shape_and_a_model_argument(tmp_path):
     """Several blocks are joined; an embedded text resource shows its text; what the model cannot see is named; an
     error without a message still reads as an error; a `$defs`/`$ref` schema loads and checks calls."""
@@ -304,6 +308,7 @@ def test_python_in_a_server_command_is_the_runs_own_interpreter():
     assert server_command(["node", "server.js"]) == ["node", "server.js"]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_the_readme_example_server_runs_as_written_and_its_tool_errors_reach_the_model(monkeypatch):
     """examples/mcp_server: the tools YAML says `python` (the host's python may lack mcp) and the server is written
     for mcp 2.x (MCPServer); a ToolError's own message is what the model reads."""

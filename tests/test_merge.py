@@ -113,6 +113,7 @@ def by_trajectory(out: GeneratorOutput) -> dict[TrajectoryID, list[int]]:
     return result
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @settings(max_examples=200, deadline=None)
 @given(batch())
 def test_trained_tokens_logprobs_rewards_are_unchanged(data):
@@ -126,6 +127,7 @@ def test_trained_tokens_logprobs_rewards_are_unchanged(data):
         assert trained(samples_of(merged, after[tid]), with_lps) == trained(samples_of(out, before[tid]), with_lps)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @settings(max_examples=200, deadline=None)
 @given(batch())
 def test_each_step_sits_verbatim_in_its_group_and_deltas_are_untrained(data):
@@ -156,6 +158,7 @@ def test_each_step_sits_verbatim_in_its_group_and_deltas_are_untrained(data):
         assert merged.is_last_step[j] == any(last is t[-1] for t in trajs)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @settings(max_examples=200, deadline=None)
 @given(batch(allow_breaks=False))
 def test_exact_chains_merge_to_one_sample_per_trajectory(data):
@@ -174,6 +177,7 @@ def test_exact_chains_merge_to_one_sample_per_trajectory(data):
     assert m["generate/bridge_fallbacks"] == 3  # input metrics kept
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @settings(max_examples=200, deadline=None)
 @given(batch())
 def test_merge_is_idempotent_and_keeps_total_reward(data):
@@ -192,6 +196,7 @@ def test_merge_is_idempotent_and_keeps_total_reward(data):
         - once.rollout_metrics["generate/merge_tokens_saved"]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @settings(max_examples=100, deadline=None)
 @given(batch())
 def test_float_rewards_land_on_each_steps_last_token(data):

@@ -49,6 +49,7 @@ def test_every_template_family_has_an_architecture_in_the_suite():
     assert set(TEMPLATE_ARCHITECTURE.values()) <= set(ARCHITECTURES)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
 def test_packed_samples_score_exactly_as_alone_or_are_refused(model_type):
     batch = conformance_batch()
@@ -311,6 +312,7 @@ def test_selfcheck_catches_a_model_that_ignores_masks_and_positions(packing):
     assert f"trainer.packing={packing}" in message and "llama" in message and "trainer.attn_implementation" in message
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3_text", "qwen3_5_text"])
 def test_selfcheck_passes_on_exact_packing_with_probes_longer_than_the_window(model_type):
     model = tiny_model(model_type, attention_implementations(model_type)[0])

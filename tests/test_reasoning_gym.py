@@ -19,6 +19,7 @@ async def _score(row, text: str):
     return await env.step(text)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_rows_are_scored_by_the_tasks_own_scorer(tmp_path):
     assert main(["--task", "chain_sum", "--size", "4", "--val-size", "2", "--seed", "1", "--out", str(tmp_path)]) == 0
     train = load_prompt_dataset(tmp_path / "train.parquet")
@@ -79,6 +80,7 @@ def _row(r: dict):
     return PromptRow(r["prompt"], r["env_class"], r["reward_spec"], r["data_source"], r["extra_info"], r["instance_id"])
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("task", ["arc_agi", "rearc"])
 async def test_grid_tasks_score_the_right_grid_one_through_the_env(task, tmp_path):
     """Grids are tuples of tuples: stored as plain JSON they came back as lists, and the right grid scored 0.05 in
@@ -93,6 +95,7 @@ async def test_grid_tasks_score_the_right_grid_one_through_the_env(task, tmp_pat
     assert (await _score(row, f"<answer>{zeros}</answer>")).reward < 1.0
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_every_registered_task_keeps_its_entry_and_its_score(monkeypatch):
     """Every task reasoning-gym registers (2 entries each): the env restores an entry equal to the one generated for
     the row, and the task's own answer scores there exactly as on it. The only task skipped is one
@@ -129,6 +132,7 @@ async def test_every_registered_task_keeps_its_entry_and_its_score(monkeypatch):
             assert score(answer, env.entry) == score(answer, original), task
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_task_whose_entry_is_not_kept_faithfully_is_refused_by_name(monkeypatch, tmp_path, capsys):
     """The build-time check: with the old lossy storage arc_agi's own answer scores 0.05 on the stored entry (1.0 on
     the generated one), so its rows are refused naming the task, and no file is written; a value that cannot be

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from skyrl_stepwise.run.config import RunConfig
 from skyrl_stepwise.run.report import write_run_report
 from skyrl_stepwise.loop.divergence import DivergenceConfig, DivergenceError, DivergenceGuard
@@ -48,6 +50,7 @@ def test_a_very_long_failure_line_is_cut_after_a_full_sentence(tmp_path):
     assert cut.endswith("here. [...]") and len(cut) <= 2010 and "second line" not in cut
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_an_interrupted_run_without_a_checkpoint_does_not_promise_a_resume(tmp_path):
     cfg = _cfg(tmp_path)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.0}) + "\n")

@@ -53,6 +53,7 @@ def test_with_native_bf16_the_same_run_keeps_every_trajectory_in_flight(model_pa
     assert "queues" not in plan.describe()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_real_prompt_lengths_not_the_maximum_size_the_cache(model_path, monkeypatch):
     short = _plan(_recipe(model_path, monkeypatch, native_bf16=True), longest=100)
     long = _plan(_recipe(model_path, monkeypatch, native_bf16=True), longest=600)

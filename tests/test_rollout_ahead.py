@@ -220,6 +220,7 @@ async def test_the_loop_trains_every_step_on_rollouts_one_update_old(tokenizer, 
     assert trainer.ahead is None  # closed with the run
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_a_checkpoint_save_never_stalls_the_rollouts_running_ahead(tokenizer, tmp_path):
     """A save is a blocking Ray get; on the event loop it froze the rollouts ahead (and their tools' timeouts
     then fired for calls that had finished). The loop must keep ticking through every save."""

@@ -24,6 +24,7 @@ def test_differences_name_each_changed_key_and_ignore_launch_keys():
     assert differences(saved, new) == {"generator.n_samples_per_prompt": (4, 2), "trainer.optim.lr": (1e-5, 3e-5)}
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_launch_with_a_changed_config_is_refused_unless_allowed(tmp_path):
     save_record(_tree(), tmp_path)
     first = (tmp_path / RECORD).read_text()
@@ -55,6 +56,7 @@ def test_settings_added_or_dropped_by_a_newer_version_are_logged_not_refused(tmp
         check_launch(_tree("total_steps=5"), tmp_path, allow_changes=False, log=logged.append)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_resume_through_the_cli_refuses_a_changed_config_and_keeps_hydras_record(tmp_path, monkeypatch, capsys):
     """The real entry point: the first launch's .hydra/ stays, the refused launch's goes to .hydra/launch-*/."""
     def stop(cfg):

@@ -57,6 +57,7 @@ def test_cleanup_on_exception_inside_the_with_block():
     assert metrics.closed == 1
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_forgotten_sandbox_is_removed_when_collected():
     sb = BwrapSandbox()
     base = sb.workdir.parent
@@ -74,6 +75,7 @@ def test_a_failing_copy_in_leaves_no_directory(tmp_path, monkeypatch):
     assert made and not any(os.path.exists(p) for p in made)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_task_files_are_copied_in_and_files_round_trip(tmp_path):
     task = tmp_path / "task"
     (task / "pkg").mkdir(parents=True)
@@ -171,6 +173,7 @@ def test_a_bwrap_that_cannot_set_up_is_refused_not_reported_as_the_commands_resu
             sb.run("echo hi")
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_runs_of_one_sandbox_take_turns():
     """Two tool calls of one turn may run at once: the sandbox queues them (no file access races a run)."""
     import threading
@@ -189,6 +192,7 @@ def test_runs_of_one_sandbox_take_turns():
         assert lines[0][-1] == lines[1][-1] and lines[2][-1] == lines[3][-1], lines  # never interleaved
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_cpu_burner_stops_at_the_cpu_limit():
     metrics = SandboxMetrics()
     with BwrapSandbox(metrics=metrics, limits=Limits(cpu_s=1, wall_s=30)) as sb:

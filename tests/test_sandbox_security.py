@@ -75,6 +75,7 @@ def test_host_environment_is_not_visible(sandbox, bystander, monkeypatch):
     assert "HOME=/work" in result.stdout  # the minimal environment, nothing of the host's
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_cannot_read_another_trajectorys_directory(sandbox, bystander):
     token = secrets.token_hex(16)
     bystander.write_file("secret.txt", token)
@@ -156,6 +157,7 @@ def test_cannot_reach_a_listener_on_the_hosts_loopback(sandbox, bystander):
     assert sandbox.run("cat /proc/net/dev").stdout.count(":") == 1  # only the sandbox's own loopback
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_fork_bomb_is_bounded_and_leaves_nothing(sandbox, bystander, metrics):
     marker = f"forkbomb-{secrets.token_hex(6)}"
     before = len(processes_with(marker))
@@ -209,6 +211,7 @@ def test_sleeping_forever_is_killed_at_the_wall_clock(sandbox, bystander, metric
     assert processes_with(marker) == []
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_cannot_signal_the_trainer(sandbox, bystander):
     received: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))

@@ -83,6 +83,7 @@ def _tiny_sft_batches() -> list:
     return [batch.select([i, (i + 1) % 6]) for i in range(5)]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_resumed_sft_run_ends_with_the_weights_of_an_uninterrupted_one(tiny_model_dir, tmp_path):
     from skyrl_stepwise.checkpoint.store import complete_checkpoints
     from skyrl_stepwise.policy.config import TrainerConfig
@@ -142,6 +143,7 @@ def test_sft_replays_demonstrations_as_written_whatever_the_context_policy(token
     "trainer.optim.eps=1e-6", "generator.history=retokenize", "generator.use_conversation_multi_turn=false",
     "generator.thinking_retention=all", "generator.sampling.stop=[]", "sft.lr=1e-4", "trainer.seed=7",
     "trainer.fsdp.mixed_precision=false", "trainer.keep_dropout=true", "weights", "chat_template"])
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_sft_cache_key_changes_with_every_input_of_the_warm_start(change, tiny_model_dir, tmp_path, monkeypatch):
     """A setting that changes the SFT samples or the optimizer, or the base model's content (weights, chat
     template) under the same file names and sizes, must miss the cache: a stale warm start was reused silently."""

@@ -69,6 +69,7 @@ def test_a_wild_first_step_is_caught_by_the_absolute_grad_norm_bound():
         DivergenceConfig(grad_norm_max=0).validate("sft.divergence")
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_set_optim_changes_lr_and_warmup_before_the_first_step_and_is_refused_after(tiny_model_dir):
     from skyrl_stepwise.policy.config import TrainerConfig
     from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
@@ -137,6 +138,7 @@ def _step(loss: float, grad_norm: float, entropy: float, lr: float = 0.0) -> dic
             "train/step_time_s": 1.0}
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_sft_on_a_model_that_never_produced_its_terminator_lowers_the_lr_and_says_so(monkeypatch, tmp_path,
                                                                                     model_path):
     from skyrl_stepwise.loop.warm_start import sft_model
@@ -155,6 +157,7 @@ def test_sft_on_a_model_that_never_produced_its_terminator_lowers_the_lr_and_say
     assert [json.loads(line)["step"] for line in metrics_path.read_text().splitlines()] == [1, 2, 3, 4]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_diverged_warm_start_leaves_its_steps_in_the_run_dir(monkeypatch, tmp_path, model_path):
     """An instruct-like model (terminator 0.3 nats) keeps sft.lr; its divergence at step 3 stops SFT, and the
     steps up to it are in sft_metrics.jsonl, not only on the console."""

@@ -219,6 +219,7 @@ def test_a_gateway_on_a_taken_port_says_so(tokenizer, tmp_path):
     assert "SystemExit" not in message
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_console_line_and_report_name_the_root_cause(tmp_path, capsys, monkeypatch):
     """Through the main job's entry point: the engine fails to start; one console line names vLLM's error."""
     from skyrl_stepwise.run import setup as run_setup

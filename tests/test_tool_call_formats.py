@@ -218,6 +218,7 @@ def test_library_renderer_answers_a_call_its_parser_reads_as_the_final_answer():
     assert chat.parse(plain, [], TOOLS).tool_calls == []
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_auto_picks_the_library_renderer_a_local_folder_renders_like():
     """A model the library does not know by name (a local folder) gets the renderer that renders what its template
     renders, as its hub name would; a template no renderer reproduces keeps the template."""

@@ -394,6 +394,7 @@ async def test_each_call_has_its_own_timeout():
     assert ex.counts == {"slow/timeout": 1, "calculator/ok": 1}
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_a_stalled_event_loop_is_not_charged_to_the_tool():
     """A 0.2 s tool under a 1 s timeout, while something blocks the loop for 1.5 s: the tool finished, so its
     result must come back (a wall-clock deadline answered "timed out" and the model was trained on that)."""

@@ -64,6 +64,7 @@ def test_each_token_attends_to_exactly_its_own_prefix(seqs):
             assert set(mask[q].nonzero().flatten().tolist()) == set(nodes[:i + 1])
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @settings(max_examples=100, deadline=None)
 @given(sequences, sequences)
 def test_prefix_counter_prices_the_marginal_nodes(a, b):
@@ -73,6 +74,7 @@ def test_prefix_counter_prices_the_marginal_nodes(a, b):
     assert len(counter) == unique_tokens(a)  # pricing alone adds nothing
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @settings(max_examples=100, deadline=None)
 @given(st.lists(prompt_groups(), min_size=1, max_size=5), st.integers(4, 40))
 def test_units_and_bins_keep_groups_whole_within_budget(groups, budget):
@@ -168,6 +170,7 @@ def _tiny_model(attn: str = "sdpa"):
                                         num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn)).eval()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("attn", ["eager", "flex_attention"])
 def test_eager_and_flex_tree_masks_give_the_sdpa_logprobs(attn):
     """eager takes the additive mask; flex (CPU: forward only, uncompiled, as a reference for the GPU path) the
@@ -187,6 +190,7 @@ def test_eager_and_flex_tree_masks_give_the_sdpa_logprobs(attn):
     torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_worker_tree_and_rows_train_the_same_step(tiny_model_dir):
     """The PolicyWorker (FSDP2, 1 rank) with packing=tree: same logprobs, loss and gradient norm as rows from one
     snapshot, fewer tokens forwarded, and the accounting in the step's metrics."""
@@ -348,6 +352,7 @@ def test_tree_is_exact_in_float64(model_path, tokenizer):
     assert whole < 1e-6 and worst[0] < 1e-5, (whole, worst)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_ablation_tree_mode_replays_the_same_samples_from_the_same_start(tiny_model_dir):
     """The ablation's fourth mode: the step-wise samples trained with packing=tree, from the same snapshot; it
     forwards the distinct prefixes only and takes the same update (grad norm) as step_wise rows."""
@@ -381,6 +386,7 @@ def test_step_metrics_sum_the_token_counts_and_recompute_the_compression():
     assert step["train/compression_ratio"] == pytest.approx((26 + 6) / (12 + 6))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_worker_with_flex_attention_loads_the_packed_flex_kernel(tiny_model_dir):
     """flex_attention: the worker loads the packed flex attention (dynamic-shape compile on GPUs; here the CPU
     forward reference) and scores like plain rows, with the tree and with rows (both take a BlockMask)."""
