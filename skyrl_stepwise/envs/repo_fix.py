@@ -13,8 +13,8 @@ Why a fraction and not all-or-nothing: a level-3 task has two bugs, and fixing o
 135M model should be paid for; why per bug and not per assertion: a bug whose function still fails half its
 cases is not fixed, and the untouched package must score exactly 0 (tests/test_repo_fix.py checks both).
 
-The grading program runs as `python3 -I -` (stdin; no script dir on sys.path, no sitecustomize from the working
-dir), writes its verdict with a random token the model never saw through a file descriptor it captured before
+The grading program runs as `python3 -I -B -X pycache_prefix=/tmp/...` (stdin; no script dir on sys.path, no
+sitecustomize from the working dir, no bytecode from it), writes its verdict with a random token the model never saw through a file descriptor it captured before
 importing the package, and ends with os._exit (no atexit handler of the package runs after it). Code that
 introspects its own process could still forge the verdict, as in HumanEval's harness: the sandbox bounds what such
 code can do, not what it can claim.
@@ -34,6 +34,10 @@ from skyrl_stepwise.tools import ToolExecutor, to_messages
 from skyrl_stepwise.tools.repo import REPO_TOOLS
 
 GRADE_LIMITS = Limits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=16 << 10)
+# -I: no script dir on sys.path, no PYTHON* variables; -B and a pycache prefix on the private /tmp: no bytecode the
+# episode left in the working dir is read (a same-size edit within a second of a .pyc write would otherwise be
+# invisible to the grader), and none is written there
+GRADE_COMMAND = "python3 -I -B -X pycache_prefix=/tmp/grade-pycache -"
 _RUNNER_HEAD = ("import sys as _sys\nfrom os import write as _write, _exit as _exit\n"
                 "_sys.path.insert(0, '/work')\nimport json as _json\n")
 _RUNNER_TAIL = """
@@ -156,7 +160,7 @@ class RepoFixEnv:
     def _grade(self) -> tuple[tuple[float, int, int], StopReason]:
         """Run the hidden tests on the working dir as the model left it (stdin: never on disk, never shown)."""
         token = f"REPO-FIX-VERDICT-{secrets.token_hex(16)}"
-        result = self.sandbox.run("python3 -I -", stdin=grading_program(self.hidden_tests, token),
+        result = self.sandbox.run(GRADE_COMMAND, stdin=grading_program(self.hidden_tests, token),
                                   limits=GRADE_LIMITS)
         verdict = parse_verdict(result.stdout, token) if result.stop_reason is StopReason.EXITED else None
         return reward_of(verdict), result.stop_reason
