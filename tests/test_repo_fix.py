@@ -95,6 +95,19 @@ def test_every_task_fails_buggy_and_passes_after_the_fix():
             assert reward_of(verdict) == (1.0, len(task.sites), len(task.sites)), (task.instance_id, verdict)
 
 
+def test_every_bug_site_is_noticed_by_visible_and_hidden_cases():
+    """In-process (our own templates): each site's bug changes a visible case of its function and of each caller,
+    and a hidden case of its group; a bug nothing notices is refused."""
+    for site in gen.all_sites():
+        module = gen.MODULES_BY_NAME[site.module]
+        gen._check_caught(site, gen._namespace(module.source), gen._namespace(gen.inject(module, [site])))
+    assert len(gen.all_sites()) == 19 and len({s.bug.kind for s in gen.all_sites()}) == 5
+    site = gen.all_sites()[0]
+    source = gen.MODULES_BY_NAME[site.module].source
+    with pytest.raises(ValueError, match=f"bug site {site.id}: no visible case"):
+        gen._check_caught(site, gen._namespace(source), gen._namespace(source))
+
+
 def test_the_tools_yaml_shows_the_envs_schemas():
     from skyrl_stepwise.tools.config import configured_tool_schemas
 
@@ -107,7 +120,7 @@ async def _episode(task: gen.Task, calls: list[tuple[str, dict]], answer: str = 
     row = task.row()
     outputs = []
     try:
-        await env.reset(row["prompt"], row)
+        await env.reset(row["prompt"], {**row, "max_turns": 20})
         for k, (name, arguments) in enumerate(calls):
             step = await env.step_turn(ParsedTurn("", tool_calls=[ToolCallRequest(name, arguments, id=str(k))]))
             assert not step.done
@@ -130,13 +143,15 @@ async def test_edit_outside_the_working_dir_is_refused_and_never_executed(tmp_pa
              ("edit", {"path": "link.txt", "old": "old", "new": "new"}),
              ("view", {"path": "/etc/passwd"}),
              ("edit", {"path": task.fix()[0]["path"], "old": "no such text", "new": "x"}),
-             ("bash", {"command": "pip install requests"})]
+             ("bash", {"command": "pip install requests"}),
+             ("bash", {"command": "yes | head -c 100000"})]
     final, outputs, env = await _episode(task, calls)
     assert outside.read_text() == "secret old text\n"
     for text in (outputs[0], outputs[1], outputs[3], outputs[4]):
         assert "outside the working directory" in text or "leaves the working directory" in text, text
     assert "does not occur" in outputs[5]
     assert "refused" in outputs[6] and "forbidden pattern" in outputs[6]
+    assert outputs[7].endswith("[output truncated at 4096 bytes]") and len(outputs[7]) < 4096 + 200
     assert final.reward == 0.0 and final.metrics["sandbox/path_refusals"] == 4.0
 
 
