@@ -15,7 +15,8 @@ import pytest
 from sandbox_helpers import require_sandbox
 from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
 from skyrl_stepwise.data import repo_fix as gen
-from skyrl_stepwise.envs.repo_fix import GRADE_COMMAND, RepoFixEnv, RepoFixError, grading_program, parse_verdict, reward_of
+from skyrl_stepwise.envs.repo_fix import (GRADE_COMMAND, RepoFixEnv, RepoFixError, grading_program, parse_verdict,
+                                          reward_of)
 from skyrl_stepwise.sandbox import BwrapSandbox
 from skyrl_stepwise.tools.repo import REPO_TOOLS
 
@@ -79,7 +80,7 @@ def _state(sandbox: BwrapSandbox, task: gen.Task) -> tuple[str, dict[str, bool] 
 def test_every_task_fails_buggy_and_passes_after_the_fix():
     """Visible test and hidden tests, in the sandbox, for both splits and every difficulty (the generator itself
     refuses, in-process, any task whose bug no visible or hidden case notices: see _check_caught)."""
-    for task in gen.repo_fix_tasks("train", 6) + gen.repo_fix_tasks("validation", 3):
+    for task in gen.repo_fix_tasks("train", 3) + gen.repo_fix_tasks("validation", 3):
         with _task_sandbox(task) as sandbox:
             visible, verdict = _state(sandbox, task)
             assert visible.endswith("[exit 1]") and "Error" in visible, (task.instance_id, visible)
@@ -189,7 +190,8 @@ async def test_a_row_without_tests_is_refused_naming_the_row():
     with pytest.raises(RepoFixError, match=r"instance 'bad-row'.*has no tests"):
         await env.reset(row["prompt"], {"instance_id": "bad-row", "reward_spec": spec})
     with pytest.raises(RepoFixError, match=r"instance 'no-files'.*reward_spec.files"):
-        await env.reset(row["prompt"], {"instance_id": "no-files", "reward_spec": {"hidden_tests": "def hidden_a(): pass"}})
+        await env.reset(row["prompt"], {"instance_id": "no-files",
+                                        "reward_spec": {"hidden_tests": "def hidden_a(): pass"}})
     assert env.sandbox is None
     bad = {**row["reward_spec"], "files": [{"path": "../escape.py", "content": "x"}]}
     with pytest.raises(RepoFixError, match="leaves the working"):

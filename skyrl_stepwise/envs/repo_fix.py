@@ -14,8 +14,8 @@ Why a fraction and not all-or-nothing: a level-3 task has two bugs, and fixing o
 cases is not fixed, and the untouched package must score exactly 0 (tests/test_repo_fix.py checks both).
 
 The grading program runs as `python3 -I -B -X pycache_prefix=/tmp/...` (stdin; no script dir on sys.path, no
-sitecustomize from the working dir, no bytecode from it), writes its verdict with a random token the model never saw through a file descriptor it captured before
-importing the package, and ends with os._exit (no atexit handler of the package runs after it). Code that
+sitecustomize from the working dir, no bytecode from it), writes its verdict with a random token the model never
+saw through a file descriptor it captured before importing the package, and ends with os._exit (no atexit handler of the package runs after it). Code that
 introspects its own process could still forge the verdict, as in HumanEval's harness: the sandbox bounds what such
 code can do, not what it can claim.
 """
