@@ -213,6 +213,14 @@ def test_written_files_load_and_demos_earn_1(tmp_path, capsys):
     assert [len([m for m in d if m["role"] == "assistant"]) for d in demos] == [5, 5, 7]
     with pytest.raises(ValueError, match="train tasks only"):
         gen.build_demos(gen.repo_fix_tasks("validation", 1))
+    # the recipe's start-up checks accept the files: env class registered, no retriever needed
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.run.setup import _datasets, check_envs_and_tools
+
+    cfg = load_config(["experiment=repo_fix_tiny", f"data.train_path={tmp_path}/train.parquet",
+                       f"data.val_path={tmp_path}/validation.parquet", f"sft.data={tmp_path}/demos.parquet"])
+    train, val = _datasets(cfg)
+    assert (len(train), len(val)) == (6, 3) and check_envs_and_tools(cfg, train + val) is False
 
 
 def test_the_recipe_composes():
