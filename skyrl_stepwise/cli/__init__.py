@@ -14,6 +14,8 @@ COMMANDS = {
     ("sft",): ("skyrl_stepwise.cli.sft", "supervised warm start on demonstrations (cached model folder)"),
     ("data", "reasoning-gym"): ("skyrl_stepwise.data.reasoning_gym",
                                 "build train/validation parquet from a reasoning-gym task"),
+    ("data", "repo-fix"): ("skyrl_stepwise.data.repo_fix",
+                           "generate the repo-fixing task set (train/validation parquet + SFT demos)"),
     ("data", "demos"): ("skyrl_stepwise.data.demonstrations", "build the Search-R1 SFT demonstrations"),
     ("show",): ("skyrl_stepwise.cli.show", "print a run's decoded rollout samples (`show <run dir> [--step N]`)"),
     ("ablate",): ("skyrl_stepwise.cli.ablate", "step-wise vs merged vs whole-trajectory ablation (a Hydra app)"),
