@@ -77,6 +77,7 @@ def _state(sandbox: BwrapSandbox, task: gen.Task) -> tuple[str, dict[str, bool] 
     return visible + "[exit " + hidden.split("]", 1)[0] + "]", parse_verdict(hidden, "TOKEN-test")
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_every_task_fails_buggy_and_passes_after_the_fix():
     """Visible test and hidden tests, in the sandbox, for both splits and every difficulty (the generator itself
     refuses, in-process, any task whose bug no visible or hidden case notices: see _check_caught)."""
@@ -199,6 +200,7 @@ async def test_a_row_without_tests_is_refused_naming_the_row():
     await env.aclose()
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_written_files_load_and_demos_earn_1(tmp_path, capsys):
     from skyrl_stepwise.data.dataset import load_prompt_dataset
     from skyrl_stepwise.data.demonstrations import load_conversations
@@ -254,6 +256,7 @@ def _replay(tokenizer, task: gen.Task, conversation: list[dict], cfg):
     return asyncio.run(generator.generate([row["prompt"]], ["repo_fix"], [extras], [TrajectoryID("0", 0)]))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_demonstration_replayed_by_the_scripted_engine_earns_1_and_a_wrong_fix_less(tokenizer):
     from skyrl_stepwise.run.app_config import load_config
 
