@@ -263,6 +263,60 @@ def test_bitwise_resume_with_lora(model_dirs, tmp_path):
     assert all(torch.equal(_full(a), _full(b)) for a, b in zip(fresh.model.parameters(), straight.model.parameters()))
 
 
+def _dcp_bytes(path) -> int:
+    return sum(f.stat().st_size for f in (path / "dcp").rglob("*") if f.is_file())
+
+
+def test_a_lora_checkpoint_holds_the_adapter_alone_and_resumes_bitwise_on_the_base(model_dirs, tmp_path):
+    """The checkpoint shrinks by about the frozen base (re-read from model_path at resume), the resumed run
+    continues bitwise, and the base's identity is recorded."""
+    batch = _batch()
+    cfg = _cfg(model_dirs["qwen2"], tmp_path / "lora")
+    straight = _worker(cfg)
+    straight.train_step(batch)
+    path = straight.save_checkpoint(1, {"step": 1})
+    full_cfg = replace(_cfg(model_dirs["qwen2"], tmp_path / "full"), lora=LoRAConfig())
+    full = _worker(full_cfg)
+    full_path = full.save_checkpoint(1, {"step": 1})
+    base_bytes = sum(p.numel() * 4 for p in full.model.parameters())
+    adapter_bytes = sum(p.numel() * 4 for n, p in straight.model.named_parameters() if ".lora_" in n)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    held = [k for k in FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert held and all(".lora_" in k for k in held), held[:5]  # the adapter's tensors alone
+    assert _dcp_bytes(path) < 3 * adapter_bytes + 400 * 1024  # adapter + its AdamW moments (+ DCP's per-item headers)
+    assert _dcp_bytes(full_path) - _dcp_bytes(path) > 0.7 * base_bytes  # shrinks by about the base
+    import json
+
+    saved = json.loads((path / "trainer_state.json").read_text())["model"]
+    assert saved["adapter_only"] and saved["base_weights"] and saved["lora"]["rank"] == 4
+    second = straight.train_step(batch)
+    fresh = _worker(cfg)
+    fresh.load_checkpoint(path)
+    resumed = fresh.train_step(batch)
+    assert resumed == {**second, "train/step_time_s": resumed["train/step_time_s"]}
+    assert all(torch.equal(_full(a), _full(b)) for a, b in zip(fresh.model.parameters(), straight.model.parameters()))
+
+
+def test_a_lora_checkpoint_refuses_a_base_whose_weights_differ_naming_the_path(model_dirs, tmp_path):
+    straight = _worker(_cfg(model_dirs["qwen2"], tmp_path / "ckpt"))
+    straight.train_step(_batch())
+    path = straight.save_checkpoint(1, {"step": 1})
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(model_dirs["qwen2"], dtype=torch.float32)
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    other.save_pretrained(tmp_path / "other")
+    moved = _worker(_cfg(str(tmp_path / "other"), tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match=rf"trainer.model_path='{tmp_path / 'other'}'.*not the base the LoRA "
+                                         rf"checkpoint {path}"):
+        moved.load_checkpoint(path)
+    full = _worker(replace(_cfg(model_dirs["qwen2"], tmp_path / "ckpt"), lora=LoRAConfig()))
+    with pytest.raises(ValueError, match="holds a LoRA adapter alone but trainer.lora.enabled=False"):
+        full.load_checkpoint(path)
+
+
 def test_packing_self_check_and_tree_packing_hold_with_a_trained_adapter(model_dirs, tmp_path):
     from skyrl_stepwise.policy.packing.selfcheck import check_packing_precisely
 

@@ -9,6 +9,7 @@ the results are reduced/gathered so every rank returns the same answer.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import socket
@@ -30,7 +31,8 @@ from skyrl_stepwise.policy.batching import (PackedMicroBatch, TrainBatch, forwar
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.policy.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
 from skyrl_stepwise.policy.dropout import disable_dropout, dropout_note
-from skyrl_stepwise.policy.lora import adapted_layers, adapter_disabled, apply_lora, merged_items, merged_shapes
+from skyrl_stepwise.policy.lora import (adapted_layers, adapter_disabled, adapter_recipe, apply_lora,
+                                        base_weights_checksum, is_adapter_key, merged_items, merged_shapes)
 from skyrl_stepwise.algorithms.losses import no_gradient, policy_loss
 from skyrl_stepwise.policy.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.models.rope import pin_longrope
@@ -162,6 +164,15 @@ def _cloned(state):
     if isinstance(state, (list, tuple)):
         return type(state)(_cloned(v) for v in state)
     return state
+
+
+def _saved_identity(path: Path) -> dict:
+    """The `model` record of a checkpoint's trainer_state.json ({} for checkpoints written before it existed: a full
+    model). An unreadable file is left to checkpoint.load_checkpoint, which names it."""
+    try:
+        return dict(json.loads((path / "trainer_state.json").read_text()).get("model") or {})
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
@@ -673,15 +684,50 @@ class PolicyWorker:
 
     def save_checkpoint(self, step: int, trainer_state: dict | None = None,
                         files: dict[str, bytes] | None = None) -> Path:
-        """Atomic checkpoint of model, optimizer, scheduler, RNG, trainer_state and the driver's `files`."""
+        """Atomic checkpoint of model, optimizer, scheduler, RNG, trainer_state and the driver's `files`.
+
+        With LoRA the checkpoint holds the adapter alone (and its AdamW state), not the frozen base: the base is
+        re-read from trainer.model_path at resume, and its checksum recorded here (`model` in trainer_state,
+        with the adapter's recipe that `model export` rebuilds it from) makes a resume on other weights fail."""
+        state = dict(trainer_state or {}, model=self.checkpoint_identity())
         path = checkpoint.save_checkpoint(self.cfg.ckpt_dir, step, self.model, self.optimizer, self.scheduler,
-                                          trainer_state, self.cfg.max_ckpts_to_keep, files)
+                                          state, self.cfg.max_ckpts_to_keep, files,
+                                          model_keys=is_adapter_key if self.lora_layers else None)
         release_host_memory(self.device)
         return path
 
+    def checkpoint_identity(self) -> dict:
+        """What a checkpoint records about the model: the base folder, and with LoRA the adapter's recipe and the
+        frozen base's checksum (computed once: the base never changes); collective with LoRA."""
+        from skyrl_stepwise.models import resolve_model_path
+
+        identity = {"model_path": str(resolve_model_path(self.cfg.model_path)), "adapter_only": False, "lora": None}
+        if self.lora_layers:
+            if getattr(self, "_base_checksum", None) is None:
+                self._base_checksum = base_weights_checksum(self.model.named_parameters(), weights_checksum)
+            identity.update(adapter_only=True, lora=adapter_recipe(self.model, self.cfg.lora),
+                            base_weights=self._base_checksum)
+        return identity
+
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore a complete checkpoint in place; returns its trainer_state (with `step`)."""
-        return checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        """Restore a complete checkpoint in place; returns its trainer_state (with `step`). An adapter-only
+        checkpoint (LoRA) is refused, naming trainer.model_path, when the base weights here are not the ones it
+        was trained on (its recorded checksum), or when this run has no adapter to load it into."""
+        saved = _saved_identity(Path(path))
+        adapter_only = bool(saved.get("adapter_only"))
+        if adapter_only != bool(self.lora_layers):
+            raise ValueError(f"checkpoint {path} holds {'a LoRA adapter alone' if adapter_only else 'a full model'} "
+                             f"but trainer.lora.enabled={bool(self.lora_layers)}: resume with the setting it was "
+                             "saved with")
+        if adapter_only:
+            here = self.checkpoint_identity()
+            if here["base_weights"] != saved.get("base_weights"):
+                raise ValueError(
+                    f"trainer.model_path={self.cfg.model_path!r} ({here['model_path']}): its weights (checksum "
+                    f"{here['base_weights']}) are not the base the LoRA checkpoint {path} was trained on "
+                    f"({saved.get('model_path')}, checksum {saved.get('base_weights')}); resume with that base")
+        return checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                          model_keys=is_adapter_key if adapter_only else None)
 
     def shutdown(self) -> None:
         """Leave the process groups (the last call of a Ray actor or spawned rank)."""
