@@ -69,7 +69,9 @@ def _params(worker) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("key, value, message", [
     ("rank", 0, "trainer.lora.rank must be >= 1"),
+    ("rank", -4, "trainer.lora.rank must be >= 1"),
     ("alpha", 0.0, "trainer.lora.alpha must be > 0"),
+    ("alpha", -16.0, "trainer.lora.alpha must be > 0"),
     ("dropout", 0.1, "trainer.lora.dropout=0.1 but the engines sample without dropout"),
     ("target_modules", [], "trainer.lora.target_modules is empty"),
 ])
@@ -115,6 +117,19 @@ def test_a_target_module_the_model_lacks_is_refused_naming_the_key_and_the_modul
     with pytest.raises(ValueError, match=rf"trainer.lora.target_modules: 'query_key_value' names no linear module.*"
                                          rf"{listed}"):
         _worker(_cfg(model_dirs["llama"], tmp_path, target_modules=["q_proj", "query_key_value"]))
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_flex_attention_that_cannot_train_on_cpu_is_refused_at_start_naming_the_key(lora, model_dirs, tmp_path):
+    """FlexAttention has no CPU backward: a trainable policy (LoRA or full) stops at start-up, not at its first step;
+    a frozen flex model (scoring only) still starts."""
+    cfg = _cfg(model_dirs["llama"], tmp_path)
+    cfg = cfg if lora else replace(cfg, lora=LoRAConfig())
+    cfg.attn_implementation = "flex_attention"
+    what = "a LoRA adapter" if lora else "the policy"
+    with pytest.raises(ValueError, match=f"trainer.attn_implementation=flex_attention cannot train {what} on CPU"):
+        _worker(cfg)
+    assert _worker(cfg, trainable=False).model.config._attn_implementation == "skyrl_packed_flex"
 
 
 def test_target_modules_resolve_by_suffix_within_the_decoder_layers(model_dirs, tmp_path):
@@ -282,7 +297,8 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_and_resumes_bitwise_on_the_ba
     adapter_bytes = sum(p.numel() * 4 for n, p in straight.model.named_parameters() if ".lora_" in n)
     from torch.distributed.checkpoint import FileSystemReader
 
-    held = [k for k in FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata if k.startswith("model.")]
+    held = [k for k in FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+            if k.startswith("model.")]
     assert held and all(".lora_" in k for k in held), held[:5]  # the adapter's tensors alone
     assert _dcp_bytes(path) < 3 * adapter_bytes + 400 * 1024  # adapter + its AdamW moments (+ DCP's per-item headers)
     assert _dcp_bytes(full_path) - _dcp_bytes(path) > 0.7 * base_bytes  # shrinks by about the base
@@ -313,7 +329,7 @@ def test_a_lora_checkpoint_refuses_a_base_whose_weights_differ_naming_the_path(m
                                          rf"checkpoint {path}"):
         moved.load_checkpoint(path)
     full = _worker(replace(_cfg(model_dirs["qwen2"], tmp_path / "ckpt"), lora=LoRAConfig()))
-    with pytest.raises(ValueError, match="holds a LoRA adapter alone but trainer.lora.enabled=False"):
+    with pytest.raises(ValueError, match="holds a LoRA adapter but trainer.lora.enabled=False"):
         full.load_checkpoint(path)
 
 
@@ -384,3 +400,15 @@ def test_lora_on_two_sharded_gloo_ranks_exports_the_trained_policy(model_dirs, t
     assert (flat(r["trained"]) - base).abs().max() > 1e-3  # the adapter moved the policy
     torch.testing.assert_close(flat(r["trained"]), merged, rtol=0, atol=1e-5)
     assert r["checksum"] == weights_checksum(model.named_parameters())
+
+
+def test_a_garbled_lora_checkpoint_is_still_reported_corrupt_naming_the_file(model_dirs, tmp_path):
+    """The identity check reads trainer_state.json first; a garbled one must still be the CorruptCheckpoint that
+    resume=auto quarantines, not a LoRA-setting mismatch."""
+    from skyrl_stepwise.checkpoint.store import CorruptCheckpoint
+
+    worker = _worker(_cfg(model_dirs["llama"], tmp_path))
+    path = worker.save_checkpoint(1, {"step": 1})
+    (path / "trainer_state.json").write_text("{garbled")
+    with pytest.raises(CorruptCheckpoint, match=r"trainer_state.json cannot be read"):
+        worker.load_checkpoint(path)

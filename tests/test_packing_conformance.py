@@ -416,3 +416,22 @@ def test_packed_samples_with_a_trained_lora_adapter_score_exactly_as_alone_or_ar
                 ref = reference_grads[name]
                 rel = (g - ref).norm() / ref.norm().clamp_min(1e-12)
                 assert rel < 1e-4, f"LoRA {model_type} {attn} {packing}: gradient of {name} off by {rel:.2e}"
+
+
+def test_flex_packing_with_a_trained_lora_adapter_scores_as_alone():
+    """flex_attention (the GPU path; forward only on CPU) packs a model with a trained adapter exactly, tree and
+    rows: peft wraps the linear layers only, the attention kernel and its BlockMask see the same tensors."""
+    from skyrl_stepwise.policy.packing.flex import register_packed_flex_attention
+
+    batch = conformance_batch()
+    model = _with_trained_adapter(tiny_model("llama", "sdpa"))
+    with torch.no_grad():
+        alone = logprobs_alone(model, batch)
+    model.set_attn_implementation(register_packed_flex_attention())
+    layout = attention_layout(model)
+    for packing in ("rows", "tree"):
+        mbs = rank_micro_batches(batch, 0, 1, 10_000, packing, layout.one_sample_per_row)
+        with torch.no_grad():
+            got = _packed(model, batch, mbs, packing, layout)
+        err = (got - alone).abs().max().item()
+        assert err < 1e-5, f"LoRA llama flex {packing}: max |packed - alone| = {err:.2e}"

@@ -166,13 +166,14 @@ def _cloned(state):
     return state
 
 
-def _saved_identity(path: Path) -> dict:
-    """The `model` record of a checkpoint's trainer_state.json ({} for checkpoints written before it existed: a full
-    model). An unreadable file is left to checkpoint.load_checkpoint, which names it."""
+def _saved_identity(path: Path) -> dict | None:
+    """The `model` record of a checkpoint's trainer_state.json: {} for checkpoints written before it existed (they
+    hold the full model, also with LoRA), None when the file cannot be read (checkpoint.load_checkpoint then raises
+    CorruptCheckpoint naming it, which resume=auto knows how to handle)."""
     try:
         return dict(json.loads((path / "trainer_state.json").read_text()).get("model") or {})
-    except (OSError, ValueError, AttributeError):
-        return {}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
@@ -237,6 +238,17 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
     return model, [n for n in notes if n]
 
 
+def refuse_untrainable_attention(cfg: TrainerConfig, device: torch.device) -> None:
+    """flex_attention scores on a CPU (uncompiled, forward only) but PyTorch's FlexAttention has no CPU backward:
+    a trainable policy (full or LoRA: the adapters on q/k/v and on earlier layers make attention's inputs require
+    grad either way) would fail at its first update, so it is refused at start-up, naming the key."""
+    if cfg.attn_implementation == "flex_attention" and device.type == "cpu":
+        what = "a LoRA adapter" if cfg.lora.enabled else "the policy"
+        raise ValueError(f"trainer.attn_implementation=flex_attention cannot train {what} on CPU: PyTorch's "
+                         "FlexAttention has no CPU backward (it scores only: frozen and reference models); use "
+                         "trainer.attn_implementation=sdpa or eager on CPU, flex_attention on a GPU")
+
+
 class PolicyWorker:
     """A causal LM sharded with FSDP2 on this rank; `trainable=False` makes a frozen model (no optimizer).
 
@@ -250,6 +262,8 @@ class PolicyWorker:
         cfg.validate()
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
+        if trainable:
+            refuse_untrainable_attention(cfg, self.device)
         torch.manual_seed(cfg.seed)
         self.model, self.notes = load_sharded_model(cfg, self.device, trainable)
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
@@ -713,10 +727,10 @@ class PolicyWorker:
         """Restore a complete checkpoint in place; returns its trainer_state (with `step`). An adapter-only
         checkpoint (LoRA) is refused, naming trainer.model_path, when the base weights here are not the ones it
         was trained on (its recorded checksum), or when this run has no adapter to load it into."""
-        saved = _saved_identity(Path(path))
-        adapter_only = bool(saved.get("adapter_only"))
-        if adapter_only != bool(self.lora_layers):
-            raise ValueError(f"checkpoint {path} holds {'a LoRA adapter alone' if adapter_only else 'a full model'} "
+        saved = _saved_identity(Path(path))  # None: unreadable, left to checkpoint.load_checkpoint to name
+        adapter_only = bool(saved and saved.get("adapter_only"))
+        if saved and (saved.get("lora") is not None) != bool(self.lora_layers):
+            raise ValueError(f"checkpoint {path} holds {'a LoRA adapter' if saved.get('lora') else 'a full model'} "
                              f"but trainer.lora.enabled={bool(self.lora_layers)}: resume with the setting it was "
                              "saved with")
         if adapter_only:
