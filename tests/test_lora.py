@@ -69,7 +69,9 @@ def _params(worker) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("key, value, message", [
     ("rank", 0, "trainer.lora.rank must be >= 1"),
+    ("rank", -4, "trainer.lora.rank must be >= 1"),
     ("alpha", 0.0, "trainer.lora.alpha must be > 0"),
+    ("alpha", -16.0, "trainer.lora.alpha must be > 0"),
     ("dropout", 0.1, "trainer.lora.dropout=0.1 but the engines sample without dropout"),
     ("target_modules", [], "trainer.lora.target_modules is empty"),
 ])
@@ -117,6 +119,19 @@ def test_a_target_module_the_model_lacks_is_refused_naming_the_key_and_the_modul
     with pytest.raises(ValueError, match=rf"trainer.lora.target_modules: 'query_key_value' names no linear module.*"
                                          rf"{listed}"):
         _worker(_cfg(model_dirs["llama"], tmp_path, target_modules=["q_proj", "query_key_value"]))
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_flex_attention_that_cannot_train_on_cpu_is_refused_at_start_naming_the_key(lora, model_dirs, tmp_path):
+    """FlexAttention has no CPU backward: a trainable policy (LoRA or full) stops at start-up, not at its first step;
+    a frozen flex model (scoring only) still starts."""
+    cfg = _cfg(model_dirs["llama"], tmp_path)
+    cfg = cfg if lora else replace(cfg, lora=LoRAConfig())
+    cfg.attn_implementation = "flex_attention"
+    what = "a LoRA adapter" if lora else "the policy"
+    with pytest.raises(ValueError, match=f"trainer.attn_implementation=flex_attention cannot train {what} on CPU"):
+        _worker(cfg)
+    assert _worker(cfg, trainable=False).model.config._attn_implementation == "skyrl_packed_flex"
 
 
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
@@ -271,6 +286,61 @@ def test_bitwise_resume_with_lora(model_dirs, tmp_path):
     assert all(torch.equal(_full(a), _full(b)) for a, b in zip(fresh.model.parameters(), straight.model.parameters()))
 
 
+def _dcp_bytes(path) -> int:
+    return sum(f.stat().st_size for f in (path / "dcp").rglob("*") if f.is_file())
+
+
+def test_a_lora_checkpoint_holds_the_adapter_alone_and_resumes_bitwise_on_the_base(model_dirs, tmp_path):
+    """The checkpoint shrinks by about the frozen base (re-read from model_path at resume), the resumed run
+    continues bitwise, and the base's identity is recorded."""
+    batch = _batch()
+    cfg = _cfg(model_dirs["qwen2"], tmp_path / "lora")
+    straight = _worker(cfg)
+    straight.train_step(batch)
+    path = straight.save_checkpoint(1, {"step": 1})
+    full_cfg = replace(_cfg(model_dirs["qwen2"], tmp_path / "full"), lora=LoRAConfig())
+    full = _worker(full_cfg)
+    full_path = full.save_checkpoint(1, {"step": 1})
+    base_bytes = sum(p.numel() * 4 for p in full.model.parameters())
+    adapter_bytes = sum(p.numel() * 4 for n, p in straight.model.named_parameters() if ".lora_" in n)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    held = [k for k in FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+            if k.startswith("model.")]
+    assert held and all(".lora_" in k for k in held), held[:5]  # the adapter's tensors alone
+    assert _dcp_bytes(path) < 3 * adapter_bytes + 400 * 1024  # adapter + its AdamW moments (+ DCP's per-item headers)
+    assert _dcp_bytes(full_path) - _dcp_bytes(path) > 0.7 * base_bytes  # shrinks by about the base
+    import json
+
+    saved = json.loads((path / "trainer_state.json").read_text())["model"]
+    assert saved["adapter_only"] and saved["base_weights"] and saved["lora"]["rank"] == 4
+    second = straight.train_step(batch)
+    fresh = _worker(cfg)
+    fresh.load_checkpoint(path)
+    resumed = fresh.train_step(batch)
+    assert resumed == {**second, "train/step_time_s": resumed["train/step_time_s"]}
+    assert all(torch.equal(_full(a), _full(b)) for a, b in zip(fresh.model.parameters(), straight.model.parameters()))
+
+
+def test_a_lora_checkpoint_refuses_a_base_whose_weights_differ_naming_the_path(model_dirs, tmp_path):
+    straight = _worker(_cfg(model_dirs["qwen2"], tmp_path / "ckpt"))
+    straight.train_step(_batch())
+    path = straight.save_checkpoint(1, {"step": 1})
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(model_dirs["qwen2"], dtype=torch.float32)
+    with torch.no_grad():
+        other.model.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    other.save_pretrained(tmp_path / "other")
+    moved = _worker(_cfg(str(tmp_path / "other"), tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match=rf"trainer.model_path='{tmp_path / 'other'}'.*not the base the LoRA "
+                                         rf"checkpoint {path}"):
+        moved.load_checkpoint(path)
+    full = _worker(replace(_cfg(model_dirs["qwen2"], tmp_path / "ckpt"), lora=LoRAConfig()))
+    with pytest.raises(ValueError, match="holds a LoRA adapter but trainer.lora.enabled=False"):
+        full.load_checkpoint(path)
+
+
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_packing_self_check_and_tree_packing_hold_with_a_trained_adapter(model_dirs, tmp_path):
     from skyrl_stepwise.policy.packing.selfcheck import check_packing_precisely
@@ -340,3 +410,15 @@ def test_lora_on_two_sharded_gloo_ranks_exports_the_trained_policy(model_dirs, t
     assert (flat(r["trained"]) - base).abs().max() > 1e-3  # the adapter moved the policy
     torch.testing.assert_close(flat(r["trained"]), merged, rtol=0, atol=1e-5)
     assert r["checksum"] == weights_checksum(model.named_parameters())
+
+
+def test_a_garbled_lora_checkpoint_is_still_reported_corrupt_naming_the_file(model_dirs, tmp_path):
+    """The identity check reads trainer_state.json first; a garbled one must still be the CorruptCheckpoint that
+    resume=auto quarantines, not a LoRA-setting mismatch."""
+    from skyrl_stepwise.checkpoint.store import CorruptCheckpoint
+
+    worker = _worker(_cfg(model_dirs["llama"], tmp_path))
+    path = worker.save_checkpoint(1, {"step": 1})
+    (path / "trainer_state.json").write_text("{garbled")
+    with pytest.raises(CorruptCheckpoint, match=r"trainer_state.json cannot be read"):
+        worker.load_checkpoint(path)

@@ -65,3 +65,19 @@ def test_an_interrupted_run_without_a_checkpoint_does_not_promise_a_resume(tmp_p
     (step / COMPLETE).write_text("ok")
     text = write_run_report(cfg, tmp_path, failure=KeyboardInterrupt()).read_text()
     assert "The same command resumes from the last complete checkpoint, step_1 (see Files)." in text
+
+
+def test_the_report_names_the_export_command_of_its_checkpoints(tmp_path):
+    from skyrl_stepwise.checkpoint.store import COMPLETE
+
+    cfg = _cfg(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.0}) + "\n")
+    assert "model export" not in write_run_report(cfg, tmp_path).read_text()  # nothing to export yet
+    step = tmp_path / "ckpts" / "step_1"
+    step.mkdir(parents=True)
+    (step / COMPLETE).write_text("ok")
+    text = write_run_report(cfg, tmp_path).read_text()
+    assert f"`skyrl-stepwise model export {(tmp_path / 'ckpts').resolve()} --out <dir>`" in text
+    assert "--adapter-only" not in text
+    cfg.trainer.lora.enabled = True
+    assert "(`--adapter-only`: the LoRA adapter in peft format)" in write_run_report(cfg, tmp_path).read_text()

@@ -40,14 +40,15 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
@@ -186,14 +187,16 @@ def _set_rng_state(state: dict) -> None:
 def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, scheduler=None,
                     trainer_state: dict | None = None, max_to_keep: int = -1,
-                    files: dict[str, bytes] | None = None) -> Path:
+                    files: dict[str, bytes] | None = None,
+                    model_keys: Callable[[str], bool] | None = None) -> Path:
     """Save on every rank (collective) and return the complete step folder.
 
     trainer_state must be JSON-serialisable (e.g. {"epoch": 1, "consumed_prompts": 512}); `step` and
     `world_size` are added. With max_to_keep > 0 and trainer_state carrying `run_id` and `lineage` (the
     entries of this run's earlier checkpoints, oldest first), the lineage's checkpoints beyond the newest
     max_to_keep are deleted; nothing outside the lineage ever is. `files`: more files for the step folder (name ->
-    bytes, written by rank 0 before the COMPLETE marker), e.g. the driver's state.
+    bytes, written by rank 0 before the COMPLETE marker), e.g. the driver's state. `model_keys`: which model
+    state-dict entries to keep (a LoRA run keeps the adapter's alone; the frozen base is re-read at resume).
     """
     final = step_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -211,9 +214,9 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
     try:
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "dcp")
+            dcp.save({"model": _kept(model_sd, model_keys), "optim": optim_sd}, checkpoint_id=tmp / "dcp")
         else:
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp / "dcp")
+            dcp.save({"model": _kept(get_model_state_dict(model), model_keys)}, checkpoint_id=tmp / "dcp")
         torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
         if rank == 0:
             if scheduler is not None:
@@ -250,6 +253,11 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, step: int, model: torch.nn.Modu
                           max_to_keep)
     _barrier()
     return final
+
+
+def _kept(state: dict, model_keys: Callable[[str], bool] | None) -> dict:
+    """The model state-dict entries a checkpoint holds: all, or those `model_keys` keeps."""
+    return state if model_keys is None else {k: v for k, v in state.items() if model_keys(k)}
 
 
 def _agree(failed: BaseException | None, final: Path, tmp: Path, payload: dict | None = None) -> list[dict]:
@@ -321,8 +329,10 @@ def _mark_complete(path: Path) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, scheduler=None) -> dict:
+                    optimizer: torch.optim.Optimizer | None = None, scheduler=None,
+                    model_keys: Callable[[str], bool] | None = None) -> dict:
     """Restore in place on every rank (collective) and return the saved trainer_state (with `step`).
+    `model_keys`: the model entries the checkpoint holds (as saved); the others keep their current values.
 
     DCP reshards on load, so the world size may differ from the save; then the per-rank RNG states of
     ranks that did not exist are simply not restored.
@@ -341,13 +351,14 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         part = "dcp/"
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
+            state = {"model": _kept(model_sd, model_keys), "optim": optim_sd}
             dcp.load(state, checkpoint_id=path / "dcp")
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(strict=model_keys is None))
         else:
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": _kept(get_model_state_dict(model), model_keys)}
             dcp.load(state, checkpoint_id=path / "dcp")
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=model_keys is None))
     except _READ_ERRORS as e:
         raise CorruptCheckpoint(f"checkpoint {path} is marked {COMPLETE} but {path / part} cannot be read "
                                 f"({describe_error(e)})") from e

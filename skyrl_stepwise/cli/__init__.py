@@ -7,6 +7,8 @@ import sys
 
 COMMANDS = {
     ("model", "prepare"): ("skyrl_stepwise.models.prepare", "convert the embedded SmolLM2 GGUF to a HF folder"),
+    ("model", "export"): ("skyrl_stepwise.cli.export",
+                          "a checkpoint as a HF folder (LoRA merged) or, --adapter-only, a peft adapter"),
     ("data", "prepare"): ("skyrl_stepwise.data.embedded", "build the embedded Search-R1 corpus and QA splits"),
     ("retriever", "serve"): ("skyrl_stepwise.cli.retriever", "serve BM25/dense retrieval over HTTP"),
     ("demo",): ("skyrl_stepwise.inference.demo", "generate for a few chat prompts with the vLLM engine"),

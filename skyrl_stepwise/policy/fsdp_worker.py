@@ -9,6 +9,7 @@ the results are reduced/gathered so every rank returns the same answer.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import socket
@@ -30,7 +31,8 @@ from skyrl_stepwise.policy.batching import (PackedMicroBatch, TrainBatch, forwar
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.policy.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
 from skyrl_stepwise.policy.dropout import disable_dropout, dropout_note
-from skyrl_stepwise.policy.lora import adapted_layers, adapter_disabled, apply_lora, merged_items, merged_shapes
+from skyrl_stepwise.policy.lora import (adapted_layers, adapter_disabled, adapter_recipe, apply_lora,
+                                        base_weights_checksum, is_adapter_key, merged_items, merged_shapes)
 from skyrl_stepwise.algorithms.losses import no_gradient, policy_loss
 from skyrl_stepwise.policy.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.models.rope import pin_longrope
@@ -164,6 +166,16 @@ def _cloned(state):
     return state
 
 
+def _saved_identity(path: Path) -> dict | None:
+    """The `model` record of a checkpoint's trainer_state.json: {} for checkpoints written before it existed (they
+    hold the full model, also with LoRA), None when the file cannot be read (checkpoint.load_checkpoint then raises
+    CorruptCheckpoint naming it, which resume=auto knows how to handle)."""
+    try:
+        return dict(json.loads((path / "trainer_state.json").read_text()).get("model") or {})
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
                      temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
                      ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -226,6 +238,17 @@ def load_sharded_model(cfg: TrainerConfig, device: torch.device, trainable: bool
     return model, [n for n in notes if n]
 
 
+def refuse_untrainable_attention(cfg: TrainerConfig, device: torch.device) -> None:
+    """flex_attention scores on a CPU (uncompiled, forward only) but PyTorch's FlexAttention has no CPU backward:
+    a trainable policy (full or LoRA: the adapters on q/k/v and on earlier layers make attention's inputs require
+    grad either way) would fail at its first update, so it is refused at start-up, naming the key."""
+    if cfg.attn_implementation == "flex_attention" and device.type == "cpu":
+        what = "a LoRA adapter" if cfg.lora.enabled else "the policy"
+        raise ValueError(f"trainer.attn_implementation=flex_attention cannot train {what} on CPU: PyTorch's "
+                         "FlexAttention has no CPU backward (it scores only: frozen and reference models); use "
+                         "trainer.attn_implementation=sdpa or eager on CPU, flex_attention on a GPU")
+
+
 class PolicyWorker:
     """A causal LM sharded with FSDP2 on this rank; `trainable=False` makes a frozen model (no optimizer).
 
@@ -239,6 +262,8 @@ class PolicyWorker:
         cfg.validate()
         self.cfg = cfg
         self.rank, self.world_size, self.device = init_distributed(cfg.fsdp)
+        if trainable:
+            refuse_untrainable_attention(cfg, self.device)
         torch.manual_seed(cfg.seed)
         self.model, self.notes = load_sharded_model(cfg, self.device, trainable)
         # what keeps packed samples apart on this architecture, the packing it allows, and the proof on this model
@@ -673,15 +698,50 @@ class PolicyWorker:
 
     def save_checkpoint(self, step: int, trainer_state: dict | None = None,
                         files: dict[str, bytes] | None = None) -> Path:
-        """Atomic checkpoint of model, optimizer, scheduler, RNG, trainer_state and the driver's `files`."""
+        """Atomic checkpoint of model, optimizer, scheduler, RNG, trainer_state and the driver's `files`.
+
+        With LoRA the checkpoint holds the adapter alone (and its AdamW state), not the frozen base: the base is
+        re-read from trainer.model_path at resume, and its checksum recorded here (`model` in trainer_state,
+        with the adapter's recipe that `model export` rebuilds it from) makes a resume on other weights fail."""
+        state = dict(trainer_state or {}, model=self.checkpoint_identity())
         path = checkpoint.save_checkpoint(self.cfg.ckpt_dir, step, self.model, self.optimizer, self.scheduler,
-                                          trainer_state, self.cfg.max_ckpts_to_keep, files)
+                                          state, self.cfg.max_ckpts_to_keep, files,
+                                          model_keys=is_adapter_key if self.lora_layers else None)
         release_host_memory(self.device)
         return path
 
+    def checkpoint_identity(self) -> dict:
+        """What a checkpoint records about the model: the base folder, and with LoRA the adapter's recipe and the
+        frozen base's checksum (computed once: the base never changes); collective with LoRA."""
+        from skyrl_stepwise.models import resolve_model_path
+
+        identity = {"model_path": str(resolve_model_path(self.cfg.model_path)), "adapter_only": False, "lora": None}
+        if self.lora_layers:
+            if getattr(self, "_base_checksum", None) is None:
+                self._base_checksum = base_weights_checksum(self.model.named_parameters(), weights_checksum)
+            identity.update(adapter_only=True, lora=adapter_recipe(self.model, self.cfg.lora),
+                            base_weights=self._base_checksum)
+        return identity
+
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore a complete checkpoint in place; returns its trainer_state (with `step`)."""
-        return checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        """Restore a complete checkpoint in place; returns its trainer_state (with `step`). An adapter-only
+        checkpoint (LoRA) is refused, naming trainer.model_path, when the base weights here are not the ones it
+        was trained on (its recorded checksum), or when this run has no adapter to load it into."""
+        saved = _saved_identity(Path(path))  # None: unreadable, left to checkpoint.load_checkpoint to name
+        adapter_only = bool(saved and saved.get("adapter_only"))
+        if saved and (saved.get("lora") is not None) != bool(self.lora_layers):
+            raise ValueError(f"checkpoint {path} holds {'a LoRA adapter' if saved.get('lora') else 'a full model'} "
+                             f"but trainer.lora.enabled={bool(self.lora_layers)}: resume with the setting it was "
+                             "saved with")
+        if adapter_only:
+            here = self.checkpoint_identity()
+            if here["base_weights"] != saved.get("base_weights"):
+                raise ValueError(
+                    f"trainer.model_path={self.cfg.model_path!r} ({here['model_path']}): its weights (checksum "
+                    f"{here['base_weights']}) are not the base the LoRA checkpoint {path} was trained on "
+                    f"({saved.get('model_path')}, checksum {saved.get('base_weights')}); resume with that base")
+        return checkpoint.load_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                          model_keys=is_adapter_key if adapter_only else None)
 
     def shutdown(self) -> None:
         """Leave the process groups (the last call of a Ray actor or spawned rank)."""

@@ -159,3 +159,42 @@ def merged_shapes(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> Iterator[tup
     for name, shape in shapes:
         if ".lora_" not in name:
             yield name.replace(".base_layer.", ".", 1), shape
+
+
+# ------------------------------------------------------------------ adapter-only checkpoints and export (#46)
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a state-dict / parameter name is one of the adapter's own tensors (lora_A / lora_B): what an
+    adapter-only checkpoint keeps (the frozen base is re-read from trainer.model_path at resume)."""
+    return ".lora_" in name
+
+
+def base_weights_checksum(named_parameters: Iterable[tuple[str, torch.Tensor]],
+                          checksum: Callable[[Iterable[tuple[str, torch.Tensor]]], str]) -> str:
+    """The digest (`checksum`, fsdp_worker.weights_checksum) of the frozen base's tensors alone, the adapter's
+    left out: the identity an adapter-only checkpoint records, so a resume on other base weights is refused."""
+    return checksum((n, p) for n, p in named_parameters if not is_adapter_key(n))
+
+
+def adapter_recipe(model: torch.nn.Module, cfg: LoRAConfig) -> dict:
+    """What rebuilding this adapter on the base needs (rank, alpha, the resolved full module names): recorded
+    in the checkpoint so `model export` needs nothing but the checkpoint and the base folder."""
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": sorted(adapted_layers(model))}
+
+
+def peft_lora_config(model: torch.nn.Module, recipe: dict, base_model_name_or_path: str | None = None):
+    """peft's LoraConfig of an adapter recorded by `adapter_recipe`, for `get_peft_model` on a plain HF model:
+    the same layers, scaling and fan_in_fan_out (GPT-2's Conv1D) as `apply_lora` injected."""
+    from peft import LoraConfig
+    from transformers.pytorch_utils import Conv1D
+
+    modules = decoder_linear_modules(model)
+    targets = list(recipe["target_modules"])
+    missing = [n for n in targets if n not in modules]
+    if missing:
+        raise ValueError(f"the checkpoint's LoRA target modules {missing[:3]} are not linear modules of "
+                         f"{type(model).__name__}: the base model is not the one the adapter was trained on")
+    conv1d = any(isinstance(modules[n], Conv1D) for n in targets)
+    return LoraConfig(r=int(recipe["rank"]), lora_alpha=float(recipe["alpha"]), lora_dropout=0.0,
+                      target_modules=targets, bias="none", fan_in_fan_out=conv1d,
+                      base_model_name_or_path=base_model_name_or_path)

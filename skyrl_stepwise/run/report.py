@@ -372,6 +372,9 @@ def _files(cfg, run_dir: Path) -> list[str]:
     if ckpts:
         lines.append(f"- `{rel(ckpt_dir)}/`: complete checkpoints {', '.join(c.name for c in ckpts)} "
                      "(`trainer.resume=auto` with this run dir continues from the last)")
+        adapter = " (`--adapter-only`: the LoRA adapter in peft format)" if cfg.trainer.lora.enabled else ""
+        lines.append(f"- export the last as a Hugging Face folder: `skyrl-stepwise model export {ckpt_dir.resolve()} "
+                     f"--out <dir>`{adapter}")
     wandb_dir = run_dir / "wandb"
     if wandb_dir.is_dir():
         runs = sorted(p for p in wandb_dir.glob("*run-*") if p.is_dir())
