@@ -121,6 +121,7 @@ def test_a_target_module_the_model_lacks_is_refused_naming_the_key_and_the_modul
         _worker(_cfg(model_dirs["llama"], tmp_path, target_modules=["q_proj", "query_key_value"]))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("lora", [True, False])
 def test_flex_attention_that_cannot_train_on_cpu_is_refused_at_start_naming_the_key(lora, model_dirs, tmp_path):
     """FlexAttention has no CPU backward: a trainable policy (LoRA or full) stops at start-up, not at its first step;
@@ -290,6 +291,7 @@ def _dcp_bytes(path) -> int:
     return sum(f.stat().st_size for f in (path / "dcp").rglob("*") if f.is_file())
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_lora_checkpoint_holds_the_adapter_alone_and_resumes_bitwise_on_the_base(model_dirs, tmp_path):
     """The checkpoint shrinks by about the frozen base (re-read from model_path at resume), the resumed run
     continues bitwise, and the base's identity is recorded."""
@@ -322,6 +324,7 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_and_resumes_bitwise_on_the_ba
     assert all(torch.equal(_full(a), _full(b)) for a, b in zip(fresh.model.parameters(), straight.model.parameters()))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_lora_checkpoint_refuses_a_base_whose_weights_differ_naming_the_path(model_dirs, tmp_path):
     straight = _worker(_cfg(model_dirs["qwen2"], tmp_path / "ckpt"))
     straight.train_step(_batch())

@@ -36,6 +36,7 @@ def _trained(model_dir: str, tmp_path, lora: bool = True):
     return worker, path, _flat(worker.compute_logprobs(_batch()))
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 def test_a_merged_lora_export_loads_in_transformers_and_scores_like_the_trained_policy(arch, model_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -52,6 +53,7 @@ def test_a_merged_lora_export_loads_in_transformers_and_scores_like_the_trained_
     torch.testing.assert_close(exported, trained, rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_an_adapter_only_export_loads_in_peft_and_scores_like_the_trained_policy(arch, model_dirs, tmp_path):
     import json
@@ -71,6 +73,7 @@ def test_an_adapter_only_export_loads_in_peft_and_scores_like_the_trained_policy
     torch.testing.assert_close(exported, trained, rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_full_fine_tune_exports_the_model(model_dirs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
