@@ -275,3 +275,21 @@ def test_vllm_serves_each_version_with_its_own_adapter(model_path, tmp_path):
     assert not _close(out[3].logprobs, _score(_reseed(policy, 2, SCALE), prompt, out[3].token_ids), 1e-2)
 
 
+
+
+def test_a_stale_adapter_is_caught_even_when_the_update_is_below_the_alarm_tolerance():
+    """One LoRA step moves logprobs by less than trainer.agreement_alarm_mean_diff (0.1): the agreement alone would
+    pass a stale engine, but on the tokens both seeded probes share the engine scores like the previous version."""
+    from skyrl_stepwise.policy.weight_sync import ProbeResult, check_adapter_applied
+
+    ids, old = [4, 9, 7, 3], [-1.0, -2.0, -0.5, -3.0]
+    new = [x + 0.01 for x in old]  # what the update did: 0.01 per token
+    previous = ProbeResult(0.0, 0.0, 4, ids, old, old)
+    stale = ProbeResult(0.01, 0.01, 4, ids, new, old)  # the engine still scores like the previous version
+    with pytest.raises(AdapterNotApplied, match=r"adapter v5 .*on 4 of the 4 probe tokens the update moved, the "
+                                                r"engine scores like version 4"):
+        check_adapter_applied(stale, previous, 5, tolerance=0.1, rescored=new, noise=1e-3)
+    applied = ProbeResult(1e-5, 1e-5, 4, ids, new, [x + 1e-5 for x in new])
+    assert check_adapter_applied(applied, previous, 5, tolerance=0.1, rescored=new, noise=1e-3) == 4
+    # bf16-like noise: a move below it cannot tell the versions apart, and nothing is claimed
+    assert check_adapter_applied(stale, previous, 5, tolerance=0.1, rescored=new, noise=0.1) == 0

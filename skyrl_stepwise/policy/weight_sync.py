@@ -209,7 +209,9 @@ class WeightSync:
             rescored = self.group.call("compute_logprobs", TrainBatch(
                 prompt_ids=[self._last_probe_prompt], response_ids=[previous.token_ids],
                 loss_masks=[[1] * len(previous.token_ids)], instance_ids=["probe"]))[0]
-        changed = check_adapter_applied(probe, previous, self.adapter_version, tolerance, rescored)
+        # what tells two versions apart: past the engine's float noise (fp32 ~1e-5; bf16 logprobs ~1e-2)
+        noise = 1e-3 if engine_dtype(self.engine) == "float32" else tolerance
+        changed = check_adapter_applied(probe, previous, self.adapter_version, tolerance, rescored, noise)
         self._last_probe = probe
         return {**self.adapter_stats, "sync/adapter_version": float(self.adapter_version),
                 "sync/probe_changed_tokens": float(changed)}
@@ -264,17 +266,18 @@ def check_adapter_engines(cfg: WeightSyncConfig, group, engine) -> None:
 
 
 def check_adapter_applied(probe: ProbeResult, previous: ProbeResult | None, version: int, tolerance: float,
-                          rescored: list[float] | None = None) -> int:
+                          rescored: list[float] | None = None, noise: float = 1e-3) -> int:
     """Raise AdapterNotApplied unless the engine scored the probe with adapter `version`: its logprobs agree with
     the trainer's (mean |diff| <= `tolerance`), and on the tokens both probes share (the probe is seeded: an engine
     still on the previous adapter samples the previous probe's tokens again) the engine is nearer the new version's
-    logprobs than the previous one's wherever the update moved them. `rescored`: the trainer's logprobs, now, of the
-    previous probe's tokens; returns how many of them the update moved past the tolerance (0: no version could be
-    told from the previous one on the probe, only the agreement was checked)."""
+    logprobs than the previous one's wherever the update moved them by more than `noise` (the engine's own float
+    noise against the trainer: an update smaller than the alarm's tolerance is still caught). `rescored`: the
+    trainer's logprobs, now, of the previous probe's tokens; returns how many of them the update moved past `noise`
+    (0: this version could not be told from the previous one on the probe, only the agreement was checked)."""
     if probe.num_tokens == 0:
         raise AdapterNotApplied(f"policy version {version}: the weight-sync probe compared no tokens (no logprobs "
                                 f"from the engine), so the adapter cannot be verified")
-    moved_past = max(tolerance, 1e-3)
+    moved_past = min(noise, tolerance)
     changed = nearer_old = shared = 0
     if previous is not None:
         changed = sum(abs(a - b) > moved_past for a, b in zip(rescored or [], previous.trainer_logprobs))
