@@ -217,6 +217,8 @@ class RLTrainer:
                 self.rollout_log.rewind(self.step)
             await self.weight_sync.sync()
             self.last_sync = SyncRecord(self.step, "resume")
+        if self.weight_sync.method == "adapter":  # the version the engines start from, probed: the next is told apart
+            await self._probe_adapter()
         if self.cfg.trainer.max_staleness > 0:
             ready = saved.rollouts_ahead if saved is not None else []  # sampled by weights older than ours
             self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness,
@@ -240,6 +242,14 @@ class RLTrainer:
                 await self.ahead.close()
                 self.ahead = None
         return metrics
+
+    async def _probe_adapter(self) -> dict[str, float]:
+        """trainer.lora.sync=adapter: probe the engines and check they score with the newest adapter version (see
+        WeightSync.verify_adapter); also the reference the next version's probe is compared with."""
+        t = self.cfg.trainer
+        probe = await probe_logprobs(self.policy, self.engine, self.probe_ids, temperature=t.temperature,
+                                     top_k=t.top_k, top_p=t.top_p, seed=probe_seed(self.cfg))
+        return self.weight_sync.verify_adapter(probe, t.agreement_alarm_mean_diff or 0.1, self.probe_ids)
 
     async def save_checkpoint(self) -> None:
         """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs').
@@ -381,9 +391,9 @@ class RLTrainer:
                 probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                              temperature=cfg.trainer.temperature, top_k=cfg.trainer.top_k,
                                              top_p=cfg.trainer.top_p, seed=probe_seed(cfg))
-                # adapter sync: the engines must now score with this version's adapter, not the last one's
-                metrics.update(self.weight_sync.verify_adapter(probe, cfg.trainer.agreement_alarm_mean_diff or 0.1,
-                                                               self.probe_ids))
+                if self.weight_sync.method == "adapter":  # the engines now score with this version, not the last
+                    metrics.update(self.weight_sync.verify_adapter(
+                        probe, cfg.trainer.agreement_alarm_mean_diff or 0.1, self.probe_ids))
                 probe_s = time.perf_counter() - probe_start
         timer["timing/weight_sync_s"] -= probe_s
         timer["timing/weight_sync_probe_s"] = probe_s
