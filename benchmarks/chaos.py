@@ -1,7 +1,9 @@
 """Chaos run: faults injected at random times through a whole training run, each with a witness line, compared
 with the same run without faults.
 
-    python benchmarks/chaos.py [--steps 8] [--seed 0] [--out /tmp/chaos]
+    python benchmarks/chaos.py [--steps 8] [--seed 0] [--out /tmp/chaos] [--lora-adapter]
+
+With --lora-adapter both runs train a LoRA adapter synced to the engine by version (trainer.lora.sync=adapter).
 
 CPU only, a few minutes: a random 1-layer Llama over SmolLM2's tokenizer, a transformers engine, a 1-rank policy
 worker, the real RLTrainer (checkpoint every step, seeded per-(trajectory, turn) sampling) and a retrieval server in
@@ -15,6 +17,8 @@ at random steps and moments; the injection lives here, the package only recovers
   sigkill_mid_update                           the training process is SIGKILLed right after an optimizer step
   sigkill_during_save                          ... while writing a checkpoint (before its COMPLETE marker)
   sigterm_mid_step                             ... SIGTERMed at a random moment
+  stale_adapter (--lora-adapter)               the engine keeps serving the previous LoRA adapter at one sync: the
+                                               probe must stop the run naming the version (then it resumes)
 
 A fault that kills the process is recovered by resuming from the latest complete checkpoint (the harness relaunches
 the same command, as a scheduler would). Each fault writes a witness line (witness.jsonl) when it fires; the summary
@@ -43,7 +47,7 @@ from pathlib import Path
 TOLERANCE = {"reward/mean": 0.35, "policy/loss": 0.5}
 ONE_SHOT = ("engine_killed", "sigkill_mid_update", "sigkill_during_save")
 KINDS = ("tool_exception", "tool_timeout", "tool_blocking", "env_exception", "retriever_killed", "engine_killed",
-         "sigkill_mid_update", "sigkill_during_save", "sigterm_mid_step")
+         "sigkill_mid_update", "sigkill_during_save", "sigterm_mid_step", "stale_adapter")
 
 
 # ------------------------------------------------------------------------------------------ witness lines
@@ -100,7 +104,8 @@ def worker(out: Path, model_dir: Path, plan: dict) -> None:
     from skyrl_stepwise.retrieval.client import RetrievalClient, RetrievalClientConfig
     from skyrl_stepwise.tools import Tool, ToolExecutor
     from skyrl_stepwise.checkpoint import store as checkpoint
-    from skyrl_stepwise.policy.config import FSDPConfig, TrainerConfig
+    from skyrl_stepwise.policy.config import FSDPConfig, LoRAConfig, TrainerConfig
+    from skyrl_stepwise.policy.weight_sync import AdapterNotApplied
     from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
     from skyrl_stepwise.loop.loop import RLTrainer, eval_config
     from skyrl_stepwise.loop.tracking import Tracker
@@ -186,6 +191,14 @@ def worker(out: Path, model_dir: Path, plan: dict) -> None:
                 raise RuntimeError("ActorDiedError: the engine died")
             return await self.inner.generate(prompt_ids, sampling, session_id)
 
+        async def load_adapter(self, path, version):
+            """The stale_adapter fault: this sync's adapter is never loaded; the engine serves the previous one."""
+            if once("stale_adapter"):
+                witness(out, "stale_adapter", step=state["step"], version=version)
+                fired.add(("stale_adapter", state["step"]))
+                return list(self.inner.adapters)
+            return await self.inner.load_adapter(path, version)
+
         async def health(self) -> bool:
             return self.alive
 
@@ -225,12 +238,15 @@ def worker(out: Path, model_dir: Path, plan: dict) -> None:
                                 seed=5)
     cfg.trainer.algorithm.use_kl_loss = False
     cfg.trainer.optim.lr = 1e-2
+    if plan.get("lora"):  # the adapter alone reaches the engine, one version per sync
+        cfg.trainer.lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, sync="adapter")
     cfg.validate()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     registry = EnvRegistry()
     registry.register("chaos", ChaosEnv)
     engine = KillableEngine(EngineConfig(backend="transformers", model_path=str(model_dir), dtype="float32",
-                                         max_model_len=512, seed=0))
+                                         max_model_len=512, seed=0, max_lora_rank=cfg.engine.max_lora_rank,
+                                         max_loras=cfg.engine.max_loras))
     rows = [PromptRow(prompt=[{"role": "user", "content": f"Say something ({i})."}], env_class="chaos",
                       reward_spec={}, data_source="toy", instance_id=f"r{i}") for i in range(4)]
     trainer = RLTrainer(cfg, StepwiseGenerator(tokenizer, engine, registry, cfg.generator),
@@ -245,7 +261,11 @@ def worker(out: Path, model_dir: Path, plan: dict) -> None:
         return await step()
 
     trainer.train_step = counted_step
-    asyncio.run(trainer.fit())
+    try:
+        asyncio.run(trainer.fit())
+    except AdapterNotApplied as e:  # the probe caught the stale adapter: the evidence, then the process exits
+        witness(out, "stale_adapter", event="stopped", step=state["step"], message=str(e))
+        raise
     trainer.tracker.finish()
 
 
@@ -364,6 +384,11 @@ def summarise(base: dict, chaos: dict, out: Path, plan: dict, rerun: dict | None
         "retriever_killed": sum(1 for e in events if e["kind"] == "retriever_killed" and e["event"] == "restarted"),
         "engine_killed": int(sum_metric("recovery/engine_restarts")),
     }
+    # the probe stopped the run naming the version the engine did not load, and the next launch resumed
+    recovered["stale_adapter"] = sum(
+        1 for e in events if e["kind"] == "stale_adapter" and e["event"] == "fired"
+        and any(s["event"] == "stopped" and f"adapter v{e['version']}" in s["message"] and s["launch"] == e["launch"]
+                for s in events if s["kind"] == "stale_adapter") and e["launch"] + 1 in chaos["resumed_launches"])
     for kind in ("sigkill_mid_update", "sigkill_during_save", "sigterm_mid_step"):  # the next launch resumed
         recovered[kind] = sum(1 for e in events if e["kind"] == kind and e["event"] == "fired"
                               and e["launch"] + 1 in chaos["resumed_launches"])
@@ -376,7 +401,8 @@ def summarise(base: dict, chaos: dict, out: Path, plan: dict, rerun: dict | None
            "engine_killed": "restarted, synced, probed, step retried",
            "sigkill_mid_update": "resumed from the latest checkpoint",
            "sigkill_during_save": "resumed from the previous complete checkpoint",
-           "sigterm_mid_step": "resumed from the latest checkpoint"}
+           "sigterm_mid_step": "resumed from the latest checkpoint",
+           "stale_adapter": "the probe stopped the run naming the version; resumed from the latest checkpoint"}
     for k in KINDS:
         lines.append(f"| {k} | {fired[k]} | {recovered[k] if fired[k] else '-'} | {how[k]} |")
     steps = plan["steps"]
@@ -415,6 +441,9 @@ def main() -> None:
     parser.add_argument("--noise-run", action="store_true",
                         help="run the fault-free run twice: how far two runs without faults differ (the transformers "
                              "engine batches requests as they arrive, and padding changes float sums)")
+    parser.add_argument("--lora-adapter", action="store_true",
+                        help="train a LoRA adapter synced by version (trainer.lora.sync=adapter) and add the "
+                             "stale_adapter fault: the engine keeps the previous adapter at one sync")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--retriever", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -434,6 +463,8 @@ def main() -> None:
                   "rates": {"tool_exception": 0.08, "tool_timeout": 0.05, "tool_blocking": 0.05, "env_exception": 0.05},
                   "once": dict(zip(ONE_SHOT, one_shot_steps)), "kill_request": rng.randrange(1, 8),
                   "sigterms": 1, "retriever_kills": 1}
+    if args.lora_adapter:
+        chaos_plan.update(lora=True, once={**chaos_plan["once"], "stale_adapter": rng.randrange(2, args.steps + 1)})
     if args.process_faults_only:
         chaos_plan.update(rates={}, retriever_kills=0)
     base_plan = dict(chaos_plan, rates={}, once={}, sigterms=0, retriever_kills=0,

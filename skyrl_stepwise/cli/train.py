@@ -52,7 +52,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.policy.worker_group import PolicyGroup, ReferenceOnPolicyRanks
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
-    engine = policy = reference = tracker = placement_group = agents = None
+    engine = policy = reference = tracker = placement_group = agents = weight_sync = None
     try:
         start = time.perf_counter()
         ensure_ray()
@@ -102,7 +102,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         engine_nodes = [getattr(e, "node_id", None) for e in engines_of(engine)]
         if None not in engine_nodes:  # Ray actors (vLLM): say where each role landed
             logger.info(describe_nodes({"policy rank": policy.node_ids, "engine": engine_nodes}))
-        weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated")
+        weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated",
+                                 lora_sync=cfg.trainer.lora.sync)
         logger.info(f"weight sync: {weight_sync.method}")
         packing = policy.call("packing_summary")
         for note in packing["notes"]:  # what the trainer changed to compute what the engines do
@@ -144,6 +145,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             _report(cfg, tracker, None)
         if agents is not None:
             await agents.stop()
+        if weight_sync is not None:
+            weight_sync.close()  # adapter folders (trainer.lora.sync=adapter) in shared memory
         if policy is not None:
             policy.shutdown()
         if engine is not None:

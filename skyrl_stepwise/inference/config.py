@@ -43,6 +43,10 @@ class EngineConfig:
     # colocated trainer gets the GPU's memory; weights wake for the sync, the KV cache after it. Ignored on CPU.
     # Unverified on GPUs so far (no session with vLLM on a GPU): off by default.
     sleep_during_update: bool = False
+    # LoRA served by version (trainer.lora.sync=adapter sets both): the largest adapter rank the engine accepts
+    # (None: no LoRA in the engine) and how many adapters it keeps loaded at once (the staleness window + probe)
+    max_lora_rank: int | None = None
+    max_loras: int = 1
     # transformers knobs
     max_batch_size: int = 32  # requests decoded together by one HFEngine forward
     batch_wait_s: float = 0.005  # how long the first request of a batch waits for company
@@ -62,6 +66,10 @@ class EngineConfig:
         if self.cpu_kvcache_gib is not None and self.cpu_kvcache_gib <= 0:
             raise ValueError(f"EngineConfig.cpu_kvcache_gib must be > 0 (or null: sized to the run), "
                              f"got {self.cpu_kvcache_gib}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"EngineConfig.max_lora_rank must be >= 1 (or null: no LoRA), got {self.max_lora_rank}")
+        if self.max_loras < 1:
+            raise ValueError(f"EngineConfig.max_loras must be >= 1, got {self.max_loras}")
         if self.max_batch_size < 1:
             raise ValueError(f"EngineConfig.max_batch_size must be >= 1, got {self.max_batch_size}")
 
@@ -86,3 +94,25 @@ def kv_bytes_per_token(hf_config, dtype: str) -> int:
 def kv_cache_gib(tokens: int, hf_config, dtype: str) -> float:
     """GiB for `tokens` tokens of KV, rounded up to 1/16 GiB (vLLM then carves whole blocks out of it)."""
     return math.ceil(tokens * kv_bytes_per_token(hf_config, dtype) / (1 << 30) * 16) / 16
+
+
+# The ranks vLLM's LoRA accepts (vllm.config.lora.MaxLoRARanks): its engine rounds a limit up to one of these.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_engine_limits(cfg: EngineConfig, lora_rank: int, max_staleness: int) -> tuple[int, int]:
+    """(max_lora_rank, max_loras) an engine needs to serve a policy's adapters by version
+    (trainer.lora.sync=adapter): a rank limit of at least `lora_rank` (engine.max_lora_rank, default the adapter's
+    own; vLLM's rounded up to a rank it accepts), and room for every version bounded staleness can still sample
+    with (max_staleness + 1) plus the one the probe checks. A rank above the limit is refused, naming the keys."""
+    limit = cfg.max_lora_rank if cfg.max_lora_rank is not None else lora_rank
+    if cfg.backend == "vllm":
+        accepted = [r for r in VLLM_LORA_RANKS if r >= limit]
+        if not accepted:
+            raise ValueError(f"trainer.lora.rank={lora_rank} (engine.max_lora_rank={limit}): vLLM serves LoRA "
+                             f"ranks up to {VLLM_LORA_RANKS[-1]} only; use trainer.lora.sync=merged")
+        limit = accepted[0]
+    if lora_rank > limit:
+        raise ValueError(f"trainer.lora.rank={lora_rank} is above the engine's LoRA rank limit "
+                         f"engine.max_lora_rank={limit}: raise engine.max_lora_rank (or lower trainer.lora.rank)")
+    return limit, max(cfg.max_loras, max_staleness + 2)

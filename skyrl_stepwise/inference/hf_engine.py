@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -29,6 +30,15 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+    adapter_version: int | None = None  # the policy version (LoRA adapter) it samples with; None: the base
+
+
+def by_adapter(batch: list[_Request]) -> list[list[_Request]]:
+    """The batch's requests grouped by the adapter version they sample with, in order of first arrival."""
+    groups: dict[int | None, list[_Request]] = {}
+    for request in batch:
+        groups.setdefault(request.adapter_version, []).append(request)
+    return list(groups.values())
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -75,6 +85,8 @@ class HFEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._rng = torch.Generator().manual_seed(cfg.seed)
+        self.adapters: list[int] = []  # policy versions loaded as peft adapters f"v{version}", oldest first
+        self.active_adapter: int | None = None  # what a new request samples with (None: the base model)
         self._loop: asyncio.AbstractEventLoop | None = None  # queue/lock/worker belong to one event loop
 
     def _ensure_worker(self) -> None:
@@ -92,7 +104,7 @@ class HFEngine:
         validate_prompt(prompt_ids, self.vocab_size, self.cfg.max_model_len)
         self._ensure_worker()
         future = self._loop.create_future()
-        await self._queue.put(_Request(prompt_ids, sampling, future))
+        await self._queue.put(_Request(prompt_ids, sampling, future, self.active_adapter))
         return await future
 
     async def _serve(self) -> None:
@@ -102,11 +114,15 @@ class HFEngine:
             await asyncio.sleep(self.cfg.batch_wait_s)
             while len(batch) < self.cfg.max_batch_size and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            async with self._lock:
-                try:
-                    results = await asyncio.to_thread(self._run_batch, batch)
-                except Exception as e:  # the whole batch failed: every caller gets the error
-                    results = [e] * len(batch)
+            results, groups = [], by_adapter(batch)
+            for group in groups:  # one forward serves one adapter: versions are decoded apart
+                async with self._lock:
+                    try:
+                        self._use_adapter(group[0].adapter_version)
+                        results += await asyncio.to_thread(self._run_batch, group)
+                    except Exception as e:  # the whole group failed: every caller gets the error
+                        results += [e] * len(group)
+            batch = [request for group in groups for request in group]
             for request, result in zip(batch, results):
                 if request.future.done():  # caller cancelled
                     continue
@@ -197,6 +213,43 @@ class HFEngine:
             with torch.no_grad():
                 for name, tensor in tensors:
                     state[name].copy_(tensor)
+
+    async def load_adapter(self, path: str, version: int) -> list[int]:
+        """trainer.lora.sync=adapter: load the peft adapter folder `path` as policy version `version` (peft's
+        load_adapter, adapter name f"v{version}"), make it the one new requests sample with, and delete versions
+        older than the newest engine.max_loras; returns the versions loaded. Between batches, never inside one."""
+        import json
+
+        if self.cfg.max_lora_rank is None:
+            raise RuntimeError("load_adapter: this engine was started without LoRA (engine.max_lora_rank=null); "
+                               "trainer.lora.sync=adapter sets it")
+        rank = json.loads((Path(path) / "adapter_config.json").read_text())["r"]
+        if rank > self.cfg.max_lora_rank:
+            raise ValueError(f"trainer.lora.rank={rank} is above the engine's LoRA rank limit "
+                             f"engine.max_lora_rank={self.cfg.max_lora_rank}")
+        self._ensure_worker()
+        async with self._lock:
+            self.model.load_adapter(str(path), adapter_name=f"v{version}")
+            self.adapters.append(int(version))
+            self.active_adapter = int(version)
+            while len(self.adapters) > self.cfg.max_loras:
+                self.model.delete_adapter(f"v{self.adapters.pop(0)}")
+        return list(self.adapters)
+
+    def _use_adapter(self, version: int | None) -> None:
+        """Switch the model to `version`'s adapter (None: the base, every adapter off) for the next batch."""
+        if not self.adapters:
+            if version is not None:
+                raise RuntimeError(f"adapter v{version} requested but no adapter is loaded")
+            return
+        if version is None:
+            self.model.disable_adapters()
+            return
+        if version not in self.adapters:
+            raise RuntimeError(f"a request of policy version {version} arrived after its adapter was removed "
+                               f"(loaded: {self.adapters}); raise engine.max_loras")
+        self.model.enable_adapters()
+        self.model.set_adapter(f"v{version}")
 
     @property
     def node_id(self) -> str:

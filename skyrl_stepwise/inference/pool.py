@@ -62,6 +62,11 @@ class EnginePool:
         """Every engine reads the same file."""
         await asyncio.gather(*(engine.update_weights_from_file(path) for engine in self.engines))
 
+    async def load_adapter(self, path: str, version: int) -> list[int]:
+        """Every engine serves the same adapter as policy version `version` (trainer.lora.sync=adapter)."""
+        loaded = await asyncio.gather(*(engine.load_adapter(path, version) for engine in self.engines))
+        return loaded[0]
+
     async def release_memory(self) -> int:
         """Engines that can free idle memory between rollouts do (vLLM on CPU); returns the bytes released."""
         released = await asyncio.gather(*(e.release_memory() for e in self.engines if hasattr(e, "release_memory")))

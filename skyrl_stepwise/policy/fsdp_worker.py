@@ -31,8 +31,9 @@ from skyrl_stepwise.policy.batching import (PackedMicroBatch, TrainBatch, forwar
                                              packing_stats, rank_micro_batches)
 from skyrl_stepwise.policy.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
 from skyrl_stepwise.policy.dropout import disable_dropout, dropout_note
-from skyrl_stepwise.policy.lora import (adapted_layers, adapter_disabled, adapter_recipe, apply_lora,
-                                        base_weights_checksum, is_adapter_key, merged_items, merged_shapes)
+from skyrl_stepwise.policy.lora import (adapted_layers, adapter_disabled, adapter_recipe, adapter_state, apply_lora,
+                                        base_weights_checksum, is_adapter_key, merged_items, merged_shapes,
+                                        save_adapter)
 from skyrl_stepwise.algorithms.losses import no_gradient, policy_loss
 from skyrl_stepwise.policy.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.models.rope import pin_longrope
@@ -485,6 +486,24 @@ class PolicyWorker:
         if not self.lora_layers or not state:
             return state
         return dict(merged_items(state, self.lora_layers))
+
+    def export_adapter(self, folder: str) -> dict:
+        """trainer.lora.sync=adapter: the adapter alone (peft's format, policy/lora.py save_adapter) into `folder`
+        on rank 0's node; collective (every rank takes part in gathering the adapter's shards, nothing else: the
+        base weights are never gathered). Returns rank 0's {"path", "bytes", "node", "seconds", "params"}."""
+        from skyrl_stepwise.inference.weights import current_node_id
+
+        if not self.lora_layers:
+            raise RuntimeError("export_adapter: trainer.lora.sync=adapter needs trainer.lora.enabled=true")
+        start = time.perf_counter()
+        with torch.no_grad():
+            adapter = {n: _full(p).cpu() for n, p in self.model.named_parameters() if ".lora_" in n}
+        out = {"path": folder, "bytes": 0, "node": current_node_id(), "seconds": 0.0,
+               "params": sum(t.numel() for t in adapter.values())}
+        if self.rank == 0:
+            out["bytes"] = save_adapter(self.model, folder, adapter_state(self.model, adapter))
+        out["seconds"] = time.perf_counter() - start
+        return out
 
     def weights_checksum(self) -> str:
         """Digest of the full fp32 weights (see `weights_checksum`), the same on every rank; collective. With LoRA,

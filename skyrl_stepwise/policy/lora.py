@@ -198,3 +198,43 @@ def peft_lora_config(model: torch.nn.Module, recipe: dict, base_model_name_or_pa
     return LoraConfig(r=int(recipe["rank"]), lora_alpha=float(recipe["alpha"]), lora_dropout=0.0,
                       target_modules=targets, bias="none", fan_in_fan_out=conv1d,
                       base_model_name_or_path=base_model_name_or_path)
+
+
+# --- The adapter alone, in peft's format (trainer.lora.sync=adapter): what the engines load by version -------------
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file names peft's save_pretrained writes (and vLLM reads)
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."  # PeftModel's prefix: what peft's and vLLM's adapter loaders expect
+
+
+def adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors only (lora_A / lora_B of every adapted layer), named as peft saves them: peft's own
+    `get_peft_model_state_dict` on `state` (the model's full state dict, e.g. gathered from FSDP shards; default:
+    the model's own). Never a base weight: that is what keeps an adapter sync at megabytes."""
+    from peft import get_peft_model_state_dict
+
+    tensors = get_peft_model_state_dict(model, state_dict=state if state is not None else model.state_dict(),
+                                        adapter_name=ADAPTER)
+    stray = [n for n in tensors if ".lora_" not in n]
+    if stray:
+        raise RuntimeError(f"the adapter state holds non-adapter tensors {stray[:3]}: an adapter sync must never send "
+                           f"base weights")
+    return {f"{PEFT_PREFIX}{name}": tensor for name, tensor in tensors.items()}
+
+
+def save_adapter(model: torch.nn.Module, folder, tensors: dict[str, torch.Tensor]) -> int:
+    """Write `tensors` (adapter_state) and the model's LoraConfig as a peft adapter folder (adapter_config.json +
+    adapter_model.safetensors: loadable by vLLM's LoRARequest and peft's load_adapter); returns the weights file's
+    size in bytes. The weights file is written under a temporary name and renamed, so a reader never sees half."""
+    import os
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.peft_config[ADAPTER].save_pretrained(str(folder))
+    tmp = folder / f"{ADAPTER_WEIGHTS}.{os.getpid()}.tmp"
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / ADAPTER_WEIGHTS)
+    return (folder / ADAPTER_WEIGHTS).stat().st_size

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
 
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
-from skyrl_stepwise.inference.weights import current_node_id, weights_file
+from skyrl_stepwise.inference.weights import current_node_id, shared_memory_dir, weights_file
 from skyrl_stepwise.policy.batching import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -22,6 +25,10 @@ class ProbeResult:
     max_abs_diff: float
     mean_abs_diff: float
     num_tokens: int
+    # what was compared (the adapter check compares a version's probe with the previous version's)
+    token_ids: list[int] = field(default_factory=list)
+    trainer_logprobs: list[float] = field(default_factory=list)
+    engine_logprobs: list[float] = field(default_factory=list)
 
 
 METHODS = ("auto", "file", "broadcast", "driver")
@@ -117,12 +124,23 @@ class WeightSync:
     """
 
     def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine,
-                 engines_share_policy_gpus: bool = False) -> None:
+                 engines_share_policy_gpus: bool = False, lora_sync: str = "merged") -> None:
+        """`lora_sync` (trainer.lora.sync): "adapter" sends the LoRA adapter alone, one version per sync."""
         cfg.validate()
         self.cfg, self.group, self.engine = cfg, group, engine
-        self.method = resolve_method(cfg.method, group, engine, engines_share_policy_gpus)
+        if lora_sync == "adapter":
+            check_adapter_engines(cfg, group, engine)
+            self.method = "adapter"
+        else:
+            self.method = resolve_method(cfg.method, group, engine, engines_share_policy_gpus)
         self._manifest: list | None = None
         self._warned_fallback = False
+        self.adapter_version = 0  # the policy version the engines serve (0: the base, no adapter loaded)
+        self.adapter_stats: dict[str, float] = {}  # the last adapter sync's size and seconds, for the metrics
+        self._adapter_dirs: list = []  # the folders of the versions engines may still read, oldest first
+        self._last_probe: ProbeResult | None = None
+        self._last_probe_prompt: list[int] = []
+        self._tag = uuid.uuid4().hex[:8]
 
     def engines_restarted(self) -> None:
         """An engine was restarted: a broadcast group that held its old actor is closed and formed again on the
@@ -133,6 +151,8 @@ class WeightSync:
 
     async def sync(self) -> int:
         """Load the trainer's current weights into every engine; returns the number of parameters sent."""
+        if self.method == "adapter":
+            return await self._sync_adapter()
         if self.method == "file":
             engines = engines_of(self.engine)
             nodes = list(dict.fromkeys(e.node_id for e in engines))
@@ -153,6 +173,55 @@ class WeightSync:
         await self.engine.update_weights(list(state.items()))
         return sum(t.numel() for t in state.values())
 
+    async def _sync_adapter(self) -> int:
+        """trainer.lora.sync=adapter: rank 0 writes the adapter alone (peft's folder, shared memory) and every engine
+        loads it as the next policy version; the folders of versions older than the engines keep are removed."""
+        engines = engines_of(self.engine)
+        version = self.adapter_version + 1
+        folder = shared_memory_dir() / f"skyrl_stepwise_adapter_{self._tag}_v{version}"
+        try:
+            exported = self.group.call("export_adapter", str(folder))
+            start = time.perf_counter()
+            await asyncio.gather(*(e.load_adapter(str(folder), version) for e in engines))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self.adapter_version = version
+        self.adapter_stats = {"sync/adapter_bytes": float(exported["bytes"]),
+                              "sync/adapter_export_s": exported["seconds"],
+                              "sync/adapter_load_s": time.perf_counter() - start}
+        self._adapter_dirs.append(folder)
+        keep = max(getattr(getattr(e, "cfg", None), "max_loras", 1) for e in engines)
+        while len(self._adapter_dirs) > keep:
+            shutil.rmtree(self._adapter_dirs.pop(0), ignore_errors=True)
+        return exported["params"]
+
+    def verify_adapter(self, probe: ProbeResult, tolerance: float, probe_ids: list[int]) -> dict[str, float]:
+        """After an adapter sync: the probe must show the engines score with adapter v (this version) and not
+        with v-1's (check_adapter_applied); returns the check's metrics. A no-op for the other methods."""
+        if self.method != "adapter":
+            return {}
+        if self._last_probe is not None and probe_ids != self._last_probe_prompt:
+            self._last_probe = None  # another prompt: nothing to compare with
+        self._last_probe_prompt = list(probe_ids)
+        previous, rescored = self._last_probe, None
+        if previous is not None and previous.token_ids:  # what the update did to the previous probe's tokens
+            rescored = self.group.call("compute_logprobs", TrainBatch(
+                prompt_ids=[self._last_probe_prompt], response_ids=[previous.token_ids],
+                loss_masks=[[1] * len(previous.token_ids)], instance_ids=["probe"]))[0]
+        # what tells two versions apart: past the engine's float noise (fp32 ~1e-5; bf16 logprobs ~1e-2)
+        noise = 1e-3 if engine_dtype(self.engine) == "float32" else tolerance
+        changed = check_adapter_applied(probe, previous, self.adapter_version, tolerance, rescored, noise)
+        self._last_probe = probe
+        return {**self.adapter_stats, "sync/adapter_version": float(self.adapter_version),
+                "sync/probe_changed_tokens": float(changed)}
+
+    def close(self) -> None:
+        """Remove the adapter folders still on disk (the end of a run)."""
+        for folder in self._adapter_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._adapter_dirs = []
+
     async def _broadcast(self) -> int:
         engines = engines_of(self.engine)
         if self._manifest is None:  # the first sync: plan the buckets and form the group
@@ -170,6 +239,65 @@ class WeightSync:
         return sent["params"]
 
 
+class AdapterNotApplied(RuntimeError):
+    """After an adapter sync the engine does not score with the new version's adapter (an old one, or none)."""
+
+
+def check_adapter_engines(cfg: WeightSyncConfig, group, engine) -> None:
+    """trainer.lora.sync=adapter needs engines that serve LoRA adapters by version (load_adapter) on rank 0's node
+    (it writes the adapter folder there); refuse at start-up otherwise, naming the key and the reason."""
+    engines = engines_of(engine)
+    cannot = sorted({type(e).__name__ for e in engines if not hasattr(e, "load_adapter")})
+    if cannot:
+        raise ValueError(f"trainer.lora.sync=adapter: {', '.join(cannot)} cannot serve LoRA adapters by version "
+                         f"(no load_adapter); use trainer.lora.sync=merged or engine.backend=vllm|transformers")
+    unlimited = [type(e).__name__ for e in engines if getattr(getattr(e, "cfg", None), "max_lora_rank", 0) is None]
+    if unlimited:
+        raise ValueError(f"trainer.lora.sync=adapter: the engines ({unlimited[0]}) were started without LoRA "
+                         f"(engine.max_lora_rank=null); the run config sets it when trainer.lora.sync=adapter")
+    if cfg.method not in ("auto", "file"):
+        raise ValueError(f"trainer.lora.sync=adapter moves the adapter as a small file; weight_sync.method="
+                         f"{cfg.method} is for full weights: use weight_sync.method=auto")
+    first = policy_nodes(group)[0]
+    away = [e for e in engines if getattr(e, "node_id", first) != first]
+    if away:
+        raise ValueError(f"trainer.lora.sync=adapter: {len(away)} engine(s) run on another node than policy rank 0, "
+                         f"which writes the adapter folder; use trainer.lora.sync=merged across nodes (not built)")
+
+
+def check_adapter_applied(probe: ProbeResult, previous: ProbeResult | None, version: int, tolerance: float,
+                          rescored: list[float] | None = None, noise: float = 1e-3) -> int:
+    """Raise AdapterNotApplied unless the engine scored the probe with adapter `version`: its logprobs agree with
+    the trainer's (mean |diff| <= `tolerance`), and on the tokens both probes share (the probe is seeded: an engine
+    still on the previous adapter samples the previous probe's tokens again) the engine is nearer the new version's
+    logprobs than the previous one's wherever the update moved them by more than `noise` (the engine's own float
+    noise against the trainer: an update smaller than the alarm's tolerance is still caught). `rescored`: the
+    trainer's logprobs, now, of the previous probe's tokens; returns how many of them the update moved past `noise`
+    (0: this version could not be told from the previous one on the probe, only the agreement was checked)."""
+    if probe.num_tokens == 0:
+        raise AdapterNotApplied(f"policy version {version}: the weight-sync probe compared no tokens (no logprobs "
+                                f"from the engine), so the adapter cannot be verified")
+    moved_past = min(noise, tolerance)
+    changed = nearer_old = shared = 0
+    if previous is not None:
+        changed = sum(abs(a - b) > moved_past for a, b in zip(rescored or [], previous.trainer_logprobs))
+        for i, (a, b) in enumerate(zip(probe.token_ids, previous.token_ids)):
+            if a != b:
+                break
+            new, old, engine = probe.trainer_logprobs[i], previous.trainer_logprobs[i], probe.engine_logprobs[i]
+            if abs(new - old) > moved_past:
+                shared += 1
+                nearer_old += abs(engine - old) < abs(engine - new)
+    if probe.mean_abs_diff > tolerance or (shared and nearer_old * 2 >= shared):
+        stale = f"; on {nearer_old} of the {shared} probe tokens the update moved, the engine scores like version " \
+                f"{version - 1}" if nearer_old else ""
+        raise AdapterNotApplied(
+            f"weight sync to policy version {version}: the engine does not score with adapter v{version} (probe "
+            f"mean |trainer - engine| logprob {probe.mean_abs_diff:.4g}, max {probe.max_abs_diff:.4g}, tolerance "
+            f"{tolerance:g}{stale}). It still serves an old adapter or none; stopping instead of sampling from it")
+    return changed
+
+
 async def sync_weights(group, engine: InferenceEngine, cfg: WeightSyncConfig | None = None) -> int:
     """One sync with a fresh WeightSync (tests, one-off tools); a training loop keeps one WeightSync instead, so a
     broadcast group is formed once."""
@@ -177,6 +305,7 @@ async def sync_weights(group, engine: InferenceEngine, cfg: WeightSyncConfig | N
 
 
 PROBE_SESSION = "weight-sync-probe"
+ADAPTER_PROBE_SEED = 20_251_127  # the probe's seed with trainer.lora.sync=adapter when the run sets none
 PROBE_QUESTION = "What is the capital of France?"
 PROBE_CONTEXT = ("The river flows past old stone bridges, markets open at dawn, and travellers ask for directions "
                  "to museums, parks and stations. ")
@@ -231,4 +360,5 @@ async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], m
     diffs = [abs(a - b) for a, b in zip(trainer_lp, result.logprobs or [])]
     if not diffs:  # nothing compared (no tokens, or an engine that returned no logprobs) proves nothing: NaN, not 0
         return ProbeResult(float("nan"), float("nan"), 0)
-    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs))
+    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), ids[:len(diffs)], list(trainer_lp[:len(diffs)]),
+                       list(result.logprobs[:len(diffs)]))

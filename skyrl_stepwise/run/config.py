@@ -161,6 +161,8 @@ class RunConfig:
                              "generator.sampling.logprobs=true or trainer.algorithm.tis_ratio_clip_high=null")
         if self.trainer.max_staleness > 0:
             self._validate_rollouts_ahead()
+        if self.trainer.lora.sync == "adapter":
+            self._validate_adapter_sync()
         if self.trainer.algorithm.dynamic_sampling and self.generator.n_samples_per_prompt < 2:
             raise ValueError("trainer.algorithm.dynamic_sampling=true keeps only prompt groups whose samples scored "
                              f"differently, but generator.n_samples_per_prompt={self.generator.n_samples_per_prompt} "
@@ -185,6 +187,21 @@ class RunConfig:
                                  "return logprobs of the truncated distribution they drew from, and trainer "
                                  "logprobs must score the same one (else every TIS weight is the kept mass, < 1)")
 
+
+    def _validate_adapter_sync(self) -> None:
+        """trainer.lora.sync=adapter: the engines must serve LoRA by version; give them the rank limit and the
+        number of adapters bounded staleness keeps live (inference/config.py lora_engine_limits), or refuse."""
+        from skyrl_stepwise.inference.config import lora_engine_limits
+
+        if not self.trainer.lora.enabled:
+            raise ValueError("trainer.lora.sync=adapter sends the LoRA adapter to the engines, but "
+                             "trainer.lora.enabled=false trains no adapter: set trainer.lora.enabled=true")
+        if self.sft.enabled:  # the engines would keep the pre-SFT base under an adapter trained on the SFT model
+            raise ValueError("trainer.lora.sync=adapter with sft.enabled=true: the engines start from the base model "
+                             "and an adapter sync never sends base weights, so they would miss the SFT warm start; "
+                             "use trainer.lora.sync=merged with SFT (not built yet: #46)")
+        self.engine.max_lora_rank, self.engine.max_loras = lora_engine_limits(
+            self.engine, self.trainer.lora.rank, self.trainer.max_staleness)
 
     def _validate_rollouts_ahead(self) -> None:
         """Stale rollouts are only sound with their importance weights, and only useful when the engines keep
