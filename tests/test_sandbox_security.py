@@ -264,6 +264,28 @@ def test_close_kills_a_run_still_going(metrics, bystander, tmp_path):
     assert processes_with(marker) == [] and not sb.workdir.exists()
 
 
+def test_a_close_racing_a_run_that_is_starting_kills_it_or_never_starts_it(metrics, tmp_path):
+    """close() from another thread while a run is between its checks and its start (held there by the start lock):
+    the run is told KILLED and no process of it is left, never a bwrap error nor an orphan (a run started just
+    before close() used to be missed: not yet registered, so not killed, its sandbox dir removed under it)."""
+    marker = f"racing-{secrets.token_hex(6)}"
+    sb = BwrapSandbox(limits=Limits(wall_s=60.0), metrics=metrics)
+    results = []
+    sb._start_lock.acquire()  # the run passes its own checks, then waits where it would start the process
+    worker = threading.Thread(target=lambda: results.append(sb.run(f"sh -c 'sleep 300' {marker}")))
+    worker.start()
+    time.sleep(0.3)
+    closer = threading.Thread(target=sb.close)
+    closer.start()
+    time.sleep(0.3)
+    sb._start_lock.release()
+    worker.join(30)
+    closer.join(30)
+    assert not worker.is_alive() and not closer.is_alive()
+    assert results and results[0].stop_reason is StopReason.KILLED, results
+    assert processes_with(marker) == [] and not sb.workdir.exists()
+
+
 def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
     """SIGKILL the process that started a run (no close(), no finalizer): the parent-death signal takes bwrap, and
     bwrap's --die-with-parent takes the sandbox's PID namespace."""

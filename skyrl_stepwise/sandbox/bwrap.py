@@ -23,9 +23,9 @@ import threading
 import weakref
 from pathlib import Path
 
-from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable
+from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
 from skyrl_stepwise.sandbox.files import copy_in, export_files, read_confined, write_confined
-from skyrl_stepwise.sandbox.runner import Credentials, Run, make_preexec, run_process
+from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
 WORKDIR_IN_SANDBOX = "/work"
 START_MARKER = b"\x00skyrl-sandbox-started\n"  # first stdout bytes of every run whose sandbox came up
@@ -185,10 +185,13 @@ def _check_traversable(base: Path) -> None:
                 "use a root directory under one with o+x (the default, the system temp dir, has it)")
 
 
-def _cleanup(workdir: Path, runs: set[Run]) -> None:
+def _cleanup(workdir: Path, runs: set[Run], start_lock: threading.Lock) -> None:
     """Kill every live run, wait until its namespace is gone, and remove the working dir (close() and the
-    garbage-collection finalizer)."""
-    for run in list(runs):
+    garbage-collection finalizer). Under the start lock: a run is either registered (and killed here) or sees the
+    sandbox closed and never starts."""
+    with start_lock:
+        live = list(runs)
+    for run in live:
         run.kill()
     for run in list(runs):
         run.wait_for_namespace()
@@ -215,7 +218,8 @@ class BwrapSandbox:
         self._runs: set[Run] = set()
         self._lock = threading.Lock()  # held by a run and by host-side file access (never by close())
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._runs)
+        self._start_lock = threading.Lock()  # a run's start + registration vs close()'s kill (runner.run_process)
+        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._runs, self._start_lock)
         try:
             if files_from is not None:
                 copy_in(Path(files_from), self.workdir)
@@ -240,8 +244,17 @@ class BwrapSandbox:
         with self._lock:  # one run at a time (two tool calls of one turn queue): no file access races a run
             if self._closed:
                 raise RuntimeError("this sandbox is closed")
-            result = run_process(bwrap_argv(self.workdir, command, limits, self.network), data, limits,
-                                 make_preexec(limits, self._creds), self.workdir, self._runs, START_MARKER)
+            try:
+                result = run_process(bwrap_argv(self.workdir, command, limits, self.network), data, limits,
+                                     make_preexec(limits, self._creds), self.workdir, self._runs, START_MARKER,
+                                     self._start_lock, lambda: self._closed)
+            except (SandboxClosed, SandboxUnavailable):
+                if not self._closed:
+                    raise
+                # close() (another thread: the trajectory ended or failed) took the run before or during its
+                # start: the run was killed, which is what its caller is told, never a bwrap error of ours
+                result = RunResult(stdout="", stderr="", exit_code=None, signal=None, stop_reason=StopReason.KILLED,
+                                   wall_s=0.0, cpu_s=0.0, truncated=False)
         self.metrics.count_run(result.stop_reason)
         return result
 

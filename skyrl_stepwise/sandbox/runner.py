@@ -8,6 +8,7 @@ whose sandbox init then dies (`--die-with-parent`) and takes every process of th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -15,6 +16,7 @@ import resource
 import selectors
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,6 +139,10 @@ class _Capture:
         return b"".join(self.chunks).decode("utf-8", errors="replace")
 
 
+class SandboxClosed(RuntimeError):
+    """close() ran (in another thread) before this run could start."""
+
+
 def run_process(
     argv: list[str],
     stdin: bytes | None,
@@ -145,22 +151,32 @@ def run_process(
     workdir: Path,
     runs: set[Run],
     preamble: bytes = b"",
+    start_lock: threading.Lock | None = None,
+    closed: Callable[[], bool] | None = None,
 ) -> RunResult:
     """Run `argv` (a full bwrap command line) under `limits`; the run sits in `runs` while it lives, so the
     sandbox's close() can kill a run still going in another thread. The command's wrapper prints
     `preamble` on stdout before running the command: where it is missing, bwrap's own set-up failed and
-    SandboxUnavailable is raised with bwrap's message, never a RunResult the model would take as its own."""
+    SandboxUnavailable is raised with bwrap's message, never a RunResult the model would take as its own.
+
+    `start_lock` / `closed`: the process starts and joins `runs` under the lock the sandbox's close() takes to kill
+    them, so a close() in another thread either comes first (`closed()` is then true: SandboxClosed, nothing
+    starts) or finds the run registered and kills it; without the lock a run started a moment before close() was
+    missed, and outlived its sandbox."""
     start = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
-            env={"PATH": "/usr/bin:/bin"},
-        )
-    except (OSError, subprocess.SubprocessError) as e:  # bwrap missing, the uid switch or an rlimit refused
-        raise SandboxUnavailable(f"could not start bwrap ({argv[0]}): {type(e).__name__}: {e}") from e
-    run = Run(proc)
-    runs.add(run)
+    with start_lock or contextlib.nullcontext():
+        if closed is not None and closed():
+            raise SandboxClosed("the sandbox was closed before this run started")
+        try:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
+                env={"PATH": "/usr/bin:/bin"},
+            )
+        except (OSError, subprocess.SubprocessError) as e:  # bwrap missing, the uid switch or an rlimit refused
+            raise SandboxUnavailable(f"could not start bwrap ({argv[0]}): {type(e).__name__}: {e}") from e
+        run = Run(proc)
+        runs.add(run)
     try:
         why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
         status, usage = _reap(run, start + limits.wall_s + 5.0)
