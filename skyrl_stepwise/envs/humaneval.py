@@ -23,6 +23,7 @@ from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import Message, StepResult
 from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, StopReason
 from skyrl_stepwise.tools import ToolExecutor, to_messages
+from skyrl_stepwise.tools.executor import run_turn_calls
 from skyrl_stepwise.tools.code import PythonTool
 
 CODE_BLOCK_RE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -80,9 +81,7 @@ class HumanEvalEnv:
         self.turns += 1
         calls = turn.tool_calls
         if calls and self.turns < self.max_turns:
-            results = await self.executor.execute(calls)
-            metrics = {f"tool/{k}": float(v) for k, v in self.executor.reset_counts().items()}
-            metrics["tool_calls"] = float(len(calls))
+            results, metrics = await run_turn_calls(self.executor, calls)
             return StepResult(to_messages(results), 0.0, False, metrics)
         solution = extract_code(turn.content) if not calls else None
         passed, reason = (await asyncio.to_thread(self._grade, solution)) if solution else (False, None)

@@ -31,6 +31,7 @@ from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import Message, StepResult
 from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
 from skyrl_stepwise.tools import ToolExecutor, to_messages
+from skyrl_stepwise.tools.executor import run_turn_calls
 from skyrl_stepwise.tools.repo import REPO_TOOLS
 
 GRADE_LIMITS = Limits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=16 << 10)
@@ -143,9 +144,7 @@ class RepoFixEnv:
         self.turns += 1
         calls = turn.tool_calls
         if calls and self.turns < self.max_turns:
-            results = await self.executor.execute(calls)
-            metrics = {f"tool/{k}": float(v) for k, v in self.executor.reset_counts().items()}
-            metrics["tool_calls"] = float(len(calls))
+            results, metrics = await run_turn_calls(self.executor, calls)
             return StepResult(to_messages(results), 0.0, False, metrics)
         (reward, passed, total), reason = await asyncio.to_thread(self._grade)
         metrics = {"repo_fix/reward": reward, "repo_fix/solved": float(reward == 1.0),

@@ -20,6 +20,7 @@ from skyrl_stepwise.envs.search import ground_truth_targets, intermediate_retrie
 from skyrl_stepwise.tools import ToolExecutor, ToolResult, build_tools, load_tools_yaml, to_messages
 from skyrl_stepwise.tools.base import ToolLike, is_retrieval_tool
 from skyrl_stepwise.tools.builtin import CalculatorTool, SearchTool
+from skyrl_stepwise.tools.executor import run_turn_calls
 
 
 @dataclass
@@ -92,9 +93,7 @@ class ToolEnv:
         self.turns += 1
         calls = turn.tool_calls
         if calls and self.turns < self.max_turns:
-            results = await self.executor.execute(calls)
-            metrics = {f"tool/{k}": float(v) for k, v in self.executor.reset_counts().items()}
-            metrics["tool_calls"] = float(len(calls))
+            results, metrics = await run_turn_calls(self.executor, calls)
             reward = intermediate_retrieval_reward(self._retrieved_text(results), self.targets,
                                                    self.cfg.intermediate_reward, self, metrics)
             return StepResult(to_messages(results), reward, False, metrics)

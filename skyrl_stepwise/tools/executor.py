@@ -304,3 +304,12 @@ async def run_with_timeout(awaitable, timeout_s: float, tick_s: float = 0.05):
 def to_messages(results: list[ToolResult]) -> list[Message]:
     """OpenAI `role: tool` messages, one per result in call order, ready to append to the conversation."""
     return [{"role": "tool", "tool_call_id": r.call_id, "name": r.name, "content": r.content} for r in results]
+
+
+async def run_turn_calls(executor: ToolExecutor, calls: list) -> tuple[list[ToolResult], dict[str, float]]:
+    """One turn's tool calls through `executor`, with the step metrics every tool-calling env reports (its
+    executor's counts as `tool/<name>`, and `tool_calls`): the envs differ in what a result earns, not in this."""
+    results = await executor.execute(calls)
+    metrics = {f"tool/{k}": float(v) for k, v in executor.reset_counts().items()}
+    metrics["tool_calls"] = float(len(calls))
+    return results, metrics
