@@ -1,16 +1,23 @@
-"""The update step with LoRA vs full fine-tuning, side by side on the embedded SmolLM2-135M (one FSDP2 gloo rank).
+"""LoRA vs full fine-tuning on the main job's shape: the update step side by side, and what each arm learns.
 
-Both arms are built in one process from the same weights and take their train_steps alternately (full, LoRA, full,
-...) on the same batch, shaped like the tiny Search-R1 run's rollouts (merged: one sample per trajectory), so the
-host's load falls on both alike. Printed: seconds per train_step (median after one warm-up step), the weight export
-for the engines (LoRA merges the adapter into full weights first), and the bytes each arm holds between steps
-(parameters, AdamW state), with LoRA / full ratios.
+Two parts, one command each:
 
-    python benchmarks/lora_vs_full.py                     # 4 trajectories x 3 turns, rank 16, 3 timed steps
-    python benchmarks/lora_vs_full.py --trajectories 16 --steps 5 --rank 8
+    python benchmarks/lora_vs_full.py                     # the update step: 4 trajectories x 3 turns, 3 timed steps
+    python benchmarks/lora_vs_full.py --learning          # the main job twice: full RL and LoRA RL
 
-No numbers yet: on the 2-core box, under other jobs' load, neither the default shape (17 min) nor
---trajectories 2 --turns 1 --steps 1 (4 min) finished; run it on an idle host.
+The update step (default): both arms are built in one process from the same weights (SmolLM2-135M, one FSDP2 gloo
+rank) and take their train_steps alternately (full, LoRA, full, ...) on the same batch, shaped like the tiny
+Search-R1 run's rollouts (merged: one sample per trajectory), so the host's load falls on both alike. Printed:
+seconds per train_step (median after one warm-up step), the weight export for the engines (LoRA merges the adapter
+into full weights first), and the bytes each arm holds between steps (parameters, AdamW state), LoRA / full ratios.
+
+The learning (--learning): the main job (`experiment=search_r1_tiny`) as `make run` runs it, and again with
+`trainer.lora.enabled=true sft.lora=false trainer.optim.lr=<--lora-lr>`: both arms RL from the same cached SFT warm
+start (sft.lora=false: the LoRA arm's SFT is the full arm's, one cache key) and are evaluated greedily on the same
+128 prompts. Printed per arm: the paired RL - SFT interval, RL step / update / weight-sync seconds (medians over the
+steps), and the paired LoRA - full difference after RL. `--full-run DIR` / `--lora-run DIR` read finished runs
+(e.g. a `make run` output folder) instead of running that arm. About 40 min per arm on a 2-core CPU without bf16
+(the first arm pays the SFT; the base-model eval is skipped in both).
 """
 
 from __future__ import annotations
@@ -43,14 +50,110 @@ def held_bytes(worker) -> tuple[int, int, int]:
     return params, trainable, optim
 
 
+REPO = Path(__file__).resolve().parent.parent
+MAIN_JOB = ["experiment=search_r1_tiny", "data.max_base_eval_prompts=0"]  # the base model's eval is not compared
+
+
+def arm_overrides(arm: str, lora_lr: float, rank: int | None) -> list[str]:
+    """The main job's overrides for one arm: LoRA RL starts from the full arm's SFT warm start (sft.lora=false)."""
+    if arm == "full":
+        return list(MAIN_JOB)
+    lora = MAIN_JOB + ["trainer.lora.enabled=true", "sft.lora=false", f"trainer.optim.lr={lora_lr}"]
+    return lora + ([f"trainer.lora.rank={rank}", f"trainer.lora.alpha={2.0 * rank}"] if rank else [])
+
+
+def run_arm(arm: str, out: Path, overrides: list[str]) -> Path:
+    """Run the main job for one arm into out/<arm> (its console passes through) and return the run dir."""
+    import subprocess
+
+    run_dir = out / arm
+    command = [sys.executable, "-m", "skyrl_stepwise.cli.train", *overrides, f"hydra.run.dir={run_dir}",
+               f"logging.run_name=lora_vs_full_{arm}"]
+    print(f"\n== {arm}: {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, cwd=REPO, check=True)
+    (run_dir / "wall_seconds.txt").write_text(f"{time.perf_counter() - start:.0f}\n")
+    return run_dir
+
+
+def arm_summary(run_dir: Path) -> dict:
+    """What one finished main-job run says: its evals, RL step timings and the paired RL - SFT line."""
+    import json
+
+    from skyrl_stepwise.loop.evaluation import load_evals, paired_bootstrap
+
+    evals = load_evals(run_dir)
+    sft = next((r for r in evals if r.stage == "after SFT"), None)
+    rl = next((r for r in reversed(evals) if r.stage.startswith("after RL")), None)
+    if sft is None or rl is None:
+        raise SystemExit(f"{run_dir}: evals.json has no 'after SFT' and 'after RL' stages "
+                         f"(found {[r.stage for r in evals]}): the run did not finish")
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    def median(key: str) -> float:
+        values = [m[key] for m in steps if isinstance(m.get(key), (int, float))]
+        return statistics.median(values) if values else float("nan")
+
+    wall = run_dir / "wall_seconds.txt"
+    return {"sft": sft, "rl": rl, "paired": paired_bootstrap(rl.scores, sft.scores), "steps": len(steps),
+            "step_s": median("timing/step_s"), "train_s": median("timing/train_s"),
+            "sync_s": median("timing/weight_sync_s"), "generate_s": median("timing/generate_s"),
+            "rl_s": sum(m.get("timing/step_s", 0.0) for m in steps),
+            "wall_s": float(wall.read_text()) if wall.is_file() else float("nan")}
+
+
+def learning(args) -> None:
+    """Both arms of the main job (or finished runs of them), then one table."""
+    from skyrl_stepwise.loop.evaluation import paired_bootstrap, transitions
+
+    out = Path(args.out or tempfile.mkdtemp(prefix="lora_vs_full_"))
+    dirs = {"full": args.full_run, "lora": args.lora_run}
+    for arm in ("full", "lora"):
+        if dirs[arm] is None:
+            dirs[arm] = run_arm(arm, out, arm_overrides(arm, args.lora_lr, args.rank))
+    runs = {arm: arm_summary(Path(d)) for arm, d in dirs.items()}
+    full, lora = runs["full"], runs["lora"]
+    if full["sft"].scores != lora["sft"].scores:
+        print("note: the arms' after-SFT evals differ: they did not start from the same warm start, or the "
+              "engine's greedy decoding is not deterministic across runs")
+    print(f"\nThe main job (experiment=search_r1_tiny), full RL vs LoRA RL (rank {args.rank or 8}, lr "
+          f"{args.lora_lr:g}) from one SFT warm start; runs: full {dirs['full']}, LoRA {dirs['lora']}\n")
+    print("| | full | LoRA | LoRA / full |")
+    print("|---|---:|---:|---:|")
+    for label, key in (("RL step s (median)", "step_s"), ("update s (median)", "train_s"),
+                       ("weight sync s (median)", "sync_s"), ("generation s (median)", "generate_s"),
+                       ("RL steps s (sum)", "rl_s"), ("whole run s", "wall_s")):
+        print(f"| {label} | {full[key]:.1f} | {lora[key]:.1f} | {lora[key] / full[key]:.2f} |")
+    for arm, r in runs.items():
+        diff, low, high = r["paired"]
+        print(f"\n{arm}: after SFT {r['sft'].mean:.3f}, {r['rl'].stage} {r['rl'].mean:.3f}; RL - SFT (paired, "
+              f"{len(r['rl'].scores)} prompts): {diff:+.3f} [{low:+.3f}, {high:+.3f}]")
+    if len(full["rl"].scores) == len(lora["rl"].scores):
+        diff, low, high = paired_bootstrap(lora["rl"].scores, full["rl"].scores)
+        fixed, broken = transitions(lora["rl"].scores, full["rl"].scores)
+        print(f"LoRA - full after RL (paired): {diff:+.3f} [{low:+.3f}, {high:+.3f}]; LoRA right where full was "
+              f"wrong on {fixed} prompts, wrong where full was right on {broken}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--learning", action="store_true", help="run the main job's two arms (about 80 min)")
+    parser.add_argument("--lora-lr", type=float, default=1e-4,
+                        help="LoRA arm's RL lr (--learning; the full arm's is the recipe's 1e-5)")
+    parser.add_argument("--full-run", default=None, help="--learning: a finished full run dir instead of running it")
+    parser.add_argument("--lora-run", default=None, help="--learning: a finished LoRA run dir instead of running it")
+    parser.add_argument("--out", default=None, help="--learning: where the arms' run dirs go (default: a temp dir)")
     parser.add_argument("--trajectories", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per arm, after one warm-up step")
-    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rank", type=int, default=None,
+                        help="LoRA rank (default: 16 for the update step, trainer.lora's 8 for --learning)")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     args = parser.parse_args()
+    if args.learning:
+        learning(args)
+        return
+    args.rank = args.rank or 16
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     from skyrl_stepwise.inference.weights import weights_file

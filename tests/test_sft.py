@@ -307,3 +307,27 @@ def test_a_demonstrated_call_is_trained_only_where_its_arguments_parse_back(fami
         name, [(k, v.strip()) for k, v in pairs], *a))
     with pytest.raises(ValueError, match="cannot be written in the call format of"):
         conversation_samples(tokenizer, [demo], cfg, [EDIT_TOOL])
+
+
+def test_sft_lora_picks_how_the_warm_start_trains_and_its_cache_key_follows(tiny_model_dir, tmp_path):
+    """sft.lora=false under LoRA RL is full SFT: the very warm start (cache key) a full run uses, so one cached SFT
+    serves both arms of a comparison; null follows trainer.lora; true trains an adapter whatever RL does."""
+    from skyrl_stepwise.cli.train import load_config
+    from skyrl_stepwise.loop.warm_start import cache_key, sft_lora_config
+
+    memo = tmp_path / "digests.json"
+
+    def key_and_lora(*overrides):
+        cfg = load_config(["experiment=search_r1_tiny", *overrides])
+        cfg.trainer.model_path = str(tiny_model_dir)
+        return cache_key(cfg, "data", memo_path=memo), sft_lora_config(cfg).enabled
+
+    full, full_lora = key_and_lora()
+    assert not full_lora
+    lora_rl_full_sft, enabled = key_and_lora("trainer.lora.enabled=true", "sft.lora=false")
+    assert (lora_rl_full_sft, enabled) == (full, False)
+    assert key_and_lora("sft.lora=false") == (full, False)
+    lora_sft, enabled = key_and_lora("trainer.lora.enabled=true")
+    assert enabled and lora_sft != full
+    assert key_and_lora("sft.lora=true") == (lora_sft, True)  # the same adapter, whatever RL trains
+    assert key_and_lora("trainer.lora.enabled=true", "trainer.lora.rank=4")[0] not in (full, lora_sft)

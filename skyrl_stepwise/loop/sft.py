@@ -57,6 +57,11 @@ class SFTConfig:
     unseen_terminator_lr: float = 1.0e-5
     unseen_terminator_warmup_steps: int = 8
     seed: int = 0
+    # Whether SFT trains a LoRA adapter (trainer.lora's rank, alpha and modules; the warm start is the merged
+    # model) or every weight. null: as RL does (trainer.lora.enabled). false with trainer.lora.enabled=true: full
+    # SFT, then LoRA RL on the fully fine-tuned model (the same warm start a full RL run uses: one cached SFT
+    # serves both; benchmarks/lora_vs_full.py compares them so).
+    lora: bool | None = None
     # optimizer steps between checkpoints (next to the cached model: <cache>/sft/<key>.ckpts); an interrupted SFT
     # continues from the last one, exactly. 0 disables (a save stages weights + AdamW: ~1.6 GiB for SmolLM2).
     ckpt_interval: int = 20

@@ -47,7 +47,9 @@ _GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_pr
                               "context"}  # SFT replays demonstrations with no context policy (loop/sft.py)
 # SFT keys that never change the trained weights: whether the main job runs it, how often it checkpoints (a resume is
 # exact), and the divergence guard (it only stops a run). num_warmup_steps is in the key: it changes the weights.
-_SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence"}
+# sft.lora is keyed as the adapter it trains ("lora" below), not as its spelling: null with trainer.lora off and
+# false are the same full SFT, one cached warm start.
+_SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence", "lora"}
 _SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
 _FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
                          "gradient_checkpointing"}  # where, how fast and in what memory: not what
@@ -89,6 +91,13 @@ def model_digest(model_path: str, memo_path: Path | None = None) -> dict[str, st
     return {f.name: file_digest(f, memo_path) for f in sorted(model.iterdir()) if f.is_file()}
 
 
+def sft_lora_config(cfg):
+    """The LoRA settings SFT trains with: trainer.lora, switched on or off by sft.lora (null: as RL does)."""
+    lora = cfg.trainer.lora
+    enabled = lora.enabled if cfg.sft.lora is None else cfg.sft.lora
+    return dataclasses.replace(lora, enabled=enabled)
+
+
 def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
               memo_path: Path | None = None) -> str:
     """Everything the warm-started weights depend on: the base model's content (weights and chat template),
@@ -108,8 +117,9 @@ def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
         inputs["tools"] = tools
     if cfg.trainer.keep_dropout:  # a key only when set: warm starts cached before the key existed stay valid
         inputs["keep_dropout"] = True
-    if cfg.trainer.lora.enabled:  # SFT trains the adapter alone: another model than full fine-tuning's
-        inputs["lora"] = dataclasses.asdict(cfg.trainer.lora)
+    sft_lora = sft_lora_config(cfg)
+    if sft_lora.enabled:  # SFT trains the adapter alone: another model than full fine-tuning's
+        inputs["lora"] = dataclasses.asdict(sft_lora)
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -154,8 +164,13 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_p
     ckpts = out.with_name(out.name + ".ckpts")  # an interrupted SFT resumes from here
     optim = dataclasses.replace(cfg.trainer.optim, lr=cfg.sft.lr, scheduler="constant_with_warmup",
                                 num_warmup_steps=cfg.sft.warmup_steps(len(batches)))
+    sft_lora = sft_lora_config(cfg)
+    trains = f"a LoRA adapter (rank {sft_lora.rank}), merged into the warm start" if sft_lora.enabled \
+        else "every weight"
+    log(f"sft: trains {trains}" + (f" (sft.lora={str(cfg.sft.lora).lower()})" if cfg.sft.lora is not None else ""))
     policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
-                                             ckpt_interval=cfg.sft.ckpt_interval), actor_options=actor_options)
+                                             ckpt_interval=cfg.sft.ckpt_interval, lora=sft_lora),
+                         actor_options=actor_options)
     for note in policy.call("packing_summary")["notes"]:  # SFT trains without dropout too, unless asked
         log(f"sft: {note}")
     try:
