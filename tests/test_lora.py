@@ -6,6 +6,7 @@ models, one gloo rank in-process."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -425,3 +426,19 @@ def test_a_garbled_lora_checkpoint_is_still_reported_corrupt_naming_the_file(mod
     (path / "trainer_state.json").write_text("{garbled")
     with pytest.raises(CorruptCheckpoint, match=r"trainer_state.json cannot be read"):
         worker.load_checkpoint(path)
+
+
+RECIPES = sorted(p.stem for p in (Path(__file__).parent.parent / "conf" / "experiment").glob("*.yaml"))
+RECIPE_NEEDS = {"tool_task_tiny": ["data.train_path=rows.parquet"]}  # the task-neutral recipe names its rows
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_one_line_override_turns_lora_on_for_every_recipe(recipe):
+    """`trainer.lora.enabled=true` is all a recipe needs (its SFT, if any, trains an adapter too): no recipe
+    sets something LoRA refuses."""
+    from skyrl_stepwise.run.app_config import load_config
+
+    overrides = [f"experiment={recipe}", *RECIPE_NEEDS.get(recipe, [])]
+    assert not load_config(overrides).trainer.lora.enabled
+    cfg = load_config(overrides + ["trainer.lora.enabled=true"])
+    assert cfg.trainer.lora == LoRAConfig(enabled=True)
