@@ -98,6 +98,23 @@ class AgentProgramGenerator:
     async def generate(self, prompts: list[list[Message]], env_classes: list[str], env_extras: list[dict[str, Any]],
                        trajectory_ids: list[TrajectoryID]) -> GeneratorOutput:
         """Run every row's agent concurrently; each trajectory is what its session sampled, exactly."""
+        results = await self.run_agents(prompts, env_classes, env_extras, trajectory_ids)
+        overlong = filter_limit_stops(results, self.cfg)  # the loop's rules hold for agent programs too
+        output = steps_to_output(results)
+        output.rollout_metrics.update(trajectory_metrics(results))
+        output.rollout_metrics.update(call_metrics(results))
+        output.rollout_metrics["generate/overlong_filtered_trajectories"] = overlong
+        output.rollout_metrics.update(self.gateway.metrics())
+        if not self.cfg.step_wise_trajectories or self.cfg.merge_stepwise_output:
+            output = merge_stepwise_output(output)
+        output.rollout_metrics.update(sample_metrics(output))
+        output.validate()
+        return output
+
+    async def run_agents(self, prompts: list[list[Message]], env_classes: list[str],
+                         env_extras: list[dict[str, Any]], trajectory_ids: list[TrajectoryID]) -> list:
+        """Every row's agent, concurrently: one TrajectoryResult per trajectory (failed ones carry their cause), in
+        row order; what `generate` builds its output from, and what the demo recorder (loop/agent_demos.py) keeps."""
         agents = load_agents(env_extras)
         if self.server is not None:
             self.server_url = await self.server.serve()
@@ -115,16 +132,7 @@ class AgentProgramGenerator:
                 for p, c, x, t in zip(prompts, env_classes, env_extras, trajectory_ids)])
         finally:
             threads.shutdown(wait=False)  # an agent past its timeout keeps its thread until it returns
-        overlong = filter_limit_stops(results, self.cfg)  # the loop's rules hold for agent programs too
-        output = steps_to_output(results)
-        output.rollout_metrics.update(trajectory_metrics(results))
-        output.rollout_metrics["generate/overlong_filtered_trajectories"] = overlong
-        output.rollout_metrics.update(self.gateway.metrics())
-        if not self.cfg.step_wise_trajectories or self.cfg.merge_stepwise_output:
-            output = merge_stepwise_output(output)
-        output.rollout_metrics.update(sample_metrics(output))
-        output.validate()
-        return output
+        return list(results)
 
     async def _run(self, agent: Callable, prompt: list[Message], env_class: str, extras: dict[str, Any],
                    trajectory_id: TrajectoryID, threads: ThreadPoolExecutor | None = None):
@@ -169,6 +177,17 @@ class AgentProgramGenerator:
                     await close()
                 except Exception as e:  # noqa: BLE001 - the score stands; the leak is reported
                     logger.warning("closing the scoring env %s failed: %r", env_class, e)
+
+
+def call_metrics(results: list) -> dict[str, float]:
+    """Calls to the model per trained trajectory (`gateway/calls_per_trajectory_mean`) and the share with two or more
+    (`gateway/multi_call_share`): an agent whose model never calls a tool makes one call per trajectory, so these say
+    whether a warm start taught it to (docs/agent-programs.md "A warm start"). Failed trajectories are not trained
+    and not counted (`gateway/failed_trajectories/*` counts them)."""
+    calls = [len(r.steps) for r in results if r.failure is None]
+    n = max(len(calls), 1)
+    return {"gateway/calls_per_trajectory_mean": sum(calls) / n,
+            "gateway/multi_call_share": sum(c >= 2 for c in calls) / n}
 
 
 class _BadReturn(ValueError):

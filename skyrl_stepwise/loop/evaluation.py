@@ -32,6 +32,10 @@ class EvalResult:
     unscored: int = 0
     # each prompt's data_source, parallel to scores: a paired comparison of two stages can then be split by source
     sources: list[str] = field(default_factory=list)
+    # agent programs (gateway.enabled): calls to the model per scored trajectory and the share with two or more, so a
+    # warm start that teaches tool calls shows before and after (None: our own agent loop, not measured here)
+    calls_per_trajectory: float | None = None
+    multi_call_share: float | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -44,6 +48,9 @@ class EvalResult:
             line += f" ({self.unscored} unscored, counted as 0: failed or over generator.max_input_length)"
         if len(self.by_source) > 1:
             line += " (" + ", ".join(f"{k} {v:.3f}" for k, v in self.by_source.items()) + ")"
+        if self.calls_per_trajectory is not None:
+            line += (f"; {self.calls_per_trajectory:.2f} calls per trajectory, "
+                     f"{100 * (self.multi_call_share or 0.0):.0f}% with >= 2")
         return line
 
 
@@ -144,9 +151,16 @@ def eval_table(results: list[EvalResult], metric: str = "EM") -> str:
     if len(sources) > 1:  # one column per source when the subset mixes them
         rows[0] += "".join(f" {s} |" for s in sources)
         rows[1] += "---:|" * len(sources)
+    calls = any(r.calls_per_trajectory is not None for r in results)  # agent programs: calls per trajectory
+    if calls:
+        rows[0] += " calls per trajectory | >= 2 calls |"
+        rows[1] += "---:|---:|"
     for r in results:
         cells = "".join(f" {r.by_source[s]:.3f} |" if s in r.by_source else " - |" for s in sources) \
             if len(sources) > 1 else ""
+        if calls:
+            cells += " - | - |" if r.calls_per_trajectory is None else \
+                f" {r.calls_per_trajectory:.2f} | {100 * (r.multi_call_share or 0.0):.0f}% |"
         prompts = f"{r.num_prompts} ({r.unscored} unscored)" if r.unscored else f"{r.num_prompts}"
         rows.append(f"| {r.stage} | {r.mean:.3f} | [{r.ci_low:.3f}, {r.ci_high:.3f}] | {prompts} |{cells}")
     return "\n".join(rows)

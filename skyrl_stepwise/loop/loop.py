@@ -462,7 +462,10 @@ class RLTrainer:
         return {"eval/reward/mean": result.mean, "eval/reward/ci_low": result.ci_low,
                 "eval/reward/ci_high": result.ci_high, "eval/num_prompts": float(result.num_prompts),
                 "eval/num_unscored": float(result.unscored),
-                "timing/eval_s": result.seconds}
+                "timing/eval_s": result.seconds,
+                **({} if result.calls_per_trajectory is None else {
+                    "eval/calls_per_trajectory_mean": result.calls_per_trajectory,
+                    "eval/multi_call_share": float(result.multi_call_share or 0.0)})}
 
 
 async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str,
@@ -480,6 +483,9 @@ async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptR
     sources = [row.data_source or "unknown" for row in rows]
     result = eval_result(stage, [by_row.get(i, 0.0) for i in range(len(rows))], time.perf_counter() - start, sources)
     result.unscored = len(rows) - len(by_row)
+    if "gateway/calls_per_trajectory_mean" in output.rollout_metrics:  # agent programs: calls made per trajectory
+        result.calls_per_trajectory = float(output.rollout_metrics["gateway/calls_per_trajectory_mean"])
+        result.multi_call_share = float(output.rollout_metrics["gateway/multi_call_share"])
     return result
 
 

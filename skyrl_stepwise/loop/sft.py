@@ -26,6 +26,27 @@ from skyrl_stepwise.policy.batching import TrainBatch
 from skyrl_stepwise.loop.divergence import DivergenceConfig
 
 logger = logging.getLogger(__name__)
+AGENT_DEMOS = "agent_demos"  # sft.data: record demonstrations through the agent endpoint now (loop/agent_demos.py)
+
+
+@dataclass
+class AgentDemosConfig:
+    """`sft.data=agent_demos`: demonstrations recorded now through the agent endpoint (loop/agent_demos.py): each
+    train row's agent program runs against a teacher that writes the assistant turns, and the trajectories that reach
+    `min_reward` are the SFT conversations, exactly as the endpoint rendered them."""
+
+    teacher: str | None = None  # "pkg.module:function": (messages, row) -> the assistant message (content, tool_calls)
+    samples_per_row: int = 1  # trajectories recorded per train row (a teacher may be stochastic)
+    min_reward: float = 1.0  # keep trajectories whose reward is at least this (the top score of a 0/1 reward)
+    max_rows: int | None = None  # record only the first N train rows (null: all)
+
+    def validate(self, prefix: str = "sft.agent_demos") -> None:
+        if self.teacher is not None and (not isinstance(self.teacher, str) or ":" not in self.teacher):
+            raise ValueError(f"{prefix}.teacher must be 'pkg.module:function', got {self.teacher!r}")
+        if self.samples_per_row <= 0:
+            raise ValueError(f"{prefix}.samples_per_row must be > 0, got {self.samples_per_row}")
+        if self.max_rows is not None and self.max_rows <= 0:
+            raise ValueError(f"{prefix}.max_rows must be > 0 or null, got {self.max_rows}")
 
 
 @dataclass
@@ -34,7 +55,9 @@ class SFTConfig:
 
     enabled: bool = False  # the main job runs SFT before RL (cached: redone only when its inputs change)
     # "embedded" (Search-R1 demonstrations) or a parquet with a `messages` column (OpenAI-shaped chat messages; an
-    # assistant message may carry `tool_calls`); null: none (the task-neutral recipe turns SFT on when it is set)
+    # assistant message may carry `tool_calls`; an optional `tools` column, JSON, the schemas that conversation
+    # renders); "agent_demos": recorded now through the agent endpoint (sft.agent_demos); null: none (the
+    # task-neutral recipe turns SFT on when it is set)
     data: str | None = "embedded"
     max_rows: int = 64
     epochs: int = 2
@@ -67,6 +90,9 @@ class SFTConfig:
     ckpt_interval: int = 20
     # stop SFT when a step diverges (loop/divergence.py); only stops a run, so not in the SFT cache key
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    # sft.data=agent_demos: record the demonstrations through the agent endpoint with a teacher (gateway.enabled
+    # runs). Not in the SFT cache key itself: what it records is, by content (the conversations and their tools)
+    agent_demos: AgentDemosConfig = field(default_factory=AgentDemosConfig)
 
     def warmup_steps(self, total_steps: int) -> int:
         """The warm-up of a run of `total_steps` optimizer steps (num_warmup_steps, or its default)."""
@@ -98,6 +124,10 @@ class SFTConfig:
             raise ValueError(f"{prefix}.num_warmup_steps must be >= 0 (or null: a quarter of the steps), "
                              f"got {self.num_warmup_steps}")
         self.divergence.validate(f"{prefix}.divergence")
+        self.agent_demos.validate(f"{prefix}.agent_demos")
+        if self.data == AGENT_DEMOS and not self.agent_demos.teacher:
+            raise ValueError(f"{prefix}.data={AGENT_DEMOS} records demonstrations with a teacher: set "
+                             f"{prefix}.agent_demos.teacher='pkg.module:function' (docs/agent-programs.md)")
 
 
 @dataclass
@@ -164,14 +194,19 @@ class _ReplayEnv:
     """Hands back a conversation's observations after each assistant turn; done after the last one. A conversation
     that calls tools is shown the run's tool schemas, as the `tool` env shows them in RL."""
 
-    def __init__(self, conversations: list[list[Message]], tools: list[dict] | None = None) -> None:
+    def __init__(self, conversations: list[list[Message]], tools: list[dict] | None = None,
+                 own_tools: list[list[dict] | None] | None = None) -> None:
         self.conversations, self.observations, self.turn = conversations, [], 0
         self.tools, self.tool_schemas = tools or [], []
+        self.own_tools = own_tools or [None] * len(conversations)
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
         conversation = self.conversations[extras["conversation"]]
         _, _, self.observations = split_turns(conversation)
-        self.tool_schemas = self.tools if uses_tools(conversation) else []
+        own = self.own_tools[extras["conversation"]]
+        # a conversation's own tools (what an agent sent the endpoint) are rendered whether or not it called one,
+        # as the endpoint rendered them into every call's prompt
+        self.tool_schemas = own if own is not None else self.tools if uses_tools(conversation) else []
         self.turn = 0
         return list(prompt_messages)
 
@@ -312,19 +347,24 @@ _PREFILL_WARNED: set[str] = set()  # renderers already warned about (once per pr
 
 
 def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg: GeneratorConfig,
-                         tools: list[dict] | None = None) -> GeneratorOutput:
+                         tools: list[dict] | None = None,
+                         own_tools: list[list[dict] | None] | None = None) -> GeneratorOutput:
     """One merged sample (or one per chain) per conversation, assistant tokens trained, built like rollouts.
 
     Each assistant turn is what a model writing it samples (assistant_turn_ids: canonical tokens closed by the
     turn terminator; a tool-call turn as the family's template renders it); `gen_cfg` (the run's generator
     config: renderer, stop strings, history mode) decides everything else, exactly as in RL. `tools`: the run's
     tool schemas, rendered into the prompt of every conversation that uses tools, so SFT prompts equal RL prompts.
+    `own_tools`: per conversation, the tools it carries (an agent's, as recorded through the endpoint), rendered into
+    every prompt of that conversation instead of `tools` (None: `tools`).
     """
     chat = sft_renderer(tokenizer, gen_cfg)
-    turns = [[assistant_turn_ids(chat, c, j, tools if uses_tools(c) else None)
-              for j, m in enumerate(c) if m["role"] == "assistant"] for c in conversations]
-    conversations = [keyed_to_parsed_calls(chat, c, ts, tools) if uses_tools(c) else c
-                     for c, ts in zip(conversations, turns)]
+    own = own_tools or [None] * len(conversations)
+    schemas = [o if o is not None else tools if uses_tools(c) else None for c, o in zip(conversations, own)]
+    turns = [[assistant_turn_ids(chat, c, j, t) for j, m in enumerate(c) if m["role"] == "assistant"]
+             for c, t in zip(conversations, schemas)]
+    conversations = [keyed_to_parsed_calls(chat, c, ts, t) if uses_tools(c) else c
+                     for c, ts, t in zip(conversations, turns, schemas)]
     longest = max(len(t) for ts in turns for t in ts)
     # a demonstration is replayed as written: a context policy would drop or summarise what the demonstrator saw
     # (and `summarize` would take the next scripted turn for a summary), so SFT runs with none, and every policy
@@ -334,7 +374,7 @@ def conversation_samples(tokenizer, conversations: list[list[Message]], gen_cfg:
                   apply_overlong_filtering=False, context=ContextConfig(),
                   sampling=replace(gen_cfg.sampling, max_generate_length=longest, logprobs=False, seed=None))
     registry = EnvRegistry()
-    registry.register("replay", lambda: _ReplayEnv(conversations, tools))
+    registry.register("replay", lambda: _ReplayEnv(conversations, tools, own_tools))
     engine = ScriptedEngine(lambda prompt, session, index: turns[int(session.rsplit("_", 1)[0])][index], tokenizer)
     generator = StepwiseGenerator(tokenizer, engine, registry, cfg)
     n = len(conversations)

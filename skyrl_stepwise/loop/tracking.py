@@ -24,7 +24,9 @@ CONSOLE_KEYS = {"reward": "reward/mean", "pass@n": "reward/pass_at_n", "eval_rew
                 "loss": "policy/loss", "kl": "policy/kl_loss", "clip_frac": "policy/clip_frac",
                 "entropy": "policy/entropy", "grad_norm": "train/grad_norm", "samples": "generate/num_samples",
                 "padded_len": "generate/batch_padded_seq_len", "staleness": "async/staleness",
-                "step_s": "timing/step_s"}
+                "step_s": "timing/step_s",
+                # agent programs (gateway.enabled): calls to the model per trajectory, share with >= 2 calls
+                "calls": "gateway/calls_per_trajectory_mean", "multi_call": "gateway/multi_call_share"}
 
 
 def skipped_updates(metrics: dict) -> str | None:

@@ -16,7 +16,7 @@ from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.run.placement import PlacementConfig
 from skyrl_stepwise.policy.config import TrainerConfig
-from skyrl_stepwise.loop.sft import SFTConfig
+from skyrl_stepwise.loop.sft import AGENT_DEMOS, SFTConfig
 from skyrl_stepwise.policy.weight_sync import WeightSyncConfig
 
 
@@ -124,6 +124,9 @@ class RunConfig:
             check_generator_for_gateway(self.generator)
         self.trainer.validate()
         self.sft.validate()
+        if self.sft.data == AGENT_DEMOS and not self.gateway.enabled:
+            raise ValueError(f"sft.data={AGENT_DEMOS} records demonstrations through the agent endpoint: it needs "
+                             "gateway.enabled=true and rows that name an agent program (extra_info.agent)")
         self.placement.validate()
         self.weight_sync.validate()
         if self.total_steps <= 0:
