@@ -19,6 +19,8 @@ COMMANDS = {
     ("data", "repo-fix"): ("skyrl_stepwise.data.repo_fix",
                            "generate the repo-fixing task set (train/validation parquet + SFT demos)"),
     ("data", "demos"): ("skyrl_stepwise.data.demonstrations", "build the Search-R1 SFT demonstrations"),
+    ("data", "agent-demos"): ("skyrl_stepwise.cli.agent_demos",
+                              "SFT demonstrations of agent programs, recorded through the endpoint with a teacher"),
     ("show",): ("skyrl_stepwise.cli.show", "print a run's decoded rollout samples (`show <run dir> [--step N]`)"),
     ("ablate",): ("skyrl_stepwise.cli.ablate", "step-wise vs merged vs whole-trajectory ablation (a Hydra app)"),
 }

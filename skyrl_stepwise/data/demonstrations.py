@@ -286,6 +286,30 @@ def load_conversations(path: str | Path) -> list[list[dict]]:
     return out
 
 
+def load_conversation_tools(path: str | Path) -> list[list[dict] | None]:
+    """Each row's own tool schemas (the optional `tools` column: JSON text of an OpenAI `tools` list, or null), as
+    an agent sent them to the endpoint (loop/agent_demos.py writes it); None per row where the file has none."""
+    table = _read_table(path)
+    if "tools" not in table.column_names:
+        return [None] * table.num_rows
+    out: list[list[dict] | None] = []
+    for i, value in enumerate(table.column("tools").to_pylist()):
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            tools = json.loads(value) if isinstance(value, str) else value
+        except ValueError as e:
+            raise ValueError(f"{path}: row {i}: 'tools' is not JSON ({e})") from None
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+                for t in tools):
+            raise ValueError(f"{path}: row {i}: 'tools' must be a list of OpenAI function tools "
+                             f"({{'type': 'function', 'function': {{'name', ...}}}}), got {str(tools)[:120]!r}")
+        out.append(tools)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 def summary(path: str | Path) -> dict[str, float]:

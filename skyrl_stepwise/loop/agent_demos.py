@@ -165,6 +165,8 @@ class AgentDemo:
     dropped: str | None = None  # why it is not a demonstration (a failure cause, `low_reward`, `length`)
     messages: list[Message] = field(default_factory=list)
     tools: list[dict] | None = None
+    # what the endpoint recorded for it, merged as training merges it: (prompt ids, response ids, loss mask)
+    endpoint: list[tuple[list[int], list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -268,14 +270,14 @@ def record_agent_demos(tokenizer, rows: list[PromptRow], teacher: Teacher, gen_c
     finished with reward >= `min_reward` and every turn whole, as SFT conversations checked token for token against
     what the endpoint recorded (UnrepresentableDemo names the first one that is not). Runs its own event loop (the
     SFT replay does too): call it outside one."""
-    demos, results = asyncio.run(_record(tokenizer, rows, teacher, gen_cfg, gateway_cfg, samples_per_row,
-                                         min_reward, env_registry, concurrency, log))
-    check_representable(tokenizer, gen_cfg, demos, results)
+    demos = asyncio.run(_record(tokenizer, rows, teacher, gen_cfg, gateway_cfg, samples_per_row, min_reward,
+                                env_registry, concurrency, log))
+    check_representable(tokenizer, gen_cfg, demos)
     return demos
 
 
 async def _record(tokenizer, rows, teacher, gen_cfg, gateway_cfg, samples_per_row, min_reward, env_registry,
-                  concurrency, log) -> tuple[AgentDemos, dict[str, Any]]:
+                  concurrency, log) -> AgentDemos:
     gateway_cfg = dataclasses.replace(gateway_cfg or GatewayConfig(), enabled=True, port=0)  # a free port of its own
     items = [(row, TrajectoryID(f"demo/{row.instance_id or k}/{k}", rep))
              for k, row in enumerate(rows) for rep in range(samples_per_row)]
@@ -306,11 +308,12 @@ async def _record(tokenizer, rows, teacher, gen_cfg, gateway_cfg, samples_per_ro
                 demo.messages, demo.tools = final_conversation(gateway.transcripts[tid.key()], developer)
             except UnrepresentableDemo as e:
                 raise UnrepresentableDemo(f"trajectory {tid.key()}: {e}") from None
+            demo.endpoint = endpoint_samples(result)
         demos.append(demo)
-    return AgentDemos(demos, min_reward), {t.key(): r for (_, t), r in zip(items, results)}
+    return AgentDemos(demos, min_reward)
 
 
-def check_representable(tokenizer, gen_cfg: GeneratorConfig, demos: AgentDemos, results: dict[str, Any]) -> None:
+def check_representable(tokenizer, gen_cfg: GeneratorConfig, demos: AgentDemos) -> None:
     """Replay the kept conversations through the SFT path and refuse, naming the trajectory and the first differing
     token, any whose samples are not exactly what the endpoint recorded for it: SFT must train the tokens the
     agent's requests render to."""
@@ -322,7 +325,7 @@ def check_representable(tokenizer, gen_cfg: GeneratorConfig, demos: AgentDemos, 
     except ValueError as e:
         raise UnrepresentableDemo(f"the recorded conversations cannot be rendered by the SFT path: {e}") from e
     for i, demo in enumerate(kept):
-        mine, theirs = sft_samples(output, i), endpoint_samples(results[demo.trajectory])
+        mine, theirs = sft_samples(output, i), demo.endpoint
         if mine != theirs:
             raise UnrepresentableDemo(
                 f"trajectory {demo.trajectory}: its SFT rendering differs from what the endpoint sampled ("

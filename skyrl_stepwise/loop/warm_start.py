@@ -20,23 +20,53 @@ from pathlib import Path
 COMPLETE = "COMPLETE"
 
 
-def _conversations(cfg) -> tuple[list[list[dict]], str]:
-    """The SFT conversations and a digest of their content (part of the cache key)."""
+def _conversations(cfg, log=print) -> tuple[list[list[dict]], list[list[dict] | None] | None, str]:
+    """The SFT conversations, each one's own tools (None: no conversation carries any) and a digest of both (part
+    of the cache key)."""
     import pyarrow.parquet as pq
 
-    from skyrl_stepwise.data.demonstrations import build_search_r1_demonstrations, load_conversations
+    from skyrl_stepwise.data.demonstrations import (build_search_r1_demonstrations, load_conversation_tools,
+                                                    load_conversations)
+    from skyrl_stepwise.loop.sft import AGENT_DEMOS
 
+    own: list[list[dict] | None]
     if cfg.sft.data == "embedded":  # observations exactly as the run's search env will format them
         search = cfg.environment.search
         path = build_search_r1_demonstrations(topk=search.topk, env_cfg=search)
         conversations = load_conversations(path)
         found = pq.read_table(path, columns=["answer_found"]).column("answer_found").to_pylist()
         conversations = [c for c, ok in zip(conversations, found) if ok]  # teach answers that are right
+        own = [None] * len(conversations)
+    elif cfg.sft.data == AGENT_DEMOS:  # recorded now through the agent endpoint (loop/agent_demos.py)
+        from skyrl_stepwise.loop.agent_demos import record_for_config
+
+        demos = record_for_config(cfg, log)
+        conversations, own = demos.conversations(), demos.tools()
     else:
         conversations = load_conversations(Path(cfg.sft.data))
-    conversations = conversations[: cfg.sft.max_rows]
-    digest = hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()
-    return conversations, digest
+        own = load_conversation_tools(Path(cfg.sft.data))
+    conversations, own = conversations[: cfg.sft.max_rows], own[: cfg.sft.max_rows]
+    if all(t is None for t in own):  # the digest of data without own tools is what it always was (cached keys hold)
+        return conversations, None, hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()
+    payload = {"conversations": conversations, "tools": own}
+    return conversations, own, hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def check_gateway_conversations(cfg, conversations: list[list[dict]], own: list[list[dict] | None] | None) -> None:
+    """With gateway.enabled the agent program sends its own tool schemas, rendered into every call's prompt; a
+    tool-using SFT conversation without its own tools would be rendered with environment.tool's schemas instead, a
+    prompt the endpoint never renders. Refused naming the rows and the fix."""
+    from skyrl_stepwise.loop.sft import uses_tools
+
+    if not cfg.gateway.enabled:
+        return
+    bare = [i for i, c in enumerate(conversations) if uses_tools(c) and (own is None or own[i] is None)]
+    if bare:
+        raise ValueError(f"sft.data={cfg.sft.data}: conversations {bare[:5]} call tools but carry no `tools` column: "
+                         "with gateway.enabled=true the agent program sends its own tool schemas, and SFT would "
+                         "render environment.tool's instead (prompts the endpoint never renders). Record them through "
+                         "the endpoint (`skyrl-stepwise data agent-demos`, or sft.data=agent_demos), or add a `tools` "
+                         "column (JSON text of the tools the agent sends)")
 
 
 # Generator keys that conversation_samples overrides or that never reach a replayed conversation (the engine is
@@ -48,8 +78,9 @@ _GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_pr
 # SFT keys that never change the trained weights: whether the main job runs it, how often it checkpoints (a resume is
 # exact), and the divergence guard (it only stops a run). num_warmup_steps is in the key: it changes the weights.
 # sft.lora is keyed as the adapter it trains ("lora" below), not as its spelling: null with trainer.lora off and
-# false are the same full SFT, one cached warm start.
-_SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence", "lora"}
+# false are the same full SFT, one cached warm start. sft.agent_demos is how demonstrations are recorded: what they
+# are (the conversations and their tools) is in the key.
+_SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence", "lora", "agent_demos"}
 _SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
 _FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
                          "gradient_checkpointing"}  # where, how fast and in what memory: not what
@@ -146,9 +177,11 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_p
                                             train_sft, uses_tools, warm_start_settings)
     from skyrl_stepwise.policy.worker_group import PolicyGroup
 
-    conversations, digest = _conversations(cfg)
+    conversations, own_tools, digest = _conversations(cfg, log)
+    check_gateway_conversations(cfg, conversations, own_tools)
     tools = configured_tool_schemas(cfg.environment.tool.tools_path) \
-        if any(uses_tools(c) for c in conversations) else None
+        if any(uses_tools(c) and (own_tools is None or own_tools[i] is None)
+               for i, c in enumerate(conversations)) else None
     key = cache_key(cfg, digest, tools, memo_path=cache_root() / "sft" / "file_digests.json")
     out = cache_root() / "sft" / key
     if (out / COMPLETE).is_file():
@@ -156,7 +189,7 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_p
         return out
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-    samples = conversation_samples(tokenizer, conversations, cfg.generator, tools)
+    samples = conversation_samples(tokenizer, conversations, cfg.generator, tools, own_tools)
     batches = sft_batches(samples, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.seed)
     trained = sum(sum(m) for m in samples.loss_masks)
     log(f"sft: {len(conversations)} conversations, {trained} assistant tokens, {len(batches)} steps "
