@@ -17,6 +17,9 @@ from test_tool_call_formats import unrendered_calls
 
 pytest.importorskip("minisweagent")
 require_sandbox()
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the rows name `examples.mini_swe_agent.agent:run`, imported from the repo root
+    sys.path.insert(0, str(REPO))
 
 from examples.mini_swe_agent.agent import SUBMIT, SandboxEnvironment  # noqa: E402
 from minisweagent.exceptions import Submitted  # noqa: E402
@@ -29,7 +32,6 @@ from skyrl_stepwise.generator.output import TrajectoryID  # noqa: E402
 from skyrl_stepwise.inference.scripted import ScriptedEngine  # noqa: E402
 from skyrl_stepwise.sandbox import BwrapSandbox  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "mini_swe_agent"))
 import make_data  # noqa: E402
 
@@ -187,3 +189,23 @@ def test_rows_name_the_agent_and_keep_the_task():
     assert row["extra_info"]["mini_swe_agent"] == {"agent": {"step_limit": 5}}
     assert row["reward_spec"] == task.row()["reward_spec"] and row["prompt"] == task.row()["prompt"]
     assert "fix" not in row["extra_info"]  # the demonstration's answer is not in the agent's row
+
+
+@pytest.mark.integration  # imports the agent (litellm: ~8 s) through the start-up check
+def test_the_recipe_accepts_make_datas_rows(tmp_path):
+    """experiment=repo_fix_mini_swe_agent_tiny reads make_data.py's default folder, and its start-up checks (env
+    class registered, every row naming an importable agent under gateway.enabled) accept the rows."""
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.run.setup import _datasets, check_envs_and_tools
+
+    cfg = load_config(["experiment=repo_fix_mini_swe_agent_tiny"])
+    assert cfg.gateway.enabled and not cfg.sft.enabled
+    assert cfg.data.train_path == "repo_fix_mini_swe_agent/train.parquet"
+    assert cfg.data.val_path == "repo_fix_mini_swe_agent/validation.parquet"
+    assert cfg.generator.max_input_length < cfg.engine.max_model_len
+    paths = make_data.main(["--out", str(tmp_path), "--train", "3", "--validation", "2"])
+    cfg = load_config(["experiment=repo_fix_mini_swe_agent_tiny", f"data.train_path={paths['train']}",
+                       f"data.val_path={paths['validation']}"])
+    train, val = _datasets(cfg)
+    assert (len(train), len(val)) == (3, 2)
+    check_envs_and_tools(cfg, train + val)  # raises naming the row if an agent cannot be imported
