@@ -44,7 +44,7 @@ def _edit_command(path: str, old: str, new: str) -> str:
             f"assert {old!r} in text\np.write_text(text.replace({old!r}, {new!r}, 1))\nEOF")
 
 
-async def _run_agent(task, turns: list[tuple[str, str | None]], **agent_cfg):
+async def _run_agent(task, turns: list[tuple[str, str | None]], max_input_length: int = 16384, **agent_cfg):
     """mini-swe-agent on `task` through the endpoint over a scripted SmolLM2 engine that samples `turns` (text, and
     the bash command it calls, or None for no call). (result, the requests the agent sent, engine, chat, output)."""
     from skyrl_stepwise.gateway.rollout import AgentProgramGenerator, AgentServer
@@ -57,7 +57,7 @@ async def _run_agent(task, turns: list[tuple[str, str | None]], **agent_cfg):
         sampled.append(tok(text + ("\n" + call if call else ""), add_special_tokens=False)["input_ids"]
                        + [chat.close_id])
     engine = ScriptedEngine(lambda prompt, session, i: sampled[min(i, len(sampled) - 1)], tok)
-    gateway = Gateway(tok, engine, GeneratorConfig(thinking_retention="all", max_input_length=16384), GatewayConfig(),
+    gateway = Gateway(tok, engine, GeneratorConfig(thinking_retention="all", max_input_length=max_input_length), GatewayConfig(),
                       renderer=chat)
     requests, results = [], []
     complete, close = gateway.complete, gateway.close_session
@@ -160,6 +160,27 @@ async def test_a_wrong_fix_earns_less_and_a_format_error_is_the_agents_own_busin
     assert metrics["repo_fix/reward"] == 0.0
 
 
+@pytest.mark.integration
+async def test_a_prompt_past_the_context_limit_ends_the_trajectory_graded_not_failed():
+    """The endpoint refuses a prompt longer than generator.max_input_length (400, context_length_exceeded), which
+    litellm raises as ContextWindowExceededError and mini-swe-agent does not catch: the trajectory stopped at the
+    context limit, so the agent program grades the working dir as it is and returns that reward (the run's
+    mask_limit_stops then decides whether it trains), instead of failing the trajectory as an agent error."""
+    task = repo_fix_tasks("train", 1)[0]
+    [fix] = task.fix()
+    turns = [("I fix the bug.", _edit_command(fix["path"], fix["old"], fix["new"])),
+             ("And print a lot.", "python3 -c \"print('x ' * 1500)\""),
+             ("Done.", f"echo {SUBMIT}")]
+    first = (await _run_agent(task, turns[:1]))[2].calls[0][1]  # the first prompt's length, to set the limit by
+    result, requests, engine, chat, out = await _run_agent(task, turns, max_input_length=len(first) + 400)
+    assert result.failure is None, result.failure_message
+    assert len(result.steps) == 2 and len(requests) == 3  # the third request was refused, never sampled
+    assert result.steps[-1].stop_reason == "context_exhausted"
+    assert result.steps[-1].reward == 1.0  # the edit made before the limit is graded
+    assert result.stats.env_metrics["mini_swe_agent/context_exhausted"] == 1.0
+    assert out.rollout_metrics["gateway/refused/context_length_exceeded"] == 1
+
+
 def test_the_environment_runs_in_the_sandbox_refuses_by_policy_and_submits():
     """mini-swe-agent's environment protocol over our sandbox (fast: no model, no litellm)."""
     with BwrapSandbox() as sandbox:
@@ -180,6 +201,8 @@ def test_the_environment_runs_in_the_sandbox_refuses_by_policy_and_submits():
         assert (env.runs, env.refused) == (4, 1)
         assert {"system", "release", "machine"} <= set(env.get_template_vars())
         assert "PATH" not in env.get_template_vars()  # not the trainer's environment
+        with pytest.raises(ValueError, match="environment.timeout: .* bash.wall_s"):
+            SandboxEnvironment(sandbox, timeout=30)
 
 
 def test_rows_name_the_agent_and_keep_the_task():

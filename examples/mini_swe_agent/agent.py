@@ -57,9 +57,12 @@ class SandboxEnvironment:
     (`tools.repo.BashTool`: limits, forbidden patterns), and its refusals and stops are messages to the model."""
 
     def __init__(self, sandbox: BwrapSandbox, *, env: dict[str, str] | None = None, cwd: str = "",
-                 bash: dict[str, Any] | None = None, **_ignored: Any) -> None:
-        # `**_ignored`: keys of mini-swe-agent's configs that only its local/docker environments read (timeout: the
-        # sandbox's wall-clock limit is the bash tool's wall_s)
+                 bash: dict[str, Any] | None = None, **unknown: Any) -> None:
+        if unknown:  # e.g. `timeout` or `environment_class` of mini-swe-agent's local/docker configs: refused, not
+            # silently ignored (the commands would not run the way the config says)
+            raise ValueError(f"mini-swe-agent config environment.{sorted(unknown)[0]}: the sandbox environment takes "
+                             "only env, cwd and bash (the bash tool's limits, e.g. bash.wall_s for a timeout; "
+                             "skyrl_stepwise/tools/repo.py BashToolConfig)")
         self.sandbox = sandbox
         self.tool = BashTool(bash)  # its policy only (limits, forbidden patterns); the runs are made here
         self.env = dict(env or {})
@@ -120,6 +123,13 @@ def observation(result: RunResult, output_bytes: int) -> dict[str, Any]:
     return {"output": result.stdout + result.stderr, "returncode": returncode, "exception_info": info}
 
 
+def context_exhausted(error: Exception, context_error: type) -> bool:
+    """Whether the call failed because the endpoint refused a prompt longer than generator.max_input_length (400,
+    OpenAI error code `context_length_exceeded`). litellm raises it as `ContextWindowExceededError` only when the
+    message matches one of its providers' wordings; otherwise as a BadRequestError carrying the body's code."""
+    return isinstance(error, context_error) or getattr(error, "code", None) == "context_length_exceeded"
+
+
 def task_text(messages: list[dict]) -> str:
     """The task mini-swe-agent's instance template is filled with: the row's last user message (the row's own system
     prompt describes our loop's bash/view/edit tools; mini-swe-agent brings its own prompt and its one bash tool)."""
@@ -165,7 +175,9 @@ def run(task) -> dict[str, Any]:
         agent = DefaultAgent(LitellmModel(**config["model"]), environment, **config["agent"])
         try:
             exit_status = agent.run(task=task_text(task.messages)).get("exit_status", "")
-        except ContextWindowExceededError:  # the endpoint refused a prompt past generator.max_input_length
+        except Exception as e:  # noqa: BLE001 - anything but the context limit fails the trajectory (re-raised)
+            if not context_exhausted(e, ContextWindowExceededError):
+                raise
             exit_status = "ContextWindowExceeded"
         graded = loop.run_until_complete(env.step_turn(ParsedTurn("")))  # no call: the episode ends, graded
         metrics = {k: v for k, v in graded.metrics.items() if k not in ("tool_calls", "turns")}
