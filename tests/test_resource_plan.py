@@ -126,3 +126,29 @@ def test_the_longest_prompt_is_measured_rendered(tokenizer):
 def test_fewer_validation_rows_than_max_eval_prompts_are_what_is_in_flight(model_path, monkeypatch):
     cfg = _recipe(model_path, monkeypatch, native_bf16=True)
     assert _plan(cfg, eval_rows=20).demand.trajectories == 20  # > 4 prompts x 4 samples, < 128
+
+
+def test_lora_plans_the_frozen_base_and_a_bounded_adapter_not_adamw_on_every_weight(model_path, monkeypatch):
+    """With trainer.lora the policy holds fp32 base weights (no gradients, no moments) and a small adapter: the plan
+    says so, and a host too small for full fine-tuning's policy fits LoRA's."""
+    from transformers import AutoConfig
+
+    from skyrl_stepwise.run.resource_plan import lora_params_bound
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    bound = lora_params_bound(SMOLLM2_PARAMS, hf_config, rank=8)
+    assert 2_442_240 <= bound < SMOLLM2_PARAMS // 10  # above the adapter peft builds (2,442,240 parameters)
+    full = _recipe(model_path, monkeypatch, native_bf16=False)
+    lora = _recipe(model_path, monkeypatch, native_bf16=False)
+    lora.trainer.lora.enabled = True
+    full_plan, lora_plan = _plan(full), _plan(lora)
+    assert 4 * SMOLLM2_PARAMS < lora_plan.policy < full_plan.policy - 10 * SMOLLM2_PARAMS
+    # a host that holds LoRA's components but not full fine-tuning's, before any KV cache
+    fixed = lambda plan: plan.total - plan.num_engines * plan.kv_bytes  # noqa: E731
+    between = (fixed(lora_plan) + fixed(full_plan)) // 2
+    host = MemoryView("host", between, between)
+    with pytest.raises(ResourcePlanError, match="before any KV cache"):
+        _plan(full, host=host, node=BIG_HOST)
+    with pytest.raises(ResourcePlanError) as refused:  # LoRA passes that check and only lacks room for a KV cache
+        _plan(lora, host=host, node=BIG_HOST)
+    assert "before any KV cache" not in str(refused.value)

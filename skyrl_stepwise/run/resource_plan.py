@@ -198,12 +198,26 @@ def policy_bytes(cfg, params: int, hf_config) -> int:
     micro-batch's activations (its logits in fp32 three times over: logits, log-softmax, their gradient)."""
     t = cfg.trainer
     state = 16 * params + (4 * params if t.algorithm.use_kl_loss else 0)
+    if t.lora.enabled:  # the frozen base in fp32 (it is also the reference) + the adapter's 16 bytes a parameter
+        state = 4 * params + 16 * lora_params_bound(params, hf_config, t.lora.rank)
     hidden = getattr(hf_config, "hidden_size", 1024)
     layers = getattr(hf_config, "num_hidden_layers", 24)
     vocab = getattr(hf_config, "vocab_size", 32000)
     tokens = t.micro_batch_tokens
     activations = tokens * (3 * 4 * vocab + (2 if t.fsdp.gradient_checkpointing else 16) * 4 * hidden * layers)
     return state + activations * t.fsdp.world_size
+
+
+def lora_params_bound(params: int, hf_config, rank: int) -> int:
+    """An upper bound on a rank-r adapter's size without building the model: a linear layer of in x out weights
+    gets r x (in + out), at most 2r / min(in, out) of its own size, and the narrowest projection is the smaller of
+    the hidden size and the key/value width (GQA). Bounded by the model's size (SmolLM2-135M, rank 8: 11M; 2.4M
+    train)."""
+    hidden = getattr(hf_config, "hidden_size", 1024)
+    heads = getattr(hf_config, "num_attention_heads", 16) or 16
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    kv_width = (getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim
+    return min(params, int(2 * rank * params / max(1, min(hidden, kv_width))))
 
 
 def retriever_bytes(cfg, needs_search: bool) -> int:
