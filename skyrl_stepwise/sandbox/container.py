@@ -113,7 +113,8 @@ def wrapper_script(limits: Limits) -> str:
     whatever it left behind, and its exit status (128+N for a signal, as bwrap reports it)."""
     kib = max(limits.memory_bytes // 1024, 1)
     blocks = max(limits.file_size_bytes // 512, 1)  # POSIX sh's `ulimit -f` unit (dash, busybox, bash as sh)
-    return (f"ulimit -H -t {limits.cpu_s + 1} && ulimit -S -t {limits.cpu_s} && ulimit -v {kib} && "
+    # soft CPU first (a hard limit below the current soft one is EINVAL), then hard = soft + 1: SIGXCPU, then KILL
+    return (f"ulimit -S -t {limits.cpu_s} && ulimit -H -t {limits.cpu_s + 1} && ulimit -v {kib} && "
             f"ulimit -f {blocks} && ulimit -n {limits.open_files} && ulimit -c 0 || exit 125\n"
             f"printf '{START_MARKER_PRINTF}'\n"
             "/bin/sh -c \"$1\"\n"
