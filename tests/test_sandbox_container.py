@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import processes_with
+from sandbox_helpers import FAKE_IMAGE, fake_calls, install_fake_docker, processes_with
 from skyrl_stepwise.sandbox import (
     ContainerSandbox,
     Limits,
@@ -49,7 +49,7 @@ from skyrl_stepwise.sandbox.container import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-IMAGE = "fake/python:3"
+IMAGE = FAKE_IMAGE
 
 
 @pytest.fixture(autouse=True)
@@ -64,22 +64,10 @@ def _restore_backend():
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch) -> Path:
     """A fake `docker` first on PATH; returns its state dir (argv.jsonl, containers/)."""
-    bindir, state = tmp_path / "bin", tmp_path / "state"
-    bindir.mkdir()
-    state.mkdir()
-    launcher = bindir / "docker"
-    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {REPO / 'tests/fake_container_cli.py'} \"$@\"\n")
-    launcher.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    monkeypatch.setenv("DOCKER_FAKE_STATE", str(state))
-    assert shutil.which("docker") == str(launcher)  # never the real CLI (nor a real daemon) in these tests
-    return state
+    return install_fake_docker(tmp_path, monkeypatch)
 
 
-def calls(state: Path, verb: str) -> list[list[str]]:
-    """The fake's recorded argvs whose verb is `verb`."""
-    lines = (state / "argv.jsonl").read_text().splitlines() if (state / "argv.jsonl").exists() else []
-    return [argv for argv in map(json.loads, lines) if argv[0] == verb]
+calls = fake_calls
 
 
 def flag(argv: list[str], name: str) -> list[str]:
@@ -270,3 +258,15 @@ def test_the_fake_rewrites_exactly_the_sandboxs_kill_and_probe():
     """The fake emulates `kill -KILL -1` and the OOM probe by their text: it must be the text the sandbox sends."""
     text = (REPO / "tests/fake_container_cli.py").read_text()
     assert repr(container_module.KILL_ALL).strip("'") in text and container_module.OOM_PROBE in text
+
+
+def test_a_run_asking_for_docker_without_a_daemon_stops_at_start_up(fake_docker):
+    """build_env_registry (the run's start-up) checks the configured container backend before anything runs."""
+    from skyrl_stepwise.envs.builtin import build_env_registry
+    from skyrl_stepwise.run.config import EnvironmentConfig
+
+    (fake_docker / "no-daemon").write_text("")
+    environment = EnvironmentConfig(sandbox=SandboxConfig(backend="docker", image=IMAGE))
+    with pytest.raises(SandboxUnavailable, match=r"environment\.sandbox\.backend=docker.*Cannot connect"):
+        build_env_registry(environment)
+    assert sandbox_config().backend == "bwrap"
