@@ -26,7 +26,7 @@ STATE = Path(os.environ.get("DOCKER_FAKE_STATE", "/nonexistent"))  # set by the 
 IMAGE = "fake/python:3"
 VALUED = {"--pull", "--label", "--network", "--tmpfs", "--memory", "--memory-swap", "--pids-limit", "--cpus",
           "--cap-drop", "--security-opt", "--ulimit", "--user", "--mount", "--workdir", "-e", "--filter", "--format",
-          "-f"}
+          "-f"}  # (`rm -f` is read apart: there -f takes no value)
 
 
 def options(args: list[str]) -> tuple[dict[str, list[str]], list[str]]:
@@ -94,9 +94,12 @@ def main(argv: list[str]) -> None:
         print(cid)
     elif verb == "ps":
         for path in sorted((STATE / "containers").glob("*.json")):
-            print(f"{path.stem} {json.loads(path.read_text())['label']}")
+            print(path.stem)
     elif verb == "inspect":
-        print("false")
+        info = container(rest[-1])
+        if info is None:
+            fail(f"Error: No such object: {rest[-1]}")
+        print(info["label"] if "Labels" in rest[-2] else "false")
     elif verb == "rm":
         for cid in [a for a in rest if not a.startswith("-")]:
             if container(cid) is None:

@@ -132,15 +132,16 @@ def container_exec_argv(cli: str, container: str, command: str, limits: Limits, 
 def sweep_stale_containers(cli: str) -> list[str]:
     """Remove this host's sandbox containers whose owning trainer is dead (SIGKILLed: its `close()` never ran),
     found by their owner label; another host's or a live process's containers are left alone."""
-    proc = _cli([cli_binary(cli), "ps", "-a", "--filter", f"label={OWNER_LABEL}", "--format",
-                 "{{.ID}} {{.Label \"%s\"}}" % OWNER_LABEL])
+    path = cli_binary(cli)
+    listed = _cli([path, "ps", "-a", "-q", "--no-trunc", "--filter", f"label={OWNER_LABEL}"])
     removed = []
     host = socket.gethostname()
-    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
-        cid, _, owner = line.strip().partition(" ")
-        owner_host, _, pid = owner.rpartition("/")
-        if cid and owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
-            if _cli([cli_binary(cli), "rm", "-f", cid]).returncode == 0:
+    for cid in listed.stdout.split() if listed.returncode == 0 else []:
+        # `inspect` with index .Config.Labels reads the same in docker and podman (their `ps` templates differ)
+        owner = _cli([path, "inspect", "--format", '{{index .Config.Labels "%s"}}' % OWNER_LABEL, cid]).stdout
+        owner_host, _, pid = owner.strip().rpartition("/")
+        if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+            if _cli([path, "rm", "-f", cid]).returncode == 0:
                 removed.append(cid)
     return removed
 
