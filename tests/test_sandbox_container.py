@@ -12,11 +12,9 @@ own reason (skipped only where no docker CLI is installed, or where a daemon ans
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -145,7 +143,8 @@ def test_lifecycle_start_run_close(fake_docker, tmp_path):
     metrics = SandboxMetrics()
     sb = open_sandbox("docker", files_from=task, metrics=metrics, image=IMAGE)
     assert isinstance(sb, ContainerSandbox) and isinstance(sb, Sandbox)
-    [run_d] = [a for a in calls(fake_docker, "run") if flag(a, "--mount")[0].startswith(f"type=bind,source={sb.workdir},")]
+    [run_d] = calls(fake_docker, "run")
+    assert flag(run_d, "--mount") == [f"type=bind,source={sb.workdir},target=/work"]
     assert flag(run_d, "--network") == ["none"]
     result = sb.run("cat given.txt; echo oops >&2; exit 3")
     assert result == RunResult(stdout="from the task\n", stderr="oops\n", exit_code=3, signal=None,

@@ -24,7 +24,7 @@ from skyrl_stepwise.sandbox.bwrap import WORKDIR_IN_SANDBOX, BwrapSandbox, check
 from skyrl_stepwise.sandbox.container import ContainerSandbox
 
 __all__ = [
-    "BACKENDS", "BwrapSandbox", "ContainerSandbox", "Limits", "SandboxConfig", "check_backend_available",
-    "configure_sandbox", "open_sandbox", "sandbox_config", "RunResult", "Sandbox", "SandboxMetrics", "SandboxPathError", "SandboxUnavailable",
-    "StopReason", "WORKDIR_IN_SANDBOX", "check_sandbox_available",
+    "BACKENDS", "BwrapSandbox", "ContainerSandbox", "Limits", "RunResult", "Sandbox", "SandboxConfig",
+    "SandboxMetrics", "SandboxPathError", "SandboxUnavailable", "StopReason", "WORKDIR_IN_SANDBOX",
+    "check_backend_available", "check_sandbox_available", "configure_sandbox", "open_sandbox", "sandbox_config",
 ]
