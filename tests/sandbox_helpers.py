@@ -26,3 +26,49 @@ def processes_with(marker: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+FAKE_IMAGE = "fake/python:3"  # the only image tests/fake_container_cli.py "has"
+
+
+def install_fake_docker(tmp_path, monkeypatch):
+    """Put a FAKE `docker` (tests/fake_container_cli.py) first on PATH and return its state dir (argv.jsonl,
+    containers/). It runs exec'd commands on the host: it tests our plumbing, never container isolation."""
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    bindir, state = tmp_path / "fake-bin", tmp_path / "fake-state"
+    bindir.mkdir()
+    state.mkdir()
+    launcher = bindir / "docker"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {repo / 'tests/fake_container_cli.py'} \"$@\"\n")
+    launcher.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("DOCKER_FAKE_STATE", str(state))
+    assert shutil.which("docker") == str(launcher)  # never the real CLI (nor a real daemon)
+    return state
+
+
+def use_fake_docker_backend(tmp_path, monkeypatch):
+    """`environment.sandbox.backend: docker` on the fake CLI for this test (restored after it); the state dir."""
+    from skyrl_stepwise.sandbox import SandboxConfig, configure_sandbox
+    from skyrl_stepwise.sandbox import backends
+    from skyrl_stepwise.sandbox.container import check_container_available
+
+    state = install_fake_docker(tmp_path, monkeypatch)
+    check_container_available.cache_clear()
+    monkeypatch.setattr(backends, "_configured", backends._configured)  # put back after the test
+    configure_sandbox(SandboxConfig(backend="docker", image=FAKE_IMAGE))
+    return state
+
+
+def fake_calls(state, verb: str) -> list[list[str]]:
+    """The fake CLI's recorded argvs whose verb is `verb`."""
+    import json
+
+    path = state / "argv.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [argv for argv in map(json.loads, lines) if argv[0] == verb]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox_helpers import require_sandbox
+from sandbox_helpers import fake_calls, require_sandbox, use_fake_docker_backend
 from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
 from skyrl_stepwise.data.humaneval import humaneval_rows, load_problems
 from skyrl_stepwise.envs import humaneval as humaneval_module
@@ -97,6 +97,19 @@ async def test_shortcuts_do_not_pay(rows, monkeypatch):
     assert reward == 0.0 and metrics["humaneval/grade_timeout"] == 1.0
     reward, metrics, _ = await _answer(row, "I cannot solve this.")
     assert (reward, metrics["answered"]) == (0.0, 0.0)
+
+
+async def test_the_episode_and_its_grading_run_on_the_configured_backend(rows, tmp_path, monkeypatch):
+    """environment.sandbox.backend: docker (a FAKE docker CLI: our plumbing, not container isolation): the python
+    tool's runs and the hidden tests go through `docker exec`, one container per sandbox, each removed."""
+    state = use_fake_docker_backend(tmp_path, monkeypatch)
+    problem = load_problems()[0]
+    reward, metrics, observations = await _answer(rows[problem["task_id"]],
+                                                  f"```python\n{_full_solution(problem)}```", ["print(6 * 7)"])
+    assert reward == 1.0 and observations[0]["content"] == "42" and metrics["sandbox/runs"] == 1.0
+    started = fake_calls(state, "run")
+    assert len(started) >= 2 and len(fake_calls(state, "rm")) == len(started)  # episode + grader (+ probe)
+    assert any(c[-1] == "python3 -" for c in fake_calls(state, "exec"))
 
 
 async def test_a_row_without_tests_is_refused_with_the_reason():

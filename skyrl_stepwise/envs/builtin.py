@@ -98,7 +98,11 @@ def build_env_registry(environment) -> EnvRegistry:
     from skyrl_stepwise.envs.search import register_search_env
     from skyrl_stepwise.envs.tool import register_tool_env
     from skyrl_stepwise.envs.toy import KeywordEnv
+    from skyrl_stepwise.sandbox.backends import configure_sandbox
 
+    # the sandbox backend of every sandboxed env/tool built below or per trajectory (a container backend is checked
+    # here, at start-up: SandboxUnavailable naming environment.sandbox.backend and why)
+    configure_sandbox(getattr(environment, "sandbox", None))
     registry = EnvRegistry()
     register_search_env(registry, environment.search)
     register_tool_env(registry, environment.tool, environment.search.search_url)

@@ -21,7 +21,8 @@ from typing import Any
 
 from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import Message, StepResult
-from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, StopReason
+from skyrl_stepwise.sandbox import Limits, Sandbox, SandboxMetrics, StopReason
+from skyrl_stepwise.sandbox.backends import open_sandbox
 from skyrl_stepwise.tools import ToolExecutor, to_messages
 from skyrl_stepwise.tools.executor import run_turn_calls
 from skyrl_stepwise.tools.code import PythonTool
@@ -52,7 +53,7 @@ class HumanEvalEnv:
 
     def __init__(self) -> None:
         self.spec: dict[str, Any] = {}
-        self.sandbox: BwrapSandbox | None = None
+        self.sandbox: Sandbox | None = None
         self.sandbox_metrics = SandboxMetrics()  # this episode's tool runs, by why they stopped
         self.executor: ToolExecutor | None = None
         self.tool_schemas: list[dict] = [PythonTool.default_schema]
@@ -68,7 +69,7 @@ class HumanEvalEnv:
         self.spec = dict(spec)
         self.max_turns = int(extras.get("max_turns", self.max_turns_default))
         self.turns = 0
-        self.sandbox = await asyncio.to_thread(BwrapSandbox, metrics=self.sandbox_metrics)
+        self.sandbox = await asyncio.to_thread(open_sandbox, metrics=self.sandbox_metrics)
         self.executor = ToolExecutor({"python": PythonTool().bound_to(self.sandbox)}, self.tool_timeout_s)
         return list(prompt_messages)
 
@@ -98,7 +99,7 @@ class HumanEvalEnv:
     def _grade(self, solution: str) -> tuple[bool, StopReason]:
         """Run the hidden tests on the solution in a fresh, empty sandbox."""
         token = f"HUMANEVAL-PASSED-{secrets.token_hex(16)}"
-        with BwrapSandbox(limits=GRADE_LIMITS) as grader:
+        with open_sandbox(limits=GRADE_LIMITS) as grader:
             result = grader.run("python3 -", stdin=grading_program(self.spec, solution, token))
         passed = result.ok and result.stdout.rstrip("\n").rsplit("\n", 1)[-1] == token
         return passed, result.stop_reason

@@ -29,7 +29,8 @@ from typing import Any
 
 from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import Message, StepResult
-from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
+from skyrl_stepwise.sandbox import Limits, Sandbox, SandboxMetrics, SandboxPathError, StopReason
+from skyrl_stepwise.sandbox.backends import open_sandbox
 from skyrl_stepwise.tools import ToolExecutor, to_messages
 from skyrl_stepwise.tools.executor import run_turn_calls
 from skyrl_stepwise.tools.repo import REPO_TOOLS
@@ -113,7 +114,7 @@ class RepoFixEnv:
 
     def __init__(self) -> None:
         self.hidden_tests = ""
-        self.sandbox: BwrapSandbox | None = None
+        self.sandbox: Sandbox | None = None
         self.sandbox_metrics = SandboxMetrics()
         self.executor: ToolExecutor | None = None
         self.tool_schemas: list[dict] = [cls.default_schema for cls in REPO_TOOLS.values()]
@@ -124,7 +125,7 @@ class RepoFixEnv:
         files, self.hidden_tests = check_task(extras.get("reward_spec") or {}, extras.get("instance_id"))
         self.max_turns = int(extras.get("max_turns", self.max_turns_default))
         self.turns = 0
-        self.sandbox = await asyncio.to_thread(BwrapSandbox, metrics=self.sandbox_metrics)
+        self.sandbox = await asyncio.to_thread(open_sandbox, metrics=self.sandbox_metrics)
         try:
             for f in files:  # write_file is confined: a row naming "../x" is refused, never written outside
                 await asyncio.to_thread(self.sandbox.write_file, f["path"], f["content"])

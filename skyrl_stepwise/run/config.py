@@ -15,6 +15,7 @@ from skyrl_stepwise.gateway.config import GatewayConfig, check_generator_for_gat
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.run.placement import PlacementConfig
+from skyrl_stepwise.sandbox.backends import SandboxConfig
 from skyrl_stepwise.policy.config import TrainerConfig
 from skyrl_stepwise.loop.sft import AGENT_DEMOS, SFTConfig
 from skyrl_stepwise.policy.weight_sync import WeightSyncConfig
@@ -56,6 +57,8 @@ class EnvironmentConfig:
     search: SearchEnvConfig = field(default_factory=SearchEnvConfig)
     tool: ToolEnvConfig = field(default_factory=ToolEnvConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    # where sandboxed envs/tools (humaneval, repo_fix, the python tool) run code: bwrap (default) | docker | podman
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     # the run's own env classes, by the name rows use in env_class: {guess: my_pkg.guess:GuessEnv} (a class or a
     # no-argument factory; the module importable). Installed packages can add theirs through the entry-point
     # group `skyrl_stepwise.envs`. Every row's env_class is checked against these and the built-ins at start-up.

@@ -1,6 +1,6 @@
 """What every sandbox backend shares: the limits a run gets, what a run returns, why it stopped, the counters, and
-the `Sandbox` protocol (bubblewrap today; Docker/Podman or a remote backend such as E2B/Modal plug in by
-implementing the same five methods).
+the `Sandbox` protocol (bubblewrap by default, Docker/Podman in container.py; a remote backend such as E2B/Modal
+plugs in by implementing the same methods and a branch of backends.open_sandbox).
 
 A sandbox is started once per trajectory with a private working directory holding a copy of the task's files;
 commands run inside it, one at a time, and `close()` kills whatever is left and removes the directory.
@@ -17,7 +17,8 @@ from typing import Protocol, runtime_checkable
 
 
 class SandboxUnavailable(RuntimeError):
-    """The sandbox cannot start on this machine (not Linux, no user namespaces, bwrap missing or failing). Raised
+    """The sandbox cannot start on this machine (not Linux, no user namespaces, bwrap missing or failing; no docker
+    daemon, no image). Raised
     instead of ever running the code on the host: the message names the reason and what to do about it."""
 
 
@@ -121,8 +122,9 @@ class SandboxMetrics:
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """One trajectory's sandbox. Backends: `BwrapSandbox` (default, Linux); a container or remote backend
-    implements the same methods. Use as a context manager so it closes also when the trajectory fails."""
+    """One trajectory's sandbox. Backends: `BwrapSandbox` (default, Linux), `ContainerSandbox` (docker/podman); a
+    remote backend implements the same methods. Open one with backends.open_sandbox; use it as a context manager
+    so it closes also when the trajectory fails."""
 
     workdir: Path  # the host directory backing the sandbox's working directory
 

@@ -153,6 +153,7 @@ def run_process(
     preamble: bytes = b"",
     start_lock: threading.Lock | None = None,
     closed: Callable[[], bool] | None = None,
+    env: dict[str, str] | None = None,
 ) -> RunResult:
     """Run `argv` (a full bwrap command line) under `limits`; the run sits in `runs` while it lives, so the
     sandbox's close() can kill a run still going in another thread. The command's wrapper prints
@@ -162,7 +163,10 @@ def run_process(
     `start_lock` / `closed`: the process starts and joins `runs` under the lock the sandbox's close() takes to kill
     them, so a close() in another thread either comes first (`closed()` is then true: SandboxClosed, nothing
     starts) or finds the run registered and kills it; without the lock a run started a moment before close() was
-    missed, and outlived its sandbox."""
+    missed, and outlived its sandbox.
+
+    `env`: the environment of the host-side process (bwrap: a bare PATH; a container CLI needs e.g. DOCKER_HOST or
+    XDG_RUNTIME_DIR to reach its daemon). What runs inside gets its environment from the backend, never this."""
     start = time.monotonic()
     with start_lock or contextlib.nullcontext():
         if closed is not None and closed():
@@ -171,10 +175,11 @@ def run_process(
             proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
-                env={"PATH": "/usr/bin:/bin"},
+                env=env if env is not None else {"PATH": "/usr/bin:/bin"},
             )
         except (OSError, subprocess.SubprocessError) as e:  # bwrap missing, the uid switch or an rlimit refused
-            raise SandboxUnavailable(f"could not start bwrap ({argv[0]}): {type(e).__name__}: {e}") from e
+            raise SandboxUnavailable(f"could not start {os.path.basename(argv[0])} ({argv[0]}): "
+                                     f"{type(e).__name__}: {e}") from e
         run = Run(proc)
         runs.add(run)
     try:
@@ -191,7 +196,8 @@ def run_process(
         head = b"".join(out.chunks)
         if not head.startswith(preamble):
             if why is None:
-                raise SandboxUnavailable(f"bwrap could not start the sandbox: {err.text().strip()[:500]!r}")
+                raise SandboxUnavailable(f"{os.path.basename(argv[0])} could not start the sandbox: "
+                                         f"{err.text().strip()[:500]!r}")
         else:
             out.chunks = [head[len(preamble):]]
     wall = time.monotonic() - start

@@ -15,10 +15,15 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from skyrl_stepwise.sandbox import BwrapSandbox, Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
-from skyrl_stepwise.sandbox import check_sandbox_available
+from skyrl_stepwise.sandbox import Limits, RunResult, Sandbox, SandboxMetrics, SandboxUnavailable, StopReason
+from skyrl_stepwise.sandbox.backends import check_backend_available, open_sandbox
 from skyrl_stepwise.tools.base import Tool, ToolUnavailable
 from skyrl_stepwise.tools.config import ToolConfigError
+
+
+def check_sandbox_available() -> str:
+    """The configured backend's start-up check (environment.sandbox.backend): SandboxUnavailable, naming why."""
+    return check_backend_available()
 
 
 @dataclass
@@ -78,13 +83,13 @@ class PythonTool(Tool):
     config_class = PythonToolConfig
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None,
-                 sandbox: BwrapSandbox | None = None, metrics: SandboxMetrics | None = None) -> None:
+                 sandbox: Sandbox | None = None, metrics: SandboxMetrics | None = None) -> None:
         super().__init__(config, tool_schema)
         check_sandbox_available()  # refuse at start-up, with the reason, instead of ever running unsandboxed
         self.sandbox = sandbox
         self.metrics = metrics if metrics is not None else (sandbox.metrics if sandbox else SandboxMetrics())
 
-    def bound_to(self, sandbox: BwrapSandbox) -> PythonTool:
+    def bound_to(self, sandbox: Sandbox) -> PythonTool:
         """The same tool (config, schema) running every call in one trajectory's sandbox."""
         return PythonTool(self.config, self.schema, sandbox=sandbox, metrics=sandbox.metrics)
 
@@ -104,5 +109,5 @@ class PythonTool(Tool):
         limits = self.cfg.limits()
         if self.sandbox is not None:
             return self.sandbox.run("python3 -", stdin=code, limits=limits)
-        with BwrapSandbox(limits=limits, network=self.cfg.network, metrics=self.metrics) as sandbox:
+        with open_sandbox(limits=limits, network=self.cfg.network, metrics=self.metrics) as sandbox:
             return sandbox.run("python3 -", stdin=code)

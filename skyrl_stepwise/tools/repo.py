@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxPathError, SandboxUnavailable, check_sandbox_available
+from skyrl_stepwise.sandbox import Limits, Sandbox, SandboxPathError, SandboxUnavailable
 from skyrl_stepwise.tools.base import FailedCall, Tool, ToolUnavailable
-from skyrl_stepwise.tools.code import format_run
+from skyrl_stepwise.tools.code import check_sandbox_available, format_run
 from skyrl_stepwise.tools.config import ToolConfigError
 
 # Commands a repo-fixing episode has no use for: the sandbox has no network, so these can only waste a turn (or,
@@ -67,16 +67,16 @@ class _BoundTool(Tool):
     `bound_to(sandbox)` by the env for each episode. An unbound call is refused: there is no working dir to use."""
 
     def __init__(self, config: dict[str, Any] | None = None, tool_schema: dict[str, Any] | None = None,
-                 sandbox: BwrapSandbox | None = None) -> None:
+                 sandbox: Sandbox | None = None) -> None:
         super().__init__(config, tool_schema)
         check_sandbox_available()  # refuse at start-up, with the reason, instead of ever running unsandboxed
         self.sandbox = sandbox
 
-    def bound_to(self, sandbox: BwrapSandbox):
+    def bound_to(self, sandbox: Sandbox):
         """The same tool (config, schema) acting on one trajectory's sandbox."""
         return type(self)(self.config, self.schema, sandbox=sandbox)
 
-    def _sandbox(self) -> BwrapSandbox:
+    def _sandbox(self) -> Sandbox:
         if self.sandbox is None:
             raise ToolUnavailable(f"{self.name}: not bound to a trajectory's sandbox (use env_class repo_fix)")
         return self.sandbox
