@@ -227,5 +227,7 @@ def test_vllm_takes_the_sft_base_in_full_then_adapter_bytes_from_a_folder_it_can
     base_sft = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     base_sft.load_state_dict(sft.state_dict())
     assert _close(out[0].logprobs, _score(base_sft, prompt, out[0].token_ids), 2e-3)  # the SFT base, no adapter
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    assert not _close(out[0].logprobs, _score(base, prompt, out[0].token_ids), 2e-2)  # ... not the one it started on
     for v in (1, 2, 3):
         assert _close(out[v].logprobs, _score(_reseed(policy, v, SCALE), prompt, out[v].token_ids), 2e-3), v
