@@ -76,6 +76,7 @@ def test_config_accepts_adapter_sync_with_the_sft_warm_start():
     assert cfg.sft.enabled and cfg.trainer.lora.sync == "adapter" and cfg.engine.max_lora_rank == 8
 
 
+@pytest.mark.integration  # three tiny models and an engine: > 2 s on a loaded 2-core box
 def test_an_engine_loads_the_adapters_bytes_after_the_senders_folder_is_gone(tiny_dirs, tmp_path):
     """What reaches the engine is bytes: the folder they were read from (another node's, for a remote engine) is
     deleted before the call, and the engine writes and serves its own copy, removed when the version goes."""
@@ -107,6 +108,24 @@ def test_an_engine_loads_the_adapters_bytes_after_the_senders_folder_is_gone(tin
     assert not any(str(p).startswith(str(tmp_path)) for p in own.values())  # its own folders, not the sender's
     engine.shutdown()
     assert not own[2].exists() and not own[3].exists()
+
+
+def test_an_engine_on_another_node_than_policy_rank_0_is_accepted():
+    """The adapter reaches engines as bytes, so an engine away from rank 0's node serves it too (it was refused)."""
+    from skyrl_stepwise.inference import EngineConfig
+    from skyrl_stepwise.policy.weight_sync import check_adapter_engines
+
+    class Group:
+        node_ids = ["node-a"]
+
+    class Away:
+        node_id, cfg = "node-b", EngineConfig(max_lora_rank=8)
+
+        async def load_adapter(self, adapter, version):
+            return [version]
+
+    check_adapter_engines(WeightSyncConfig(), Group(), Away())
+    assert WeightSync(WeightSyncConfig(), Group(), Away(), lora_sync="adapter").method == "adapter"
 
 
 def test_adapter_files_are_exactly_peft_s_two_files(tmp_path):
