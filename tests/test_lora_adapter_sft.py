@@ -161,6 +161,11 @@ def test_sft_base_goes_in_once_in_full_then_adapters_by_version_and_the_probe_ch
     assert metrics["sync/adapter_version"] == 2 and metrics["sync/probe_changed_tokens"] > 0
     assert engine.full_loads == 1 and sync.history == [("base", 0), ("adapter", 1), ("adapter", 2)]
     assert 0 < metrics["sync/adapter_bytes"] < 200_000
+    # what a base sync sends (any carrier): the SFT weights bit for bit, the trained adapter left out
+    sft_state, merged = dict(_state(sft_dir)), group.call("full_state_dict")
+    assert group.call("full_state_dict", True).keys() == sft_state.keys() == merged.keys()
+    assert all(torch.equal(t, sft_state[n]) for n, t in group.call("full_state_dict", True).items())
+    assert not all(torch.equal(t, sft_state[n]) for n, t in merged.items())
 
     # an engine restarted on its start-up model (the pre-SFT base): the next sync sends the base again first
     asyncio.run(engine.inner.update_weights(_state(base_dir)))

@@ -559,8 +559,9 @@ class PolicyWorker:
         The first policy rank on each of those nodes writes the file there; rank 0, which gathers the full state,
         sends it to the other writers over the trainer's own process group (one rank per GPU, so nothing NCCL
         refuses, unlike a group with the engines colocated on the same GPUs). Where `path`'s filesystem
-        (/dev/shm) lacks room, a writer uses the temp dir and says so. Returns the parameter count, the bytes
-        written and `paths`: node -> the file there."""
+        (/dev/shm) lacks room, a writer uses the temp dir and says so. `base_only`: the LoRA base without the
+        adapter (full_state_dict). Returns the parameter count, the bytes written and `paths`: node -> the file
+        there."""
         from skyrl_stepwise.inference.weights import current_node_id, weights_target, write_weights_file
 
         engine_dtype = getattr(torch, dtype)
@@ -685,7 +686,8 @@ class PolicyWorker:
 
     def broadcast_weights(self, manifest: list, base_only: bool = False) -> dict[str, int]:
         """Gather each parameter in turn (every rank: FSDP all-gathers are collectives) and let rank 0 broadcast
-        it, bucket by bucket in the engines' dtype, to the engine workers; collective.
+        it, bucket by bucket in the engines' dtype, to the engine workers; collective. `base_only`: the LoRA base
+        without the adapter, under the same names (full_state_dict).
 
         Rank 0 holds one full tensor and one bucket at a time, not the whole model, and nothing reaches the driver
         but two counts. The manifest is checked on every rank before the first collective, so a mismatch fails
