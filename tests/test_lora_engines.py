@@ -210,10 +210,12 @@ def test_an_adapter_sync_keeps_only_the_window_of_folders(tiny_dir, tmp_path):
     sync = WeightSync(WeightSyncConfig(), group, _hf_engine(tiny_dir, max_loras=2), lora_sync="adapter")
     for _ in range(3):
         asyncio.run(sync.sync())
-    assert [d.name[-2:] for d in sync._adapter_dirs] == ["v2", "v3"] and all(d.exists() for d in sync._adapter_dirs)
+    folders = sync.engine.adapter_folders.folders  # the engine's own, written from the bytes it received
+    assert [d.name[-2:] for d in folders.values()] == ["v2", "v3"] and all(d.exists() for d in folders.values())
     assert sync.engine.adapters == [2, 3]
-    kept = list(sync._adapter_dirs)
+    kept = list(folders.values())
     sync.close()
+    sync.engine.shutdown()
     assert not any(d.exists() for d in kept)
 
 

@@ -111,7 +111,9 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         logger.info(f"packing: {packing['packing']} (trainer.packing={cfg.trainer.packing}) on {packing['layout']}; "
                     f"{packing['check']}")
         if cfg.sft.enabled:
-            await weight_sync.sync()  # the engines still hold the base model
+            # the engines still hold the base model: the SFT model goes in once, in full (with
+            # trainer.lora.sync=adapter it is the base every adapter version after it applies to)
+            await weight_sync.sync_base()
             await evals.run("after SFT")
         tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
                           dataclasses.asdict(cfg))
@@ -146,7 +148,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         if agents is not None:
             await agents.stop()
         if weight_sync is not None:
-            weight_sync.close()  # adapter folders (trainer.lora.sync=adapter) in shared memory
+            weight_sync.close()
         if policy is not None:
             policy.shutdown()
         if engine is not None:

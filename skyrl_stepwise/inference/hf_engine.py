@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from skyrl_stepwise.inference.adapter_files import ADAPTER_CONFIG, AdapterFiles, AdapterFolders, as_adapter_files
 from skyrl_stepwise.inference.base import GenerationResult, SamplingParams, validate_prompt
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.inference.truncation import truncate_logits
@@ -87,6 +88,7 @@ class HFEngine:
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self.adapters: list[int] = []  # policy versions loaded as peft adapters f"v{version}", oldest first
         self.active_adapter: int | None = None  # what a new request samples with (None: the base model)
+        self.adapter_folders = AdapterFolders()  # the loaded versions' folders, written from the bytes received
         self._loop: asyncio.AbstractEventLoop | None = None  # queue/lock/worker belong to one event loop
 
     def _ensure_worker(self) -> None:
@@ -202,7 +204,7 @@ class HFEngine:
         """Copy new weights in place between batches; names are HF checkpoint names (model.state_dict())."""
         self._ensure_worker()
         state = self.model.state_dict()
-        tensors = list(named_tensors)
+        tensors = [(self._base_name(name, state), tensor) for name, tensor in named_tensors]
         unknown = [name for name, _ in tensors if name not in state]
         if unknown:
             raise KeyError(f"update_weights: unknown parameter name(s) {unknown[:5]} (expected HF names like {next(iter(state))!r})")
@@ -214,27 +216,50 @@ class HFEngine:
                 for name, tensor in tensors:
                     state[name].copy_(tensor)
 
-    async def load_adapter(self, path: str, version: int) -> list[int]:
-        """trainer.lora.sync=adapter: load the peft adapter folder `path` as policy version `version` (peft's
-        load_adapter, adapter name f"v{version}"), make it the one new requests sample with, and delete versions
-        older than the newest engine.max_loras; returns the versions loaded. Between batches, never inside one."""
+    @staticmethod
+    def _base_name(name: str, state: dict) -> str:
+        """An HF checkpoint name in this model's state dict: once peft adapters are loaded an adapted layer's weight
+        is `<module>.base_layer.<leaf>` (a new base, e.g. after an engine restart, goes there; adapters stay)."""
+        if name in state:
+            return name
+        module, _, leaf = name.rpartition(".")
+        wrapped = f"{module}.base_layer.{leaf}"
+        return wrapped if wrapped in state else name
+
+    async def load_adapter(self, adapter: AdapterFiles | str | Path, version: int) -> list[int]:
+        """trainer.lora.sync=adapter: write the peft adapter's bytes (a folder path is read first) into this engine's
+        own folder for version `version`, load it there (peft's load_adapter, adapter name f"v{version}"), make it the
+        one new requests sample with, and delete versions older than the newest engine.max_loras, folders included;
+        returns the versions loaded. Between batches, never inside one."""
         import json
 
         if self.cfg.max_lora_rank is None:
             raise RuntimeError("load_adapter: this engine was started without LoRA (engine.max_lora_rank=null); "
                                "trainer.lora.sync=adapter sets it")
-        rank = json.loads((Path(path) / "adapter_config.json").read_text())["r"]
+        adapter = as_adapter_files(adapter)
+        rank = json.loads(adapter.files[ADAPTER_CONFIG])["r"]
         if rank > self.cfg.max_lora_rank:
             raise ValueError(f"trainer.lora.rank={rank} is above the engine's LoRA rank limit "
                              f"engine.max_lora_rank={self.cfg.max_lora_rank}")
         self._ensure_worker()
         async with self._lock:
-            self.model.load_adapter(str(path), adapter_name=f"v{version}")
+            path = self.adapter_folders.write(version, adapter)
+            try:
+                self.model.load_adapter(str(path), adapter_name=f"v{version}")
+            except BaseException:
+                self.adapter_folders.remove(version)
+                raise
             self.adapters.append(int(version))
             self.active_adapter = int(version)
             while len(self.adapters) > self.cfg.max_loras:
-                self.model.delete_adapter(f"v{self.adapters.pop(0)}")
+                old = self.adapters.pop(0)
+                self.model.delete_adapter(f"v{old}")
+                self.adapter_folders.remove(old)
         return list(self.adapters)
+
+    def shutdown(self) -> None:
+        """Remove this engine's adapter folders (the model lives in this process: nothing else to stop)."""
+        self.adapter_folders.remove_all()
 
     def _use_adapter(self, version: int | None) -> None:
         """Switch the model to `version`'s adapter (None: the base, every adapter off) for the next batch."""

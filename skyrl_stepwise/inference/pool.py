@@ -62,9 +62,10 @@ class EnginePool:
         """Every engine reads the same file."""
         await asyncio.gather(*(engine.update_weights_from_file(path) for engine in self.engines))
 
-    async def load_adapter(self, path: str, version: int) -> list[int]:
-        """Every engine serves the same adapter as policy version `version` (trainer.lora.sync=adapter)."""
-        loaded = await asyncio.gather(*(engine.load_adapter(path, version) for engine in self.engines))
+    async def load_adapter(self, adapter, version: int) -> list[int]:
+        """Every engine serves the same adapter (inference/adapter_files.py: its bytes, or a folder the caller can
+        read) as policy version `version` (trainer.lora.sync=adapter)."""
+        loaded = await asyncio.gather(*(engine.load_adapter(adapter, version) for engine in self.engines))
         return loaded[0]
 
     async def release_memory(self) -> int:

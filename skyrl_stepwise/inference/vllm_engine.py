@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 
+from skyrl_stepwise.inference.adapter_files import AdapterFiles, AdapterFolders, as_adapter_files
 from skyrl_stepwise.inference.base import GenerationResult, SamplingParams, validate_prompt
 from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.inference.weights import pack_weights
@@ -191,6 +192,7 @@ class VLLMWorker:
         self.engine = AsyncLLM.from_engine_args(args)
         self.adapters: dict[int, object] = {}  # policy version -> its LoRARequest, oldest first
         self.active_adapter = None  # the newest version's LoRARequest: what a new request samples with
+        self.adapter_folders = AdapterFolders()  # this actor's own, on its node: written from the bytes it receives
 
     def ready(self) -> str:
         """Answered once __init__ finished (the client blocks on it to surface startup errors): the node id,
@@ -234,6 +236,7 @@ class VLLMWorker:
             await self._wake(["weights"])
         await self.engine.collective_rpc(method, args=args)
         await self.engine.reset_prefix_cache()  # cached KV was computed by the old weights
+        self._forget_adapters()  # vLLM's reload removes every adapter (they applied to the old base)
         if self.asleep:
             await self._wake(["kv_cache"])
 
@@ -245,23 +248,38 @@ class VLLMWorker:
         """The same reload from a safetensors file the trainer wrote on this node (no bytes through Ray)."""
         await self._reload("reload_weights_from_file", path)
 
-    async def load_adapter(self, path: str, version: int, keep: int) -> list[int]:
-        """trainer.lora.sync=adapter: load the peft adapter in `path` as policy version `version` (its own name
-        f"v{version}" and int id), make it the one new requests sample with, and remove the versions older than the
-        newest `keep`; returns the versions loaded. vLLM's LoRARequest takes a path only (no in-memory tensors)."""
+    async def load_adapter(self, adapter: AdapterFiles, version: int, keep: int) -> list[int]:
+        """trainer.lora.sync=adapter: write the peft adapter's bytes into this actor's own folder for policy version
+        `version` (on its node: the sender's folder may be on another node), load it under its own name f"v{version}"
+        and int id, make it the one new requests sample with, and remove the versions older than the newest `keep`
+        with their folders; returns the versions loaded. vLLM's LoRARequest takes a path only (no in-memory tensors),
+        and reads it again if it ever reloads the adapter: the folder lives as long as the version."""
         from vllm.lora.request import LoRARequest
 
         if self.asleep:
             await self._wake(None)
-        request = LoRARequest(f"v{version}", version, path, load_inplace=True)
-        if not await self.engine.add_lora(request):
-            raise RuntimeError(f"vLLM did not load the LoRA adapter of policy version {version} from {path}")
+        path = self.adapter_folders.write(version, adapter)
+        request = LoRARequest(f"v{version}", version, str(path), load_inplace=True)
+        try:
+            if not await self.engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the LoRA adapter of policy version {version} from {path}")
+        except BaseException:
+            self.adapter_folders.remove(version)
+            raise
         self.adapters[version] = request
         self.active_adapter = request
         for old in sorted(self.adapters)[:-keep]:
             await self.engine.remove_lora(old)
             del self.adapters[old]
+            self.adapter_folders.remove(old)
         return sorted(self.adapters)
+
+    def _forget_adapters(self) -> None:
+        """After a full weight reload: vLLM dropped its adapters (reset_lora_state), so do we, folders included;
+        new requests sample with the new base until the next adapter is loaded."""
+        self.adapters.clear()
+        self.active_adapter = None
+        self.adapter_folders.remove_all()
 
     async def loaded_adapters(self) -> list[int]:
         """The policy versions whose adapters vLLM holds now (its own list, not ours)."""
@@ -301,8 +319,11 @@ class VLLMWorker:
         return True
 
     def shutdown(self) -> None:
-        """Stop the engine core process before the actor goes away."""
-        self.engine.shutdown()
+        """Stop the engine core process before the actor goes away; remove this actor's adapter folders."""
+        try:
+            self.engine.shutdown()
+        finally:
+            self.adapter_folders.remove_all()
 
 
 class NodeLostError(RuntimeError):
@@ -402,13 +423,14 @@ class VLLMEngine:
         """Reload from a safetensors file in this engine's dtype on the engine's node (see inference/weights.py)."""
         await self.actor.update_weights_from_file.remote(str(path))
 
-    async def load_adapter(self, path: str, version: int) -> list[int]:
-        """Serve the peft adapter in `path` (on this engine's node) as policy version `version`: new requests
+    async def load_adapter(self, adapter: AdapterFiles | str, version: int) -> list[int]:
+        """Serve a peft adapter as policy version `version`: its bytes (a folder path is read here, on the caller's
+        node) travel to the actor through Ray, which writes them into a folder of its own on its node; new requests
         sample with it; the `engine.max_loras` newest versions stay loaded. Returns the versions loaded."""
         if self.cfg.max_lora_rank is None:
             raise RuntimeError("load_adapter: this engine was started without LoRA (engine.max_lora_rank=null); "
                                "trainer.lora.sync=adapter sets it")
-        return await self.actor.load_adapter.remote(str(path), int(version), self.cfg.max_loras)
+        return await self.actor.load_adapter.remote(as_adapter_files(adapter), int(version), self.cfg.max_loras)
 
     async def loaded_adapters(self) -> list[int]:
         """The versions vLLM reports loaded."""

@@ -476,32 +476,41 @@ class PolicyWorker:
             out.update({"policy/clip_frac": 0.0, "policy/ppo_kl": 0.0})
         return out
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, base_only: bool = False) -> dict[str, torch.Tensor]:
         """Full (unsharded) fp32 weights on CPU under their HF names, for weight sync; collective.
 
         Rank 0 receives every tensor; the other ranks get an empty dict (cpu_offload keeps memory bounded).
         With LoRA the adapter is merged in (W + scaling * B @ A) under the base model's names: what the engines load.
+        `base_only` (LoRA): the frozen base alone under those names, never the adapter: what an engine serving
+        adapters by version (trainer.lora.sync=adapter) holds under them, e.g. the SFT warm start.
         """
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.lora_layers or not state:
             return state
-        return dict(merged_items(state, self.lora_layers))
+        return dict(merged_items(state, {} if base_only else self.lora_layers))
 
-    def export_adapter(self, folder: str) -> dict:
-        """trainer.lora.sync=adapter: the adapter alone (peft's format, policy/lora.py save_adapter) into `folder`
-        on rank 0's node; collective (every rank takes part in gathering the adapter's shards, nothing else: the
-        base weights are never gathered). Returns rank 0's {"path", "bytes", "node", "seconds", "params"}."""
-        from skyrl_stepwise.inference.weights import current_node_id
+    def export_adapter(self) -> dict:
+        """trainer.lora.sync=adapter: the adapter alone, as the bytes of peft's folder (policy/lora.py save_adapter,
+        written into a temp folder of rank 0's own and read back); collective (every rank takes part in gathering the
+        adapter's shards, nothing else: the base weights are never gathered). The bytes travel to the engines through
+        Ray, so an engine on any node loads them (inference/adapter_files.py). Returns rank 0's
+        {"adapter": AdapterFiles (None on the other ranks), "bytes", "seconds", "params"}."""
+        import tempfile
+
+        from skyrl_stepwise.inference.adapter_files import AdapterFiles
+        from skyrl_stepwise.inference.weights import shared_memory_dir
 
         if not self.lora_layers:
             raise RuntimeError("export_adapter: trainer.lora.sync=adapter needs trainer.lora.enabled=true")
         start = time.perf_counter()
         with torch.no_grad():
             adapter = {n: _full(p).cpu() for n, p in self.model.named_parameters() if ".lora_" in n}
-        out = {"path": folder, "bytes": 0, "node": current_node_id(), "seconds": 0.0,
-               "params": sum(t.numel() for t in adapter.values())}
+        out = {"adapter": None, "bytes": 0, "seconds": 0.0, "params": sum(t.numel() for t in adapter.values())}
         if self.rank == 0:
-            out["bytes"] = save_adapter(self.model, folder, adapter_state(self.model, adapter))
+            with tempfile.TemporaryDirectory(prefix="skyrl_stepwise_export_", dir=shared_memory_dir()) as folder:
+                save_adapter(self.model, folder, adapter_state(self.model, adapter))
+                out["adapter"] = AdapterFiles.read(folder)
+            out["bytes"] = out["adapter"].nbytes
         out["seconds"] = time.perf_counter() - start
         return out
 
@@ -543,19 +552,20 @@ class PolicyWorker:
             self.scheduler.load_state_dict(_cloned(self._snapshot["scheduler"]))
         checkpoint._set_rng_state(self._snapshot["rng"])
 
-    def export_weights(self, path: str, dtype: str, nodes: list[str] | None = None) -> dict:
+    def export_weights(self, path: str, dtype: str, nodes: list[str] | None = None, base_only: bool = False) -> dict:
         """Write the full weights as safetensors in the engines' dtype at `path` on every node in `nodes` (the
         nodes whose engines read them; default rank 0's); collective. No weights go through the driver or Ray.
 
         The first policy rank on each of those nodes writes the file there; rank 0, which gathers the full state,
         sends it to the other writers over the trainer's own process group (one rank per GPU, so nothing NCCL
         refuses, unlike a group with the engines colocated on the same GPUs). Where `path`'s filesystem
-        (/dev/shm) lacks room, a writer uses the temp dir and says so. Returns the parameter count, the bytes
-        written and `paths`: node -> the file there."""
+        (/dev/shm) lacks room, a writer uses the temp dir and says so. `base_only`: the LoRA base without the
+        adapter (full_state_dict). Returns the parameter count, the bytes written and `paths`: node -> the file
+        there."""
         from skyrl_stepwise.inference.weights import current_node_id, weights_target, write_weights_file
 
         engine_dtype = getattr(torch, dtype)
-        state = self.full_state_dict()
+        state = self.full_state_dict(base_only)
         rank_nodes: list[str] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(rank_nodes, current_node_id())
         wanted = list(nodes or [rank_nodes[0]])
@@ -674,9 +684,10 @@ class PolicyWorker:
             self._weight_group = WeightBroadcastGroup(host, port, 0, world, backend, timeout_s, store=store)
         return True
 
-    def broadcast_weights(self, manifest: list) -> dict[str, int]:
+    def broadcast_weights(self, manifest: list, base_only: bool = False) -> dict[str, int]:
         """Gather each parameter in turn (every rank: FSDP all-gathers are collectives) and let rank 0 broadcast
-        it, bucket by bucket in the engines' dtype, to the engine workers; collective.
+        it, bucket by bucket in the engines' dtype, to the engine workers; collective. `base_only`: the LoRA base
+        without the adapter, under the same names (full_state_dict).
 
         Rank 0 holds one full tensor and one bucket at a time, not the whole model, and nothing reaches the driver
         but two counts. The manifest is checked on every rank before the first collective, so a mismatch fails
@@ -693,7 +704,7 @@ class PolicyWorker:
         if expected != actual:
             missing = sorted(set(expected) ^ set(actual))[:5]
             raise ValueError(f"broadcast_weights: the manifest does not match this model's state dict: {missing}")
-        full = merged_items(state, self.lora_layers, _full) if self.lora_layers else \
+        full = merged_items(state, {} if base_only else self.lora_layers, _full) if self.lora_layers else \
             ((name, _full(t)) for name, t in state.items())
         sent = 0
         with torch.no_grad():

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from skyrl_stepwise.inference.base import InferenceEngine, SamplingParams
-from skyrl_stepwise.inference.weights import current_node_id, shared_memory_dir, weights_file
+from skyrl_stepwise.inference.weights import current_node_id, weights_file
 from skyrl_stepwise.policy.batching import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -125,39 +123,71 @@ class WeightSync:
 
     def __init__(self, cfg: WeightSyncConfig, group, engine: InferenceEngine,
                  engines_share_policy_gpus: bool = False, lora_sync: str = "merged") -> None:
-        """`lora_sync` (trainer.lora.sync): "adapter" sends the LoRA adapter alone, one version per sync."""
+        """`lora_sync` (trainer.lora.sync): "adapter" sends the LoRA adapter alone, one version per sync; the full
+        weights' carrier (weight_sync.method) then only sends a new base (`sync_base`, e.g. the SFT warm start)."""
         cfg.validate()
         self.cfg, self.group, self.engine = cfg, group, engine
+        self.full_method = resolve_method(cfg.method, group, engine, engines_share_policy_gpus) \
+            if lora_sync != "adapter" else None
         if lora_sync == "adapter":
             check_adapter_engines(cfg, group, engine)
             self.method = "adapter"
+            self._engines_share_policy_gpus = engines_share_policy_gpus
         else:
-            self.method = resolve_method(cfg.method, group, engine, engines_share_policy_gpus)
+            self.method = self.full_method
         self._manifest: list | None = None
         self._warned_fallback = False
         self.adapter_version = 0  # the policy version the engines serve (0: the base, no adapter loaded)
         self.adapter_stats: dict[str, float] = {}  # the last adapter sync's size and seconds, for the metrics
-        self._adapter_dirs: list = []  # the folders of the versions engines may still read, oldest first
+        self.base_synced = False  # sync_base sent the policy's base: the engines no longer hold the one they loaded
+        self._base_pending = False  # an engine restarted on its start-up model: the base goes again first
+        self.history: list[tuple[str, int]] = []  # ("base" | "adapter", policy version) per sync, for tests and logs
         self._last_probe: ProbeResult | None = None
         self._last_probe_prompt: list[int] = []
-        self._tag = uuid.uuid4().hex[:8]
 
     def engines_restarted(self) -> None:
         """An engine was restarted: a broadcast group that held its old actor is closed and formed again on the
-        next sync (the file and driver methods hold nothing per engine)."""
+        next sync (the file and driver methods hold nothing per engine). With adapters on a base sync_base sent
+        (the SFT warm start), the restarted engine holds its start-up model again: the next sync sends the base
+        first."""
         if self._manifest is not None:
             self.group.call("close_weight_broadcast")
             self._manifest = None
+        if self.base_synced:
+            self._base_pending = True
 
     async def sync(self) -> int:
         """Load the trainer's current weights into every engine; returns the number of parameters sent."""
         if self.method == "adapter":
+            if self._base_pending:
+                await self.sync_base()
             return await self._sync_adapter()
-        if self.method == "file":
+        return await self._sync_full(self.method)
+
+    async def sync_base(self) -> int:
+        """trainer.lora.sync=adapter: the policy's frozen base, never the adapter, into every engine by the full
+        weights' carrier (file on the policy's nodes, else broadcast, else the driver: weight_sync.method), once:
+        after the SFT warm start the engines still hold the model they started from, and every adapter version
+        after this one applies to this base. The adapter probe then compares against it (verify_adapter). Without
+        adapters (trainer.lora.sync=merged) the full sync itself. Returns the number of parameters sent."""
+        if self.method != "adapter":
+            return await self.sync()
+        if self.full_method is None:
+            self.full_method = resolve_method(self.cfg.method, self.group, self.engine,
+                                              self._engines_share_policy_gpus)
+        params = await self._sync_full(self.full_method, base_only=True)
+        self.base_synced, self._base_pending = True, False
+        self.history.append(("base", self.adapter_version))
+        return params
+
+    async def _sync_full(self, method: str, base_only: bool = False) -> int:
+        """The full weights (merged with LoRA, or the base alone with `base_only`) by `method`."""
+        extra = (True,) if base_only else ()  # merged syncs keep the calls they always made
+        if method == "file":
             engines = engines_of(self.engine)
             nodes = list(dict.fromkeys(e.node_id for e in engines))
             with weights_file() as path:
-                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine), nodes)
+                exported = self.group.call("export_weights", str(path), engine_dtype(self.engine), nodes, *extra)
                 try:
                     if exported.get("warning") and not self._warned_fallback:
                         logger.warning(exported["warning"])
@@ -167,33 +197,27 @@ class WeightSync:
                 finally:  # every writer's file, on every node (weights_file() only cleans the driver's `path`)
                     self.group.call("remove_weights_file", list(exported["paths"].values()))
             return exported["params"]
-        if self.method == "broadcast":
-            return await self._broadcast()
-        state = self.group.call("full_state_dict")
+        if method == "broadcast":
+            return await self._broadcast(*extra)
+        state = self.group.call("full_state_dict", *extra)
         await self.engine.update_weights(list(state.items()))
         return sum(t.numel() for t in state.values())
 
     async def _sync_adapter(self) -> int:
-        """trainer.lora.sync=adapter: rank 0 writes the adapter alone (peft's folder, shared memory) and every engine
-        loads it as the next policy version; the folders of versions older than the engines keep are removed."""
+        """trainer.lora.sync=adapter: rank 0 exports the adapter alone as bytes (peft's two files, megabytes), Ray
+        carries them to every engine, wherever it runs, and each engine writes them into a folder of its own and
+        loads it as the next policy version (inference/adapter_files.py); engines remove the folders of the
+        versions they unload."""
         engines = engines_of(self.engine)
         version = self.adapter_version + 1
-        folder = shared_memory_dir() / f"skyrl_stepwise_adapter_{self._tag}_v{version}"
-        try:
-            exported = self.group.call("export_adapter", str(folder))
-            start = time.perf_counter()
-            await asyncio.gather(*(e.load_adapter(str(folder), version) for e in engines))
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
+        exported = self.group.call("export_adapter")
+        start = time.perf_counter()
+        await asyncio.gather(*(e.load_adapter(exported["adapter"], version) for e in engines))
         self.adapter_version = version
+        self.history.append(("adapter", version))
         self.adapter_stats = {"sync/adapter_bytes": float(exported["bytes"]),
                               "sync/adapter_export_s": exported["seconds"],
                               "sync/adapter_load_s": time.perf_counter() - start}
-        self._adapter_dirs.append(folder)
-        keep = max(getattr(getattr(e, "cfg", None), "max_loras", 1) for e in engines)
-        while len(self._adapter_dirs) > keep:
-            shutil.rmtree(self._adapter_dirs.pop(0), ignore_errors=True)
         return exported["params"]
 
     def verify_adapter(self, probe: ProbeResult, tolerance: float, probe_ids: list[int]) -> dict[str, float]:
@@ -211,18 +235,19 @@ class WeightSync:
                 loss_masks=[[1] * len(previous.token_ids)], instance_ids=["probe"]))[0]
         # what tells two versions apart: past the engine's float noise (fp32 ~1e-5; bf16 logprobs ~1e-2)
         noise = 1e-3 if engine_dtype(self.engine) == "float32" else tolerance
-        changed = check_adapter_applied(probe, previous, self.adapter_version, tolerance, rescored, noise)
+        base = "the policy's base the full sync sent (sync_base)" if self.base_synced else \
+            "the model the engines started from"
+        changed = check_adapter_applied(probe, previous, self.adapter_version, tolerance, rescored, noise, base)
         self._last_probe = probe
         return {**self.adapter_stats, "sync/adapter_version": float(self.adapter_version),
-                "sync/probe_changed_tokens": float(changed)}
+                "sync/probe_changed_tokens": float(changed),
+                "sync/base_syncs": float(sum(kind == "base" for kind, _ in self.history))}
 
     def close(self) -> None:
-        """Remove the adapter folders still on disk (the end of a run)."""
-        for folder in self._adapter_dirs:
-            shutil.rmtree(folder, ignore_errors=True)
-        self._adapter_dirs = []
+        """The end of a run: the weight broadcast group (if any) is left by the engines and ranks at their shutdown,
+        and every engine removes its own adapter folders at its shutdown; nothing is held here."""
 
-    async def _broadcast(self) -> int:
+    async def _broadcast(self, base_only: bool = False) -> int:
         engines = engines_of(self.engine)
         if self._manifest is None:  # the first sync: plan the buckets and form the group
             self._manifest = self.group.call("weight_manifest", engine_dtype(self.engine),
@@ -234,7 +259,8 @@ class WeightSync:
                 asyncio.to_thread(self.group.call, "join_weight_broadcast"),
                 *[e.join_weight_broadcast(host, port, r, 1 + sum(ranks), backend, self.cfg.timeout_s)
                   for e, r in zip(engines, first_ranks)])
-        sent, *_ = await asyncio.gather(asyncio.to_thread(self.group.call, "broadcast_weights", self._manifest),
+        extra = (True,) if base_only else ()
+        sent, *_ = await asyncio.gather(asyncio.to_thread(self.group.call, "broadcast_weights", self._manifest, *extra),
                                         *[e.update_weights_from_broadcast(self._manifest) for e in engines])
         return sent["params"]
 
@@ -244,8 +270,8 @@ class AdapterNotApplied(RuntimeError):
 
 
 def check_adapter_engines(cfg: WeightSyncConfig, group, engine) -> None:
-    """trainer.lora.sync=adapter needs engines that serve LoRA adapters by version (load_adapter) on rank 0's node
-    (it writes the adapter folder there); refuse at start-up otherwise, naming the key and the reason."""
+    """trainer.lora.sync=adapter needs engines that serve LoRA adapters by version (load_adapter, which takes the
+    adapter's bytes: any node); refuse at start-up otherwise, naming the key and the reason."""
     engines = engines_of(engine)
     cannot = sorted({type(e).__name__ for e in engines if not hasattr(e, "load_adapter")})
     if cannot:
@@ -255,25 +281,19 @@ def check_adapter_engines(cfg: WeightSyncConfig, group, engine) -> None:
     if unlimited:
         raise ValueError(f"trainer.lora.sync=adapter: the engines ({unlimited[0]}) were started without LoRA "
                          f"(engine.max_lora_rank=null); the run config sets it when trainer.lora.sync=adapter")
-    if cfg.method not in ("auto", "file"):
-        raise ValueError(f"trainer.lora.sync=adapter moves the adapter as a small file; weight_sync.method="
-                         f"{cfg.method} is for full weights: use weight_sync.method=auto")
-    first = policy_nodes(group)[0]
-    away = [e for e in engines if getattr(e, "node_id", first) != first]
-    if away:
-        raise ValueError(f"trainer.lora.sync=adapter: {len(away)} engine(s) run on another node than policy rank 0, "
-                         f"which writes the adapter folder; use trainer.lora.sync=merged across nodes (not built)")
 
 
 def check_adapter_applied(probe: ProbeResult, previous: ProbeResult | None, version: int, tolerance: float,
-                          rescored: list[float] | None = None, noise: float = 1e-3) -> int:
+                          rescored: list[float] | None = None, noise: float = 1e-3,
+                          base: str = "the model the engines started from") -> int:
     """Raise AdapterNotApplied unless the engine scored the probe with adapter `version`: its logprobs agree with
     the trainer's (mean |diff| <= `tolerance`), and on the tokens both probes share (the probe is seeded: an engine
     still on the previous adapter samples the previous probe's tokens again) the engine is nearer the new version's
     logprobs than the previous one's wherever the update moved them by more than `noise` (the engine's own float
     noise against the trainer: an update smaller than the alarm's tolerance is still caught). `rescored`: the
     trainer's logprobs, now, of the previous probe's tokens; returns how many of them the update moved past `noise`
-    (0: this version could not be told from the previous one on the probe, only the agreement was checked)."""
+    (0: this version could not be told from the previous one on the probe, only the agreement was checked).
+    `base`: what the adapters apply to, named in the error (version 0 is that base with no adapter)."""
     if probe.num_tokens == 0:
         raise AdapterNotApplied(f"policy version {version}: the weight-sync probe compared no tokens (no logprobs "
                                 f"from the engine), so the adapter cannot be verified")
@@ -291,10 +311,12 @@ def check_adapter_applied(probe: ProbeResult, previous: ProbeResult | None, vers
     if probe.mean_abs_diff > tolerance or (shared and nearer_old * 2 >= shared):
         stale = f"; on {nearer_old} of the {shared} probe tokens the update moved, the engine scores like version " \
                 f"{version - 1}" if nearer_old else ""
+        what = f"adapter v{version} on {base}" if version else f"{base} (no adapter yet)"
         raise AdapterNotApplied(
-            f"weight sync to policy version {version}: the engine does not score with adapter v{version} (probe "
+            f"weight sync to policy version {version}: the engine does not score with {what} (probe "
             f"mean |trainer - engine| logprob {probe.mean_abs_diff:.4g}, max {probe.max_abs_diff:.4g}, tolerance "
-            f"{tolerance:g}{stale}). It still serves an old adapter or none; stopping instead of sampling from it")
+            f"{tolerance:g}{stale}). It still serves an old adapter or none, or another base; stopping instead of "
+            f"sampling from it")
     return changed
 
 

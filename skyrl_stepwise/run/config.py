@@ -196,16 +196,14 @@ class RunConfig:
 
     def _validate_adapter_sync(self) -> None:
         """trainer.lora.sync=adapter: the engines must serve LoRA by version; give them the rank limit and the
-        number of adapters bounded staleness keeps live (inference/config.py lora_engine_limits), or refuse."""
+        number of adapters bounded staleness keeps live (inference/config.py lora_engine_limits), or refuse. With
+        sft.enabled=true the engines receive the SFT model once by a full sync (WeightSync.sync_base), the base
+        every later adapter applies to."""
         from skyrl_stepwise.inference.config import lora_engine_limits
 
         if not self.trainer.lora.enabled:
             raise ValueError("trainer.lora.sync=adapter sends the LoRA adapter to the engines, but "
                              "trainer.lora.enabled=false trains no adapter: set trainer.lora.enabled=true")
-        if self.sft.enabled:  # the engines would keep the pre-SFT base under an adapter trained on the SFT model
-            raise ValueError("trainer.lora.sync=adapter with sft.enabled=true: the engines start from the base model "
-                             "and an adapter sync never sends base weights, so they would miss the SFT warm start; "
-                             "use trainer.lora.sync=merged with SFT (not built yet: #46)")
         self.engine.max_lora_rank, self.engine.max_loras = lora_engine_limits(
             self.engine, self.trainer.lora.rank, self.trainer.max_staleness)
 
