@@ -24,7 +24,7 @@ import weakref
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
-from skyrl_stepwise.sandbox.files import copy_in, export_files, read_confined, write_confined
+from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in
 from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
 WORKDIR_IN_SANDBOX = "/work"
@@ -198,7 +198,7 @@ def _cleanup(workdir: Path, runs: set[Run], start_lock: threading.Lock) -> None:
     shutil.rmtree(workdir.parent, ignore_errors=True)
 
 
-class BwrapSandbox:
+class BwrapSandbox(HostWorkdir):
     """One trajectory's bubblewrap sandbox: a private working dir (a copy of `files_from`), runs one at a time.
 
     `with BwrapSandbox(files_from=task_dir) as sb: sb.run("python3 solution.py")`."""
@@ -209,6 +209,7 @@ class BwrapSandbox:
         self.network = network
         self.metrics = metrics if metrics is not None else SandboxMetrics()
         self._creds = _allocate_credentials()
+        self._owner = (self._creds.uid, self._creds.gid) if self._creds else None  # who a written file belongs to
         base = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-", dir=root))
         os.chmod(base, 0o700 if self._creds is None else 0o711)
         if self._creds is not None:
@@ -257,41 +258,3 @@ class BwrapSandbox:
                                    wall_s=0.0, cpu_s=0.0, truncated=False)
         self.metrics.count_run(result.stop_reason)
         return result
-
-    def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
-        """A working-dir file's text (path relative to /work); SandboxPathError outside it."""
-        try:
-            with self._lock:
-                return read_confined(self.workdir, path, max_bytes)
-        except ValueError:
-            self.metrics.count("path_refusals")
-            raise
-
-    def write_file(self, path: str, content: str | bytes) -> None:
-        """Write a working-dir file (path relative to /work); SandboxPathError outside it."""
-        owner = (self._creds.uid, self._creds.gid) if self._creds else None
-        try:
-            with self._lock:
-                write_confined(self.workdir, path, content, owner)
-        except ValueError:
-            self.metrics.count("path_refusals")
-            raise
-
-    def export(self, dest: Path, max_bytes: int = 64 << 20) -> list[str]:
-        """Copy the working dir's regular files out (symlinks skipped, never followed)."""
-        with self._lock:
-            return export_files(self.workdir, Path(dest), max_bytes)
-
-    def close(self) -> None:
-        """Kill every process of the sandbox and remove its directory; safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()
-        self.metrics.count("closed")
-
-    def __enter__(self) -> BwrapSandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -44,7 +44,7 @@ from skyrl_stepwise.sandbox.bwrap import (
     _pid_alive,
     sweep_stale_dirs,
 )
-from skyrl_stepwise.sandbox.files import copy_in, export_files, read_confined, write_confined
+from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in
 from skyrl_stepwise.sandbox.runner import Run, SandboxClosed, run_process
 
 CONTAINER_CLIS = ("docker", "podman")
@@ -209,7 +209,7 @@ def _cleanup(cli_path: str, container: list[str], base: Path, runs: set[Run], st
     shutil.rmtree(base, ignore_errors=True)
 
 
-class ContainerSandbox:
+class ContainerSandbox(HostWorkdir):
     """One trajectory's container (docker or podman): a private working dir at /work, runs one at a time. The
     same RunResult, stop reasons and metrics as BwrapSandbox; open it through backends.open_sandbox."""
 
@@ -308,40 +308,3 @@ class ContainerSandbox:
                 return int(value) > seen
         inspect = _cli([self.cli_path, "inspect", "-f", "{{.State.OOMKilled}}", self.container_id])
         return inspect.returncode == 0 and inspect.stdout.strip().lower() == "true"
-
-    def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
-        """A working-dir file's text (path relative to /work); SandboxPathError outside it."""
-        try:
-            with self._lock:
-                return read_confined(self.workdir, path, max_bytes)
-        except ValueError:
-            self.metrics.count("path_refusals")
-            raise
-
-    def write_file(self, path: str, content: str | bytes) -> None:
-        """Write a working-dir file (path relative to /work); SandboxPathError outside it."""
-        try:
-            with self._lock:
-                write_confined(self.workdir, path, content, self._owner)
-        except ValueError:
-            self.metrics.count("path_refusals")
-            raise
-
-    def export(self, dest: Path, max_bytes: int = 64 << 20) -> list[str]:
-        """Copy the working dir's regular files out (symlinks skipped, never followed)."""
-        with self._lock:
-            return export_files(self.workdir, Path(dest), max_bytes)
-
-    def close(self) -> None:
-        """Kill every process of the container, remove it and the working dir; safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer()
-        self.metrics.count("closed")
-
-    def __enter__(self) -> ContainerSandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -122,3 +122,47 @@ def _is_regular(mode: int) -> bool:
     import stat
 
     return stat.S_ISREG(mode)
+
+
+class HostWorkdir:
+    """What every backend does on the host side of a sandbox: read, write and export its working dir, confined to
+    it and never beside a run (under the sandbox's lock), counting refused paths, and close once. A backend sets
+    `workdir`, `metrics`, `_lock`, `_closed`, `_finalizer` (kills its processes, removes the dir) and `_owner` (the
+    uid/gid a written file gets, or None)."""
+
+    def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
+        """A working-dir file's text (path relative to /work); SandboxPathError outside it."""
+        try:
+            with self._lock:
+                return read_confined(self.workdir, path, max_bytes)
+        except ValueError:
+            self.metrics.count("path_refusals")
+            raise
+
+    def write_file(self, path: str, content: str | bytes) -> None:
+        """Write a working-dir file (path relative to /work); SandboxPathError outside it."""
+        try:
+            with self._lock:
+                write_confined(self.workdir, path, content, self._owner)
+        except ValueError:
+            self.metrics.count("path_refusals")
+            raise
+
+    def export(self, dest: Path, max_bytes: int = 64 << 20) -> list[str]:
+        """Copy the working dir's regular files out (symlinks skipped, never followed)."""
+        with self._lock:
+            return export_files(self.workdir, Path(dest), max_bytes)
+
+    def close(self) -> None:
+        """Kill every process of the sandbox and remove its working dir; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+        self.metrics.count("closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
