@@ -79,6 +79,7 @@ async def test_the_python_tool_runs_in_the_episodes_sandbox(rows):
         tool_turns=["open('draft.py','w').write('X = 5')", "import draft\nprint(draft.X * 2)"])
     assert [o["content"] for o in observations] == ["[no output]", "10"]
     assert reward == 1.0 and (metrics["sandbox/runs"], metrics["sandbox/stop/exited"]) == (2.0, 2.0)
+    assert metrics["sandbox/seconds"] > 0  # the episode's time inside its runs: the sandbox's share of a step
     for observation in observations:
         assert "def check(" not in observation["content"]
 

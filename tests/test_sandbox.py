@@ -122,8 +122,11 @@ def test_metrics_count_by_reason():
         sb.run("sleep 5", limits=Limits(wall_s=0.3))
         with pytest.raises(SandboxPathError):
             sb.read_file("../x")
-    assert metrics.as_dict() == {"sandbox/started": 1, "sandbox/closed": 1, "sandbox/runs": 2,
-                                 "sandbox/path_refusals": 1, "sandbox/stop/exited": 1, "sandbox/stop/timeout": 1}
+    counts = metrics.as_dict()
+    seconds = counts.pop("sandbox/seconds")
+    assert counts == {"sandbox/started": 1, "sandbox/closed": 1, "sandbox/runs": 2,
+                      "sandbox/path_refusals": 1, "sandbox/stop/exited": 1, "sandbox/stop/timeout": 1}
+    assert 0.3 <= seconds < 5  # the runs' wall time: the timed-out sleep's 0.3 s at least, never its 5 s
 
 
 def test_limits_reject_nonsense():

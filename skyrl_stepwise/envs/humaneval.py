@@ -93,7 +93,7 @@ class HumanEvalEnv:
         # the episode's tool runs by stop reason (sandbox/runs, sandbox/stop/timeout, ...): an attack or a runaway
         # program shows in the run's metrics, not only in its trajectory's tool messages
         metrics.update({k: float(v) for k, v in self.sandbox_metrics.as_dict().items()
-                        if k == "sandbox/runs" or k.startswith("sandbox/stop/")})
+                        if k in ("sandbox/runs", "sandbox/seconds") or k.startswith("sandbox/stop/")})
         return StepResult([], float(passed), True, metrics)
 
     def _grade(self, solution: str) -> tuple[bool, StopReason]:

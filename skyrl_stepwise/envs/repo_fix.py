@@ -154,7 +154,8 @@ class RepoFixEnv:
         if reason is not StopReason.EXITED:
             metrics[f"repo_fix/grade_{reason.value}"] = 1.0
         metrics.update({k: float(v) for k, v in self.sandbox_metrics.as_dict().items()
-                        if k in ("sandbox/runs", "sandbox/path_refusals") or k.startswith("sandbox/stop/")})
+                        if k in ("sandbox/runs", "sandbox/path_refusals", "sandbox/seconds")
+                        or k.startswith("sandbox/stop/")})
         return StepResult([], reward, True, metrics)
 
     def _grade(self) -> tuple[tuple[float, int, int], StopReason]:

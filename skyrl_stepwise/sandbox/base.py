@@ -98,24 +98,28 @@ class SandboxMetrics:
     runs: int = 0
     stops: Counter = dataclasses.field(default_factory=Counter)
     path_refusals: int = 0
+    # wall seconds inside runs (the host waiting on sandboxed commands): summed over a step's trajectories and
+    # divided by the step's seconds, the sandbox's share of an RL step
+    seconds: float = 0.0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def count_run(self, reason: StopReason) -> None:
-        """Count one finished run under its stop reason."""
+    def count_run(self, reason: StopReason, wall_s: float = 0.0) -> None:
+        """Count one finished run under its stop reason, and the wall seconds it took."""
         with self._lock:
             self.runs += 1
             self.stops[reason.value] += 1
+            self.seconds += wall_s
 
     def count(self, field: str) -> None:
         """Increment a plain counter (`started`, `closed`, `path_refusals`)."""
         with self._lock:
             setattr(self, field, getattr(self, field) + 1)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         """Flat `sandbox/...` keys for the run's metrics."""
         with self._lock:
             out = {"sandbox/started": self.started, "sandbox/closed": self.closed, "sandbox/runs": self.runs,
-                   "sandbox/path_refusals": self.path_refusals}
+                   "sandbox/path_refusals": self.path_refusals, "sandbox/seconds": self.seconds}
             out.update({f"sandbox/stop/{reason}": n for reason, n in sorted(self.stops.items())})
             return out
 

@@ -256,5 +256,5 @@ class BwrapSandbox(HostWorkdir):
                 # start: the run was killed, which is what its caller is told, never a bwrap error of ours
                 result = RunResult(stdout="", stderr="", exit_code=None, signal=None, stop_reason=StopReason.KILLED,
                                    wall_s=0.0, cpu_s=0.0, truncated=False)
-        self.metrics.count_run(result.stop_reason)
+        self.metrics.count_run(result.stop_reason, result.wall_s)
         return result

@@ -286,7 +286,7 @@ class ContainerSandbox(HostWorkdir):
                 self._kill_leftovers()  # the host stopped the exec client: what it ran inside is still there
                 if result.stop_reason is StopReason.KILLED and result.signal == signal.SIGKILL and self._oom_killed():
                     result = _with_reason(result, StopReason.MEMORY_LIMIT)
-        self.metrics.count_run(result.stop_reason)
+        self.metrics.count_run(result.stop_reason, result.wall_s)
         return result
 
     def _kill_leftovers(self) -> None:
