@@ -153,6 +153,8 @@ def sleepy_worker(monkeypatch):
     worker = object.__new__(vllm_engine.VLLMWorker)
     log: list[str] = []
     worker.engine, worker.sleep_mode, worker.asleep, worker._wake_lock = FakeAsyncLLM(log), True, False, asyncio.Lock()
+    # what __init__ sets beside the engine: no LoRA adapters loaded (a full reload forgets them)
+    worker.adapters, worker.active_adapter, worker.adapter_folders = {}, None, vllm_engine.AdapterFolders()
     assert torch.cuda.is_available()
     return worker, log
 
