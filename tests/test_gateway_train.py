@@ -24,11 +24,14 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_agent_program_recipe_trains_and_evaluates_through_the_endpoint(tmp_path):
     from skyrl_stepwise.loop.rollout_samples import load_rollouts
 
-    sys.path.insert(0, str(REPO / "examples" / "agent_program"))
-    try:
-        import make_data
-    finally:
-        sys.path.pop(0)
+    import importlib.util
+
+    # by its file, under its own name: examples/mini_swe_agent has a make_data.py too, and `import make_data`
+    # returned whichever another test module imported first
+    spec = importlib.util.spec_from_file_location("agent_program_make_data",
+                                                  REPO / "examples" / "agent_program" / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
     train, val = make_data.main(tmp_path / "data")
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1",

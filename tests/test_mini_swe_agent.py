@@ -5,6 +5,7 @@ reward, and every call is an exact step sample."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -33,7 +34,11 @@ from skyrl_stepwise.inference.scripted import ScriptedEngine  # noqa: E402
 from skyrl_stepwise.sandbox import BwrapSandbox  # noqa: E402
 
 sys.path.insert(0, str(REPO / "examples" / "mini_swe_agent"))
-import make_data  # noqa: E402
+# by its file, under its own name: examples/agent_program has a make_data.py too (tests/test_gateway_train.py)
+_spec = importlib.util.spec_from_file_location("mini_swe_agent_make_data",
+                                               REPO / "examples" / "mini_swe_agent" / "make_data.py")
+make_data = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_data)
 
 sys.path.pop(0)
 
