@@ -237,3 +237,57 @@ def test_the_recipe_accepts_make_datas_rows(tmp_path):
     train, val = _datasets(cfg)
     assert (len(train), len(val)) == (3, 2)
     check_envs_and_tools(cfg, train + val)  # raises naming the row if an agent cannot be imported
+
+
+@pytest.mark.integration  # litellm's import, and mini-swe-agent run on 3 tasks in the sandbox
+def test_the_teachers_demonstrations_are_recorded_through_the_endpoint_and_sft_trains_exactly_them():
+    """The warm start of experiment=repo_fix_mini_swe_agent_warm_tiny: mini-swe-agent, unchanged, runs one task of
+    each difficulty against the teacher (examples/mini_swe_agent/teacher.py) through the endpoint; every trajectory
+    earns reward 1 from the hidden tests in 5 calls (7 for two bugs); the SFT path replays each kept conversation to
+    exactly the ids the endpoint sampled (record_agent_demos refuses otherwise), tool outputs never trained.
+
+    SmolLM2's hermes parser hands the agent the content before `<tool_call>` with its newline, which the turn's
+    rendering adds again: the conversation keeps the teacher's own text, the one that made the ids."""
+    from examples.mini_swe_agent.teacher import plan, teach
+
+    from skyrl_stepwise.data.dataset import PromptRow
+    from skyrl_stepwise.generator import GeneratorSamplingConfig
+    from skyrl_stepwise.loop.agent_demos import record_agent_demos, sft_samples
+    from skyrl_stepwise.loop.sft import conversation_samples
+
+    tok = family_tokenizer("smollm2")
+    tasks = repo_fix_tasks("train", 3)
+    assert [t.difficulty for t in tasks] == [1, 2, 3]
+    rows = []
+    for task in tasks:
+        row = make_data.agent_row(task)
+        rows.append(PromptRow(row["prompt"], row["env_class"], row["reward_spec"], row["data_source"],
+                              row["extra_info"], row["instance_id"]))
+    assert [len(plan(make_data.agent_row(t))) for t in tasks] == [5, 5, 7]
+    cfg = GeneratorConfig(max_input_length=3584, sampling=GeneratorSamplingConfig(max_generate_length=192))
+    demos = record_agent_demos(tok, rows, teach, cfg, log=lambda line: None)
+    assert [(d.reward, d.calls, d.dropped) for d in demos.demos] == [(1.0, 5, None), (1.0, 5, None), (1.0, 7, None)]
+    output = conversation_samples(tok, demos.conversations(), cfg, None, demos.tools())
+    for i, demo in enumerate(demos.kept):
+        assert sft_samples(output, i) == demo.endpoint, demo.trajectory
+        assert [t["function"]["name"] for t in demo.tools] == ["bash"]  # mini-swe-agent's one tool
+        assert demo.messages[0]["content"].startswith("You are a helpful assistant")  # its own prompts
+        [(prompt, response, mask)] = demo.endpoint  # one chain: the agent never broke it
+        trained = tok.decode([t for t, k in zip(response, mask) if k])
+        assert trained.count("<tool_call>") == demo.calls and SUBMIT in trained
+        assert "AssertionError" not in trained and '"returncode"' not in trained  # the sandbox's outputs: not trained
+        assistant = [m for m in demo.messages if m["role"] == "assistant"]
+        assert all(not m["content"].endswith("\n") for m in assistant)  # the teacher's text, not the parser's
+
+
+def test_the_warm_recipe_records_its_demonstrations_with_the_teacher():
+    from examples.mini_swe_agent.teacher import teach
+
+    from skyrl_stepwise.loop.agent_demos import load_teacher
+    from skyrl_stepwise.run.app_config import load_config
+
+    cfg = load_config(["experiment=repo_fix_mini_swe_agent_warm_tiny"])
+    assert cfg.gateway.enabled and cfg.sft.enabled and cfg.sft.data == "agent_demos"
+    assert cfg.data.train_path == "repo_fix_mini_swe_agent/train.parquet"  # make_data.py's rows, as the cold recipe
+    assert load_teacher(cfg.sft.agent_demos.teacher) is teach
+    assert cfg.sft.agent_demos.min_reward == 1.0  # only trajectories the hidden tests pass become demonstrations

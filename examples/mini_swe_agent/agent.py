@@ -23,6 +23,7 @@ Every model call goes through the endpoint, so each one is a step sample, token-
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import platform
 import shlex
@@ -166,6 +167,8 @@ def run(task) -> dict[str, Any]:
     from skyrl_stepwise.envs.repo_fix import RepoFixEnv
 
     litellm.suppress_debug_info = True  # else each call prints litellm's provider list (our model has no price)
+    logging.getLogger("LiteLLM").setLevel(max(logging.WARNING, logging.getLogger("LiteLLM").level))  # not 2 INFO
+    # lines per model call in the run's log (the trainer's root logger is at INFO)
     config = agent_config(task)
     env = RepoFixEnv()
     loop = asyncio.new_event_loop()

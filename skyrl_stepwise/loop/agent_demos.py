@@ -118,13 +118,16 @@ def load_teacher(path: str, where: str = "sft.agent_demos.teacher") -> Teacher:
 class TeacherGateway(Gateway):
     """The endpoint with a teacher as its engine: each request's messages and its row go to the teacher, whose
     assistant message becomes the ids SFT will train for it (the family's call format); what each call was sent and
-    answered is kept per trajectory (`transcripts`)."""
+    answered is kept per trajectory (`transcripts`), with the content the teacher wrote for that answer: a parser
+    may hand the agent a content that renders otherwise (hermes keeps the newline before `<tool_call>`, which the
+    turn's rendering adds again), so the SFT conversation keeps the teacher's text, the one that made the ids."""
 
     def __init__(self, tokenizer, teacher: Teacher, rows: dict[str, dict[str, Any]], cfg: GeneratorConfig,
                  gateway: GatewayConfig | None = None) -> None:
         self.teacher, self.rows = teacher, rows
         self.pending: dict[str, ChatRequest] = {}  # trajectory key -> the request being answered
-        self.transcripts: dict[str, list[tuple[list[dict], list[dict] | None, dict]]] = {}
+        self.transcripts: dict[str, list[tuple[list[dict], list[dict] | None, dict, str | None]]] = {}
+        self.taught: dict[str, str | None] = {}  # trajectory key -> the content of the teacher's pending turn
         renderer = sft_renderer(tokenizer, cfg)  # the renderer SFT trains with: the same call format and ids
         super().__init__(tokenizer, ScriptedEngine(self._turn, tokenizer), cfg, gateway, renderer=renderer)
 
@@ -136,6 +139,7 @@ class TeacherGateway(Gateway):
         if inspect.isawaitable(reply):
             raise TypeError("the teacher must be a plain function (it answers inside the engine call)")
         message = demo_message(teacher_message(reply), {}, self.renderer.roles.developer)
+        self.taught[key] = message.get("content")
         return assistant_turn_ids(self.renderer, [*conversation, message], len(conversation), request.tools or None)
 
     async def complete(self, session_id: str, body: Any):
@@ -148,7 +152,7 @@ class TeacherGateway(Gateway):
                 pass
         request, response = await super().complete(session_id, body)
         self.transcripts.setdefault(key, []).append((request.messages, request.tools,
-                                                     response["choices"][0]["message"]))
+                                                     response["choices"][0]["message"], self.taught.pop(key, None)))
         return request, response
 
 
@@ -219,14 +223,15 @@ def row_for_teacher(row: PromptRow) -> dict[str, Any]:
     return {"prompt": [dict(m) for m in row.prompt], "env_class": row.env_class, **row.env_extras()}
 
 
-def final_conversation(transcript: list[tuple[list[dict], list[dict] | None, dict]],
+def final_conversation(transcript: list[tuple[list[dict], list[dict] | None, dict, str | None]],
                        developer_role: bool = False) -> tuple[list[Message], list[dict] | None]:
     """The conversation a trajectory's calls make: the last request's messages + the reply it got, with the tools it
     sent. Every earlier call must be a prefix of it (with the same tools): an agent that edited its history between
-    calls made a chain break, which one SFT conversation cannot replay."""
-    last_messages, tools, reply = transcript[-1]
+    calls made a chain break, which one SFT conversation cannot replay. Each answer's content is the teacher's own
+    text (the transcript's last field, where recorded), the one whose rendering the engine sampled."""
+    last_messages, tools, reply, _ = transcript[-1]
     conversation = demo_conversation([*last_messages, reply], developer_role)
-    for k, (messages, call_tools, answer) in enumerate(transcript[:-1]):
+    for k, (messages, call_tools, answer, _) in enumerate(transcript[:-1]):
         seen = demo_conversation([*messages, answer], developer_role)
         if conversation[:len(seen)] != seen:
             raise UnrepresentableDemo(f"call {k} is not a prefix of the last call's conversation (the agent changed "
@@ -234,6 +239,9 @@ def final_conversation(transcript: list[tuple[list[dict], list[dict] | None, dic
         if (call_tools or None) != (tools or None):
             raise UnrepresentableDemo(f"call {k} sent other tools than the last call; one SFT conversation renders "
                                       "one set of tools")
+    for messages, _, _, taught in transcript:
+        if taught is not None and conversation[len(messages)]["content"].strip() == taught.strip():
+            conversation[len(messages)] = {**conversation[len(messages)], "content": taught}
     return conversation, (list(tools) if tools else None)
 
 
