@@ -23,6 +23,7 @@ if str(REPO) not in sys.path:  # the rows name `examples.mini_swe_agent.agent:ru
     sys.path.insert(0, str(REPO))
 
 from examples.mini_swe_agent.agent import SUBMIT, SandboxEnvironment  # noqa: E402
+from examples.mini_swe_agent.teacher import edit_command as _edit_command  # noqa: E402
 from minisweagent.exceptions import Submitted  # noqa: E402
 
 from skyrl_stepwise.chat.template import TemplateRenderer  # noqa: E402
@@ -43,10 +44,6 @@ _spec.loader.exec_module(make_data)
 sys.path.pop(0)
 
 
-def _edit_command(path: str, old: str, new: str) -> str:
-    """A shell command that replaces `old` by `new` once in `path` (what a model would write with python3)."""
-    return (f"python3 - <<'EOF'\nimport pathlib\np = pathlib.Path({path!r})\ntext = p.read_text()\n"
-            f"assert {old!r} in text\np.write_text(text.replace({old!r}, {new!r}, 1))\nEOF")
 
 
 async def _run_agent(task, turns: list[tuple[str, str | None]], max_input_length: int = 16384, **agent_cfg):
