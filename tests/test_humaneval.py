@@ -141,7 +141,7 @@ async def test_the_written_files_load_and_grade(tmp_path, capsys):
     from skyrl_stepwise.data.dataset import load_prompt_dataset
     from skyrl_stepwise.data.humaneval import main
 
-    assert main(["--out", str(tmp_path)]) == 0
+    assert main(["--out", str(tmp_path), "--demos", "0"]) == 0  # demonstrations: their own test, below
     assert "validation.parquet: 33 rows" in capsys.readouterr().out
     [row] = [r for r in load_prompt_dataset(tmp_path / "validation.parquet") if r.instance_id == "HumanEval/5"]
     problem = load_problems()[5]
@@ -152,3 +152,54 @@ async def test_the_written_files_load_and_grade(tmp_path, capsys):
     finally:
         await env.aclose()
     assert step.reward == 1.0
+
+
+def test_the_tools_yaml_shows_the_envs_schema():
+    from pathlib import Path
+
+    from skyrl_stepwise.tools.config import configured_tool_schemas
+
+    yaml = Path(__file__).resolve().parents[1] / "conf" / "tools" / "humaneval.yaml"
+    assert configured_tool_schemas(yaml) == HumanEvalEnv().tool_schemas
+
+
+async def test_a_demonstration_runs_the_docstring_examples_then_answers_and_never_shows_the_tests():
+    from skyrl_stepwise.data.humaneval import example_check, play_demo
+
+    problems = load_problems()
+    demo = await play_demo(problems[2])  # truncate_number: `>>> truncate_number(3.5)` in its docstring
+    assert demo is not None and demo["reward"] == 1.0 and demo["instance_id"] == "HumanEval/2"
+    roles = [m["role"] for m in demo["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    call = demo["messages"][2]["tool_calls"][0]["function"]
+    assert call["name"] == "python" and "doctest" in call["arguments"]
+    assert demo["messages"][3]["content"].startswith("TestResults(failed=0, attempted=")  # the tool's real output
+    assert extract_code(demo["messages"][4]["content"]).startswith(problems[2]["prompt"])
+    text = "".join(str(m.get("content")) + str(m.get("tool_calls")) for m in demo["messages"])
+    assert problems[2]["test"].strip() not in text and "def check(" not in text  # the hidden tests stay hidden
+    assert example_check(next(p for p in problems if ">>>" not in p["prompt"])) is None  # nothing to run: no demo
+    broken = {**problems[2], "canonical_solution": "    return 0.0\n"}  # its example fails: not a demonstration
+    assert await play_demo(broken) is None
+
+
+@pytest.mark.integration  # ~6 s: 164 problems written and loaded, 3 demonstrations played in the sandbox
+def test_the_recipe_takes_the_written_files(tmp_path, capsys):
+    """`skyrl-stepwise data humaneval --demos 3` -> rows, validation and demos that experiment=humaneval_tiny's
+    start-up checks accept (env class registered, no retriever), the demos from train problems only."""
+    from skyrl_stepwise.cli import main
+    from skyrl_stepwise.data.demonstrations import load_conversations
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.run.setup import _datasets, check_envs_and_tools
+
+    assert main(["data", "humaneval", "--out", str(tmp_path), "--demos", "3"]) == 0
+    assert "demos.parquet: 3 demonstrations" in capsys.readouterr().out
+    demos = load_conversations(tmp_path / "demos.parquet")
+    held_out = {r["prompt"][1]["content"] for r in humaneval_rows("validation")}
+    train = {r["prompt"][1]["content"] for r in humaneval_rows("train")}
+    assert len(demos) == 3 and all(d[1]["content"] in train and d[1]["content"] not in held_out for d in demos)
+    cfg = load_config(["experiment=humaneval_tiny", f"data.train_path={tmp_path}/train.parquet",
+                       f"data.val_path={tmp_path}/validation.parquet", f"sft.data={tmp_path}/demos.parquet"])
+    assert cfg.environment.env_classes == {"humaneval": "skyrl_stepwise.envs.humaneval:HumanEvalEnv"}
+    assert cfg.sft.enabled and cfg.environment.tool.tools_path == "conf/tools/humaneval.yaml"
+    train, val = _datasets(cfg)
+    assert (len(train), len(val)) == (131, 33) and check_envs_and_tools(cfg, train + val) is False

