@@ -210,7 +210,11 @@ def test_calls_per_trajectory_in_rollouts_evals_and_the_step_line(caplog):
                                 partial_steps=steps if failure else [])
 
     metrics = call_metrics([result(1), result(2), result(3), result(1), result(4, "agent_error")])
-    assert metrics == {"gateway/calls_per_trajectory_mean": 7 / 4, "gateway/multi_call_share": 0.5}
+    assert metrics == {"gateway/finished_trajectories": 4.0, "gateway/calls_per_trajectory_mean": 7 / 4,
+                       "gateway/multi_call_share": 0.5, "gateway/calls_per_failed_trajectory_mean": 4.0}
+    # every trajectory failed (an eval that timed out): the calls were not measured, which is not 0 calls
+    none_finished = call_metrics([result(3, "agent_timeout"), result(5, "agent_timeout")])
+    assert none_finished == {"gateway/finished_trajectories": 0.0, "gateway/calls_per_failed_trajectory_mean": 4.0}
 
     class _Generator:  # an agent-program eval: its output carries the gateway's metrics
         async def generate(self, prompts, classes, extras, ids):
@@ -225,6 +229,18 @@ def test_calls_per_trajectory_in_rollouts_evals_and_the_step_line(caplog):
     assert (evaluated.calls_per_trajectory, evaluated.multi_call_share) == (2.0, 1.0)
     assert "2.00 calls per trajectory, 100% with >= 2" in evaluated.describe()
     assert "| after SFT | 1.000 |" in eval_table([evaluated]) and "| 2.00 | 100% |" in eval_table([evaluated])
+
+    class _FailedGenerator:  # every trajectory failed: no score, no calls counted
+        async def generate(self, prompts, classes, extras, ids):
+            from skyrl_stepwise.generator import GeneratorOutput
+
+            return GeneratorOutput([], [], [], [], trajectory_ids=[], rollout_metrics=none_finished)
+
+    failed = asyncio.run(evaluate_prompts(_FailedGenerator(), [row], "before SFT"))
+    assert (failed.unscored, failed.calls_counted, failed.calls_per_trajectory) == (1, 0, None)
+    assert "calls per trajectory not measured: no trajectory finished" in failed.describe()
+    assert "0.00 calls" not in failed.describe()
+    assert "| before SFT | 0.000 |" in eval_table([failed, evaluated]) and "none finished" in eval_table([failed])
 
     tracker = Tracker("/tmp/skyrl-agent-demos-test", "p", "r", "disabled", {})
     with caplog.at_level(logging.INFO, logger="skyrl_stepwise"):

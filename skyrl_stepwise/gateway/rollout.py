@@ -183,11 +183,18 @@ def call_metrics(results: list) -> dict[str, float]:
     """Calls to the model per trained trajectory (`gateway/calls_per_trajectory_mean`) and the share with two or more
     (`gateway/multi_call_share`): an agent whose model never calls a tool makes one call per trajectory, so these say
     whether a warm start taught it to (docs/agent-programs.md "A warm start"). Failed trajectories are not trained
-    and not counted (`gateway/failed_trajectories/*` counts them)."""
+    and not in those two (`gateway/failed_trajectories/*` counts them); the calls they made before failing are
+    `gateway/calls_per_failed_trajectory_mean`. With no finished trajectory the two means are left out rather than
+    read as 0 calls: `gateway/finished_trajectories` says how many trajectories they average."""
     calls = [len(r.steps) for r in results if r.failure is None]
-    n = max(len(calls), 1)
-    return {"gateway/calls_per_trajectory_mean": sum(calls) / n,
-            "gateway/multi_call_share": sum(c >= 2 for c in calls) / n}
+    failed = [len(r.partial_steps) for r in results if r.failure is not None]
+    metrics = {"gateway/finished_trajectories": float(len(calls))}
+    if calls:
+        metrics["gateway/calls_per_trajectory_mean"] = sum(calls) / len(calls)
+        metrics["gateway/multi_call_share"] = sum(c >= 2 for c in calls) / len(calls)
+    if failed:
+        metrics["gateway/calls_per_failed_trajectory_mean"] = sum(failed) / len(failed)
+    return metrics
 
 
 class _BadReturn(ValueError):

@@ -483,9 +483,12 @@ async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptR
     sources = [row.data_source or "unknown" for row in rows]
     result = eval_result(stage, [by_row.get(i, 0.0) for i in range(len(rows))], time.perf_counter() - start, sources)
     result.unscored = len(rows) - len(by_row)
-    if "gateway/calls_per_trajectory_mean" in output.rollout_metrics:  # agent programs: calls made per trajectory
-        result.calls_per_trajectory = float(output.rollout_metrics["gateway/calls_per_trajectory_mean"])
-        result.multi_call_share = float(output.rollout_metrics["gateway/multi_call_share"])
+    metrics = output.rollout_metrics
+    if "gateway/finished_trajectories" in metrics:  # agent programs: calls made per finished trajectory
+        result.calls_counted = int(metrics["gateway/finished_trajectories"])
+    if "gateway/calls_per_trajectory_mean" in metrics:
+        result.calls_per_trajectory = float(metrics["gateway/calls_per_trajectory_mean"])
+        result.multi_call_share = float(metrics["gateway/multi_call_share"])
     return result
 
 
