@@ -746,3 +746,53 @@ async def test_a_tool_that_never_returns_does_not_hang_the_rollout():
             assert result.error_kind == "timeout" and time.perf_counter() - t0 < 0.8
     finally:
         forever.release.set()
+
+
+def test_a_stopped_process_is_not_taken_for_a_tool_that_blocks_its_loop():
+    """A starved box (two runs on two cores, Ray workers at nice 15) stops the whole process for seconds; the tool
+    loop's heartbeat then misses beats though the tool only awaits. Stopped here with SIGSTOP for 1.5 s during a
+    call that always awaits: not a block (it was warned about as one). A tool that really sleeps 1.5 s still is."""
+    import signal
+    import subprocess
+    import sys
+
+    script = """
+import asyncio, time
+from skyrl_stepwise.tools.offloop import OffLoopRunner
+
+class Awaits:
+    async def call(self, arguments):
+        for _ in range(150):
+            await asyncio.sleep(0.02)
+        return "done"
+
+class Blocks:
+    async def call(self, arguments):
+        time.sleep(1.5)
+        return "woke"
+
+async def main():
+    runner, awaits, blocks = OffLoopRunner(), Awaits(), Blocks()
+    call = runner.start(awaits, "awaits", {})
+    print("ready", flush=True)
+    await call
+    print("awaits", runner.check_blocked(awaits, "awaits"), flush=True)
+    await runner.start(blocks, "blocks", {})
+    print("blocks", runner.check_blocked(blocks, "blocks"), flush=True)
+
+asyncio.run(main())
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        child.send_signal(signal.SIGCONT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert lines["awaits"] == "None", (out, err)  # 1.5 s stopped, yet the tool held nothing
+    assert float(lines["blocks"]) >= 1.0, (out, err)  # a real block is still measured
