@@ -507,6 +507,21 @@ async def test_a_call_turn_echoed_with_null_content_continues_on_templates_that_
     _assert_exact(gateway.close_session(sid), engine)
 
 
+def test_a_reply_left_out_of_the_history_is_named_as_such():
+    """mini-swe-agent answers a reply it cannot parse (no tool call) with a format-error user message and leaves the
+    reply out of its history: the break is `reply_dropped`, not an edit of an earlier message."""
+    from skyrl_stepwise.gateway.matching import break_reason, find_match, message_key
+
+    request = [{"role": "system", "content": "Use bash."}, {"role": "user", "content": "Fix the bug."}]
+    reply = {"role": "assistant", "content": "I will look at the code."}
+    calls = [([message_key(m) for m in request], reply, ())]
+    format_error = {"role": "user", "content": "Please always provide EXACTLY ONE action."}
+    assert break_reason(request + [format_error], calls, ()) == "reply_dropped"
+    assert find_match(request + [reply, format_error], calls, ()).index == 0  # with the reply it continues the chain
+    edited = [request[0], {"role": "user", "content": "Fix the other bug."}, reply, format_error]
+    assert break_reason(edited, calls, ()) == "edited_message"
+
+
 async def test_a_new_chain_puts_tool_results_in_a_role_the_template_renders():
     """After a break, the client's history is rendered anew: a `tool` message Gemma 2 refuses goes in the user role
     (counted), as in a continued chain, instead of a 400 from the template."""

@@ -101,6 +101,8 @@ def break_reason(messages: Sequence[dict], calls: Sequence[tuple[list[Key], dict
             continue
         if i == n and keys[i][0] == "assistant":
             return "assistant_turn_edited"
+        if i == n:  # the request goes on past our reply without it (mini-swe-agent on a format error)
+            return "reply_dropped"
         if i + 1 < len(expected) and keys[i] == expected[i + 1]:
             return "dropped_message"
         if i + 1 < len(keys) and keys[i + 1] == key:

@@ -209,8 +209,10 @@ class Gateway:
             self.count("chain_breaks")
             self.count(f"chain_breaks/{prompt.chain_break}")
             session.stats.chain_breaks += 1
-            logger.info("session %s: the client changed its history (%s); a new chain starts", session.id,
-                        prompt.chain_break)
+            logger.info("session %s: the client changed its history (%s%s); a new chain starts", session.id,
+                        prompt.chain_break, ": it left out the reply it got, e.g. an agent that answers a reply "
+                        "it cannot parse with a format error instead" if prompt.chain_break == "reply_dropped"
+                        else "")
 
     async def _sample(self, session: Session, request: ChatRequest, prompt_ids: list[int],
                       history: list[Message]) -> SampledCall:
