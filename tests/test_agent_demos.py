@@ -211,7 +211,11 @@ def test_calls_per_trajectory_in_rollouts_evals_and_the_step_line(caplog):
 
     metrics = call_metrics([result(1), result(2), result(3), result(1), result(4, "agent_error")])
     assert metrics == {"gateway/finished_trajectories": 4.0, "gateway/calls_per_trajectory_mean": 7 / 4,
-                       "gateway/multi_call_share": 0.5, "gateway/calls_per_failed_trajectory_mean": 4.0}
+                       "gateway/multi_call_share": 0.5, "gateway/tool_calls_per_trajectory_mean": 0.0,
+                       "gateway/calls_per_failed_trajectory_mean": 4.0}
+    formats = [result(3), result(2)]  # calls that carried a tool call (the rest: format errors, a final answer)
+    formats[0].stats.tool_call_turns, formats[1].stats.tool_call_turns = 0, 1
+    assert call_metrics(formats)["gateway/tool_calls_per_trajectory_mean"] == 0.5
     # every trajectory failed (an eval that timed out): the calls were not measured, which is not 0 calls
     none_finished = call_metrics([result(3, "agent_timeout"), result(5, "agent_timeout")])
     assert none_finished == {"gateway/finished_trajectories": 0.0, "gateway/calls_per_failed_trajectory_mean": 4.0}
@@ -222,13 +226,14 @@ def test_calls_per_trajectory_in_rollouts_evals_and_the_step_line(caplog):
 
             return GeneratorOutput([[1]], [[2]], [[1.0]], [[1]], trajectory_ids=[ids[0]],
                                    rollout_metrics={"gateway/calls_per_trajectory_mean": 2.0,
-                                                    "gateway/multi_call_share": 1.0})
+                                                    "gateway/multi_call_share": 1.0,
+                                                    "gateway/tool_calls_per_trajectory_mean": 1.0})
 
     row = load_prompt_dataset(TRAIN)[0]
     evaluated = asyncio.run(evaluate_prompts(_Generator(), [row], "after SFT"))
     assert (evaluated.calls_per_trajectory, evaluated.multi_call_share) == (2.0, 1.0)
-    assert "2.00 calls per trajectory, 100% with >= 2" in evaluated.describe()
-    assert "| after SFT | 1.000 |" in eval_table([evaluated]) and "| 2.00 | 100% |" in eval_table([evaluated])
+    assert "2.00 calls per trajectory, 100% with >= 2, 1.00 with a tool call" in evaluated.describe()
+    assert "| after SFT | 1.000 |" in eval_table([evaluated]) and "| 2.00 | 100% | 1.00 |" in eval_table([evaluated])
 
     class _FailedGenerator:  # every trajectory failed: no score, no calls counted
         async def generate(self, prompts, classes, extras, ids):

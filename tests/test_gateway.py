@@ -167,6 +167,7 @@ async def test_a_dropped_message_is_exactly_one_counted_break():
     assert metrics["gateway/extended"] == 1
     gateway.post_reward(sid, 0.5)
     result = gateway.close_session(sid)
+    assert result.stats.tool_call_turns == 2  # two replies called the calculator, the third answered
     _assert_exact(result, engine)
     assert result.stats.chain_breaks == 1
     # the trainer's path, unchanged: two chains (the break), trained ids = sampled ids, the tree takes them

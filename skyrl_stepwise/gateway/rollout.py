@@ -185,13 +185,17 @@ def call_metrics(results: list) -> dict[str, float]:
     whether a warm start taught it to (docs/agent-programs.md "A warm start"). Failed trajectories are not trained
     and not in those two (`gateway/failed_trajectories/*` counts them); the calls they made before failing are
     `gateway/calls_per_failed_trajectory_mean`. With no finished trajectory the two means are left out rather than
-    read as 0 calls: `gateway/finished_trajectories` says how many trajectories they average."""
-    calls = [len(r.steps) for r in results if r.failure is None]
+    read as 0 calls: `gateway/finished_trajectories` says how many trajectories they average. A call is not a tool
+    call (an agent may answer a reply with no call by a format error, and call again):
+    `gateway/tool_calls_per_trajectory_mean` counts the replies that carried one."""
+    finished = [r for r in results if r.failure is None]
+    calls = [len(r.steps) for r in finished]
     failed = [len(r.partial_steps) for r in results if r.failure is not None]
     metrics = {"gateway/finished_trajectories": float(len(calls))}
     if calls:
         metrics["gateway/calls_per_trajectory_mean"] = sum(calls) / len(calls)
         metrics["gateway/multi_call_share"] = sum(c >= 2 for c in calls) / len(calls)
+        metrics["gateway/tool_calls_per_trajectory_mean"] = sum(r.stats.tool_call_turns for r in finished) / len(calls)
     if failed:
         metrics["gateway/calls_per_failed_trajectory_mean"] = sum(failed) / len(failed)
     return metrics

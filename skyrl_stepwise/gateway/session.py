@@ -53,6 +53,9 @@ class Session:
     def result(self, stop_ids: set[int], close_id: int) -> TrajectoryResult:
         """The trajectory as the generator emits it: the reward on the last step, a turn the model left open closed
         by a masked token (never a training target); failed or empty sessions give no samples."""
+        # a call to the model is not a tool call: mini-swe-agent answers a reply without one by a format error,
+        # and calls again, so calls alone read like a working agent
+        self.stats.tool_call_turns = sum(1 for c in self.calls if c.reply.get("tool_calls"))
         if self.failure is None and not self.steps:
             self.fail("agent_no_calls", "the agent program never called the model")
         if self.failure is None and self.reward is None:

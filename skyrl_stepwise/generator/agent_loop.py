@@ -75,6 +75,7 @@ class TrajectoryStats:
     sampled_tokens: int = 0
     observed_tokens: int = 0
     env_close_errors: int = 0  # the env's aclose raised or timed out (the trajectory's samples stand)
+    tool_call_turns: int = 0  # agent programs: replies that carried a tool call the client could run
     context_events: list[dict] = field(default_factory=list)  # where the context was edited and what was dropped
 
 

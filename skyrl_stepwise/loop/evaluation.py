@@ -38,6 +38,7 @@ class EvalResult:
     multi_call_share: float | None = None
     # agent programs: trajectories those two average (0: none finished, so calls were not measured, not 0 calls)
     calls_counted: int | None = None
+    tool_calls_per_trajectory: float | None = None  # replies that carried a tool call, per scored trajectory
 
     @property
     def num_prompts(self) -> int:
@@ -53,6 +54,8 @@ class EvalResult:
         if self.calls_per_trajectory is not None:
             line += (f"; {self.calls_per_trajectory:.2f} calls per trajectory, "
                      f"{100 * (self.multi_call_share or 0.0):.0f}% with >= 2")
+            if self.tool_calls_per_trajectory is not None:
+                line += f", {self.tool_calls_per_trajectory:.2f} with a tool call"
         elif self.calls_counted == 0:
             line += "; calls per trajectory not measured: no trajectory finished"
         return line
@@ -158,14 +161,15 @@ def eval_table(results: list[EvalResult], metric: str = "EM") -> str:
     # agent programs: calls per trajectory
     calls = any(r.calls_per_trajectory is not None or r.calls_counted is not None for r in results)
     if calls:
-        rows[0] += " calls per trajectory | >= 2 calls |"
-        rows[1] += "---:|---:|"
+        rows[0] += " calls per trajectory | >= 2 calls | tool calls per trajectory |"
+        rows[1] += "---:|---:|---:|"
     for r in results:
         cells = "".join(f" {r.by_source[s]:.3f} |" if s in r.by_source else " - |" for s in sources) \
             if len(sources) > 1 else ""
         if calls:
             cells += " none finished | - |" if r.calls_counted == 0 else " - | - |" if r.calls_per_trajectory is None \
                 else f" {r.calls_per_trajectory:.2f} | {100 * (r.multi_call_share or 0.0):.0f}% |"
+            cells += " - |" if r.tool_calls_per_trajectory is None else f" {r.tool_calls_per_trajectory:.2f} |"
         prompts = f"{r.num_prompts} ({r.unscored} unscored)" if r.unscored else f"{r.num_prompts}"
         rows.append(f"| {r.stage} | {r.mean:.3f} | [{r.ci_low:.3f}, {r.ci_high:.3f}] | {prompts} |{cells}")
     return "\n".join(rows)

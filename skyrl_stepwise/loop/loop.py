@@ -465,7 +465,9 @@ class RLTrainer:
                 "timing/eval_s": result.seconds,
                 **({} if result.calls_per_trajectory is None else {
                     "eval/calls_per_trajectory_mean": result.calls_per_trajectory,
-                    "eval/multi_call_share": float(result.multi_call_share or 0.0)})}
+                    "eval/multi_call_share": float(result.multi_call_share or 0.0)}),
+                **({} if result.tool_calls_per_trajectory is None else {
+                    "eval/tool_calls_per_trajectory_mean": result.tool_calls_per_trajectory})}
 
 
 async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptRow], stage: str,
@@ -489,6 +491,8 @@ async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptR
     if "gateway/calls_per_trajectory_mean" in metrics:
         result.calls_per_trajectory = float(metrics["gateway/calls_per_trajectory_mean"])
         result.multi_call_share = float(metrics["gateway/multi_call_share"])
+    if "gateway/tool_calls_per_trajectory_mean" in metrics:
+        result.tool_calls_per_trajectory = float(metrics["gateway/tool_calls_per_trajectory_mean"])
     return result
 
 

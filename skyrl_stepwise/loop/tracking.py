@@ -26,7 +26,8 @@ CONSOLE_KEYS = {"reward": "reward/mean", "pass@n": "reward/pass_at_n", "eval_rew
                 "padded_len": "generate/batch_padded_seq_len", "staleness": "async/staleness",
                 "step_s": "timing/step_s",
                 # agent programs (gateway.enabled): calls to the model per trajectory, share with >= 2 calls
-                "calls": "gateway/calls_per_trajectory_mean", "multi_call": "gateway/multi_call_share"}
+                "calls": "gateway/calls_per_trajectory_mean", "multi_call": "gateway/multi_call_share",
+                "tool_calls": "gateway/tool_calls_per_trajectory_mean"}
 
 
 def skipped_updates(metrics: dict) -> str | None:
