@@ -116,6 +116,22 @@ def test_the_summary_prints_rl_minus_sft_paired_over_the_same_prompts():
         paired_bootstrap(rl[:50], sft)
 
 
+def test_an_eval_score_is_called_em_only_where_the_env_scores_exact_match(tmp_path):
+    """Search-R1's reward is its EM (`environment/em` in the step metrics); a repo fix or HumanEval is scored by its
+    hidden tests, which is a reward, not an exact match: the paired line and the report's eval table say which."""
+    from skyrl_stepwise.loop.evaluation import eval_result, save_evals, score_label
+    from skyrl_stepwise.run.report import evaluation_section
+
+    assert score_label([{"reward/mean": 0.5, "environment/em": 0.5}]) == "EM"
+    assert score_label([{"reward/mean": 0.5}]) == score_label([]) == "reward"
+    save_evals(tmp_path, [eval_result("after SFT", [0.0, 1.0]), eval_result("after RL (step 2)", [1.0, 1.0])])
+    repo_fix = "\n".join(evaluation_section(tmp_path, [{"step": 1, "reward/mean": 0.5}]))
+    assert "| stage | reward |" in repo_fix and "**reward after RL (step 2) - after SFT" in repo_fix
+    assert "EM" not in repo_fix
+    search = "\n".join(evaluation_section(tmp_path, [{"step": 1, "reward/mean": 0.5, "environment/em": 0.5}]))
+    assert "| stage | EM |" in search and "**EM after RL (step 2) - after SFT" in search
+
+
 def test_the_base_model_eval_can_use_the_first_prompts_of_the_fixed_subset(monkeypatch):
     """data.max_base_eval_prompts: the base model's eval takes the first N prompts of the same fixed subset (the later
     stages every prompt), and a negative value is refused naming the key."""

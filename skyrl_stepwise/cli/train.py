@@ -214,7 +214,7 @@ def run(cfg) -> dict:
     from skyrl_stepwise.host.logs import run_logging
     from skyrl_stepwise.run.record import check_launch, config_tree
     from skyrl_stepwise.run.report import learning_summary, load_history
-    from skyrl_stepwise.loop.evaluation import load_evals, rl_minus_sft
+    from skyrl_stepwise.loop.evaluation import load_evals, rl_minus_sft, score_label
 
     out = Path(cfg.logging.output_dir)
     record = config_tree(cfg)  # as composed: before the run fills in model paths, ports and cache sizes
@@ -237,10 +237,11 @@ def run(cfg) -> dict:
         evals = load_evals(out)
         for result in evals:
             logger.info(f"  eval {result.stage:34s} {result.describe()}")
-        paired = rl_minus_sft(evals)
+        history = load_history(out / "metrics.jsonl")
+        paired = rl_minus_sft(evals, score_label(history))
         if paired:
             logger.info(f"  {paired}")
-        learning = learning_summary(load_history(out / "metrics.jsonl"))
+        learning = learning_summary(history)
         if learning:
             logger.info(f"  {learning}")
         if metrics.get("train/grad_norm") == 0.0:

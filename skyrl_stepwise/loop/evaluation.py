@@ -109,6 +109,12 @@ def transitions(after: list[float], before: list[float]) -> tuple[int, int]:
     return fixed, broken
 
 
+def score_label(records: list[dict]) -> str:
+    """What an eval score is called: "EM" where the env scores exact match (Search-R1 reports `environment/em`, and
+    its reward is that EM), else "reward" (a repo fix's hidden tests, HumanEval's, an agent program's own)."""
+    return "EM" if any("environment/em" in r for r in records) else "reward"
+
+
 def rl_minus_sft(results: list[EvalResult], metric: str = "EM") -> str | None:
     """The main job's answer to "did RL beat the warm start?": the last RL stage minus the SFT stage, paired over the
     same prompts, with its interval and the fixed / broken counts; None without both stages."""

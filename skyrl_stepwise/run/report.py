@@ -404,7 +404,7 @@ def learning_summary(history: list[dict]) -> str | None:
 
 def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
     """The staged evals (before SFT, after SFT, after RL) with intervals, and how many steps had signal."""
-    from skyrl_stepwise.loop.evaluation import eval_table, load_evals, rl_minus_sft
+    from skyrl_stepwise.loop.evaluation import eval_table, load_evals, rl_minus_sft, score_label
 
     evals, learning = load_evals(run_dir), learning_summary(history)
     if not evals and learning is None:
@@ -412,8 +412,8 @@ def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
     lines = ["## Evaluation", ""]
     if evals:
         lines += ["Greedy, the same validation prompts at every stage; 95% percentile-bootstrap intervals over "
-                  "prompts.", "", eval_table(evals), ""]
-        paired = rl_minus_sft(evals)
+                  "prompts.", "", eval_table(evals, score_label(history)), ""]
+        paired = rl_minus_sft(evals, score_label(history))
         if paired:
             lines += [f"**{paired}**", ""]
     if learning:
