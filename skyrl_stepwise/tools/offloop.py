@@ -7,11 +7,6 @@ that loop (and the connection pools bound to it), and the rollout's loop only wa
 executor's timeout. A heartbeat on the tool's loop measures how long a call held it: past `block_s` the tool is
 *blocking*; from then on each of its calls runs in a fresh daemon thread with its own loop (`run_in_thread`), so
 blocking calls neither queue behind one another nor, if one never returns, hold anything but their own thread.
-
-A gap in the heartbeat also opens when the whole process gets no CPU (a starved box: two runs on two cores, Ray
-workers at nice 15), and that is not the tool's doing. A reference heartbeat in its own thread, which runs nothing
-else, tells them apart: the part of a tool loop's gap that the reference also missed is the process not running,
-and only the rest counts as the tool holding its loop.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import inspect
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -30,48 +24,11 @@ logger = logging.getLogger(__name__)
 BEAT_S = 0.02  # heartbeat period on a tool's loop; a gap much longer than this is a blocked loop
 
 
-class ReferenceBeat:
-    """A heartbeat in a daemon thread that does nothing else: where it missed beats too, the process was not
-    running (starved of CPU, stopped), so a tool loop's gap over the same time is not the tool's."""
-
-    def __init__(self, period_s: float = BEAT_S, keep: int = 8192) -> None:
-        self.period_s = period_s
-        self.beats: deque[float] = deque([time.monotonic()], maxlen=keep)  # ~160 s of beats at 20 ms
-        self.thread = threading.Thread(target=self._run, daemon=True, name="tool-loop-reference-beat")
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(self.period_s)
-            self.beats.append(time.monotonic())
-
-    def missed_s(self, start: float, end: float) -> float:
-        """How long the process was not running in [start, end]: the reference's late time summed over the
-        window (each stretch without a beat, less one period; 0 when it beat on time). Summed, not the longest
-        stretch: a starved process runs in slices, and each slice it got was time the tool could run too."""
-        points = [start, *(t for t in list(self.beats) if start < t < end), end]
-        return sum(max(0.0, b - a - self.period_s) for a, b in zip(points, points[1:]))
-
-
-_REFERENCE: ReferenceBeat | None = None
-_REFERENCE_LOCK = threading.Lock()
-
-
-def reference_beat() -> ReferenceBeat:
-    """The process's one reference heartbeat, started with the first tool loop."""
-    global _REFERENCE
-    with _REFERENCE_LOCK:
-        if _REFERENCE is None:
-            _REFERENCE = ReferenceBeat()
-        return _REFERENCE
-
-
 class ToolLoop:
     """An event loop in a daemon thread, dedicated to one tool, with a heartbeat that measures stalls."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.reference = reference_beat()
         self.loop = asyncio.new_event_loop()
         self._last_beat = time.monotonic()
         self._worst_gap = 0.0
@@ -87,26 +44,18 @@ class ToolLoop:
         self.loop.call_soon(self._beat)
         self.loop.run_forever()
 
-    def _held_s(self, start: float, end: float) -> float:
-        """How long the loop was held between two beats: the gap, less the time the process did not run."""
-        gap = end - start - BEAT_S
-        if gap <= BEAT_S:
-            return max(gap, 0.0)
-        return max(gap - self.reference.missed_s(start, end), 0.0)
-
     def _beat(self) -> None:
         now = time.monotonic()
         with self._lock:
-            self._worst_gap = max(self._worst_gap, self._held_s(self._last_beat, now))
+            self._worst_gap = max(self._worst_gap, now - self._last_beat - BEAT_S)
             self._last_beat = now
         self.loop.call_later(BEAT_S, self._beat)
 
     def take_stall_s(self) -> float:
         """The longest time the loop was held since the last call of this (now included), and reset it: how
-        long a synchronous piece of a tool call kept every other call of this tool waiting. Time the whole
-        process was not running (a starved box) is not counted: the tool did not hold its loop then."""
+        long a synchronous piece of a tool call kept every other call of this tool waiting."""
         with self._lock:
-            current = self._held_s(self._last_beat, time.monotonic())
+            current = time.monotonic() - self._last_beat - BEAT_S
             worst, self._worst_gap = max(self._worst_gap, current), 0.0
         return max(worst, 0.0)
 
