@@ -4,7 +4,9 @@
     python benchmarks/sandbox.py --n 1000   # the full figure
 
 Sequential part: N times start a sandbox (temp dir, uid), run `true` and `python3 -c pass` in it, close it;
-median and p99 of each. Concurrent part: `--concurrent` (64) sandboxes started at once, each running a short
+median and p99 of each. An arm beside it runs `true` with the working-dir watchdog (sandbox/disk_watch.py) left out,
+and the ratio of the medians is its cost per command.
+Concurrent part: `--concurrent` (64) sandboxes started at once, each running a short
 Python program from its own thread; reports the wall time of the batch, the slowest run, and checks that nothing
 leaked (no process with the batch's marker, no sandbox directory left).
 """
@@ -12,6 +14,7 @@ leaked (no process with the batch's marker, no sandbox directory left).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import secrets
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from sandbox_helpers import processes_with  # noqa: E402
 
 from skyrl_stepwise.sandbox import BwrapSandbox, SandboxMetrics, check_sandbox_available  # noqa: E402
+from skyrl_stepwise.sandbox.disk_watch import DISK_WATCH  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -40,21 +44,35 @@ def ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:7.1f} / {percentile(values, 99) * 1e3:7.1f}"
 
 
+@contextlib.contextmanager
+def without_disk_watch():
+    """The runner with the working-dir watchdog process left out (the benchmark's other arm only)."""
+    watch, unwatch = DISK_WATCH.watch, DISK_WATCH.unwatch
+    DISK_WATCH.watch, DISK_WATCH.unwatch = (lambda *args: 0), (lambda token: None)
+    try:
+        yield
+    finally:
+        DISK_WATCH.watch, DISK_WATCH.unwatch = watch, unwatch
+
+
 def sequential(n: int, metrics: SandboxMetrics) -> dict[str, list[float]]:
-    """Start, `true`, `python3 -c pass`, close: n times each."""
-    times: dict[str, list[float]] = {"start": [], "command (true)": [], "command (python3 -c pass)": [],
-                                     "teardown": []}
+    """Start, `true`, `true` without the disk watchdog, `python3 -c pass`, close: n times each, interleaved."""
+    times: dict[str, list[float]] = {"start": [], "command (true)": [], "command (true), no disk watchdog": [],
+                                     "command (python3 -c pass)": [], "teardown": []}
     for _ in range(n):
         t0 = time.perf_counter()
         sb = BwrapSandbox(metrics=metrics)
         t1 = time.perf_counter()
         assert sb.run("true").ok
         t2 = time.perf_counter()
-        assert sb.run("python3 -c pass").ok
+        with without_disk_watch():
+            assert sb.run("true").ok
         t3 = time.perf_counter()
-        sb.close()
+        assert sb.run("python3 -c pass").ok
         t4 = time.perf_counter()
-        for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        sb.close()
+        t5 = time.perf_counter()
+        for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             times[key].append(value)
     return times
 
@@ -105,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n| step (N={args.n}) | median / p99 (ms) |\n|---|---|")
     for key, values in times.items():
         print(f"| {key} | {ms(values)} |")
+    ratio = statistics.median(times["command (true)"]) / statistics.median(times["command (true), no disk watchdog"])
+    print(f"\nthe disk watchdog's cost: `true` takes {ratio:.2f}x the time it takes without it (medians)")
     batch, slowest, leaks = concurrent(args.concurrent, metrics)
     print(f"\n{args.concurrent} sandboxes at once: batch {batch:.2f} s, slowest run {slowest:.2f} s, "
           f"leaks: {leaks or 'none'}")

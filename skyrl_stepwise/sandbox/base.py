@@ -52,7 +52,7 @@ class Limits:
     file_size_bytes: int = 64 << 20  # RLIMIT_FSIZE: largest file a run may write
     open_files: int = 256  # RLIMIT_NOFILE
     output_bytes: int = 64 << 10  # stdout + stderr kept; past it the run is killed (never read into memory)
-    workdir_bytes: int = 256 << 20  # the working directory's total size (watchdog during the run, checked after)
+    workdir_bytes: int = 256 << 20  # the working dir's total size (disk_watch.py during the run, checked after)
     tmp_bytes: int = 64 << 20  # size of the private tmpfs /tmp
 
     def __post_init__(self) -> None:

@@ -1,5 +1,7 @@
 """Run one sandboxed command as a host process: feed stdin, read stdout/stderr under a cap, enforce the wall
 clock and the working-dir size, kill the whole process group when a limit is passed, and say why the run stopped.
+The working-dir cap is polled by a watchdog process of its own (disk_watch.py: a trainer busy in other threads
+cannot delay it); this process checks it too, and once more after the run.
 
 Output is read in chunks and only the first `Limits.output_bytes` are kept; past that the run is killed, so a
 program printing gigabytes costs the reader a few kilobytes of memory. Killing the process group kills bwrap,
@@ -22,10 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxUnavailable, StopReason
+from skyrl_stepwise.sandbox.disk_watch import DISK_WATCH
 from skyrl_stepwise.sandbox.files import tree_size
 
 _PR_SET_PDEATHSIG = 1
-_WATCH_EVERY_S = 0.1  # how often the working dir's size is checked during a run
+_WATCH_EVERY_S = 0.1  # how often this process also checks the working dir's size (the cap is disk_watch's)
 # stderr text by which a limit shows when the program handled the failure itself and exited (kernel refusals
 # surface as errno messages, not signals): checked only for a failed exit, last 4 KiB of stderr
 _STDERR_MARKERS: tuple[tuple[StopReason, tuple[str, ...]], ...] = (
@@ -167,6 +170,7 @@ def run_process(
 
     `env`: the environment of the host-side process (bwrap: a bare PATH; a container CLI needs e.g. DOCKER_HOST or
     XDG_RUNTIME_DIR to reach its daemon). What runs inside gets its environment from the backend, never this."""
+    DISK_WATCH.ensure_started()
     start = time.monotonic()
     with start_lock or contextlib.nullcontext():
         if closed is not None and closed():
@@ -183,7 +187,11 @@ def run_process(
         run = Run(proc)
         runs.add(run)
     try:
-        why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
+        watch = DISK_WATCH.watch(proc.pid, limits.workdir_bytes, workdir)
+        try:
+            why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
+        finally:
+            DISK_WATCH.unwatch(watch)  # before bwrap is reaped: its pid (the group's id) cannot be reused before
         status, usage = _reap(run, start + limits.wall_s + 5.0)
     finally:
         if proc.returncode is None:  # the reader itself failed: kill, and reap so no zombie stays behind

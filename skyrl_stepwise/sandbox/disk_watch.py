@@ -1,0 +1,180 @@
+"""The working-dir size cap, enforced by a process of its own.
+
+A sandbox's working dir is a host directory, so no kernel limit caps its total size (RLIMIT_FSIZE caps one file, not
+how many). A watchdog must poll it and kill the run past `Limits.workdir_bytes`. Polling from the trainer's own
+process is soft: every check needs the GIL, and a trainer busy in other threads (an engine, a tokenizer, other
+rollouts) delays the check by up to a second while a shell loop writes ~400 MB/s. Measured on a 2-core AVX2 EPYC
+with 6 busy Python threads: 106-231 MiB written against a 16 MiB cap. So the cap is polled by a small process of its
+own (stdlib only, started once per trainer process), which no thread of the trainer can delay:
+
+    trainer --"add <token> <pgid> <cap> <path>"--> watchdog     (after the run's process started)
+    trainer --"del <token>"--> watchdog --"done <token>"-->      (before the run's process is reaped)
+
+The watchdog SIGKILLs the run's process group once the dir passes its cap. It never kills a group after its "done":
+the run's group leader is reaped only after that reply, so its pid cannot have been reused. A watchdog that does not
+answer within `ACK_TIMEOUT_S` is killed (then it cannot kill anything either) and a new one starts with the next run.
+It exits when the trainer closes its stdin (the trainer died) and ignores SIGINT (Ctrl-C stops the trainer, which
+then closes it). The runner keeps its own in-process check too, and checks the size after every run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from skyrl_stepwise.sandbox.base import SandboxUnavailable
+from skyrl_stepwise.sandbox.files import tree_size
+
+POLL_EVERY_S = 0.02  # the watchdog's period while runs are watched (longer if a scan takes longer: <= 1/3 of a CPU)
+ACK_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 60.0  # a loaded box may take seconds to import the package
+
+
+class DiskWatch:
+    """The trainer's handle on its watchdog process: `watch` a run's process group, `unwatch` it before reaping."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._tokens = itertools.count(1)
+
+    def ensure_started(self) -> None:
+        """Start the watchdog if this process has none running; SandboxUnavailable if it cannot start."""
+        with self._lock:
+            self._ensure_locked()
+
+    def watch(self, pgid: int, cap_bytes: int, workdir: Path) -> int:
+        """Ask the watchdog to kill process group `pgid` once `workdir` holds more than `cap_bytes`; a token for
+        `unwatch`."""
+        token = next(self._tokens)
+        with self._lock:
+            self._send(f"add {token} {pgid} {cap_bytes} {os.fsencode(str(workdir)).hex()}\n")
+        return token
+
+    def unwatch(self, token: int) -> None:
+        """Stop watching `token`; returns only once the watchdog can no longer kill its group (it answered, or it
+        was killed), so the caller may reap the group's leader."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or not self._send(f"del {token}\n"):
+                return
+            if _read_line(proc.stdout.fileno(), ACK_TIMEOUT_S) != f"done {token}":
+                self._stop_locked()
+
+    def _ensure_locked(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._stop_locked()  # it died: reap it
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": package_root}
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "from skyrl_stepwise.sandbox.disk_watch import main; main()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, start_new_session=True, close_fds=True,
+                env=env,
+            )
+        except OSError as e:
+            raise SandboxUnavailable(f"could not start the working-dir size watchdog ({sys.executable}, "
+                                     f"skyrl_stepwise.sandbox.disk_watch.main): {e}") from e
+        if _read_line(self._proc.stdout.fileno(), START_TIMEOUT_S) != "ready":  # no run goes unwatched meanwhile
+            self._stop_locked()
+            raise SandboxUnavailable(f"the working-dir size watchdog ({sys.executable}, skyrl_stepwise.sandbox."
+                                     f"disk_watch.main) did not start within {START_TIMEOUT_S:.0f} s (its error, if "
+                                     "any, is on stderr above); no command runs without it")
+
+    def _send(self, line: str) -> bool:
+        """Write one request (starting the watchdog if needed); False if it died on the way (then it kills nothing)."""
+        self._ensure_locked()
+        try:
+            os.write(self._proc.stdin.fileno(), line.encode())
+            return True
+        except OSError:
+            self._stop_locked()
+            return False
+
+    def _stop_locked(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.kill()
+        proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            f.close()
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's watchdog is not ours (and the lock may have been held by a thread that
+        does not exist here). Close our copies of its pipes, so it still sees EOF when the parent dies."""
+        self._lock = threading.Lock()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+
+
+def _read_line(fd: int, timeout: float) -> str | None:
+    """One line from `fd` within `timeout` seconds (the watchdog writes each reply in one write), else None."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return None
+        data += chunk
+    return data.decode().strip()
+
+
+DISK_WATCH = DiskWatch()
+os.register_at_fork(after_in_child=DISK_WATCH._forget_after_fork)
+
+
+def main() -> None:
+    """The watchdog process: read requests from stdin, scan the watched dirs every POLL_EVERY_S, kill past a cap."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.write(1, b"ready\n")
+    watched: dict[str, tuple[int, int, Path]] = {}  # token -> (pgid, cap, workdir); dropped once killed
+    pending = b""
+    period = POLL_EVERY_S
+    next_scan = time.monotonic() + period
+    while True:
+        timeout = max(next_scan - time.monotonic(), 0.0) if watched else None
+        if select.select([0], [], [], timeout)[0]:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return  # the trainer is gone
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                verb, token, *rest = line.decode().split(" ")
+                if verb == "add":
+                    pgid, cap, path = rest
+                    watched[token] = (int(pgid), int(cap), Path(os.fsdecode(bytes.fromhex(path))))
+                    if len(watched) == 1:  # the first run after an idle spell: scan one period from now
+                        next_scan = time.monotonic() + period
+                elif verb == "del":
+                    watched.pop(token, None)
+                    os.write(1, f"done {token}\n".encode())
+        now = time.monotonic()
+        if watched and now >= next_scan:
+            for token, (pgid, cap, workdir) in list(watched.items()):
+                if tree_size(workdir) > cap:
+                    try:
+                        os.killpg(pgid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    del watched[token]
+            took = time.monotonic() - now
+            period = max(POLL_EVERY_S, 2 * took)
+            next_scan = time.monotonic() + period
