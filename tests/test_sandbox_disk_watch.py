@@ -66,8 +66,9 @@ def test_a_trainer_busy_in_other_threads_does_not_soften_the_cap():
             t.join()
 
 
-def test_a_killed_watchdog_is_replaced_by_the_next_run(monkeypatch):
+def test_a_killed_watchdog_is_replaced_by_the_next_run(monkeypatch, caplog):
     monkeypatch.setattr(runner, "_WATCH_EVERY_S", 1e9)
+    caplog.set_level("WARNING", logger=disk_watch.__name__)
     with BwrapSandbox(limits=LIMITS, metrics=SandboxMetrics()) as sb:
         assert sb.run("echo one").stdout == "one\n"
         first = disk_watch.DISK_WATCH._proc.pid
@@ -75,12 +76,14 @@ def test_a_killed_watchdog_is_replaced_by_the_next_run(monkeypatch):
         assert sb.run("echo two").stdout == "two\n"
         second = disk_watch.DISK_WATCH._proc.pid
         assert second != first
+        assert f"watchdog (pid {first}) exited with code -9; starting a new one" in caplog.text
         result = sb.run(FILL)
     assert result.stop_reason is StopReason.DISK_LIMIT, result
 
 
-def test_a_hung_watchdog_is_killed_not_trusted(monkeypatch):
+def test_a_hung_watchdog_is_killed_not_trusted(monkeypatch, caplog):
     monkeypatch.setattr(disk_watch, "ACK_TIMEOUT_S", 0.5)
+    caplog.set_level("WARNING", logger=disk_watch.__name__)
     with BwrapSandbox(limits=LIMITS, metrics=SandboxMetrics()) as sb:
         sb.run("true")
         hung = disk_watch.DISK_WATCH._proc
@@ -92,6 +95,7 @@ def test_a_hung_watchdog_is_killed_not_trusted(monkeypatch):
                 os.kill(hung.pid, signal.SIGCONT)
         assert result.stdout == "still-runs\n" and result.ok, result
         assert hung.poll() is not None, "a watchdog that does not answer must be killed (it could kill a reused pid)"
+        assert f"watchdog (pid {hung.pid}) did not answer within 0.5 s: killed" in caplog.text
         assert sb.run("echo next").stdout == "next\n"
         assert disk_watch.DISK_WATCH._proc is not None and disk_watch.DISK_WATCH._proc.pid != hung.pid
 

@@ -20,6 +20,7 @@ then closes it). The runner keeps its own in-process check too, and checks the s
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import select
 import signal
@@ -31,6 +32,8 @@ from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import SandboxUnavailable
 from skyrl_stepwise.sandbox.files import tree_size
+
+logger = logging.getLogger(__name__)
 
 POLL_EVERY_S = 0.02  # the watchdog's period while runs are watched (longer if a scan takes longer: <= 1/3 of a CPU)
 ACK_TIMEOUT_S = 5.0
@@ -63,15 +66,25 @@ class DiskWatch:
         was killed), so the caller may reap the group's leader."""
         with self._lock:
             proc = self._proc
-            if proc is None or not self._send(f"del {token}\n"):
+            if proc is None or proc.poll() is not None:
+                return  # none is running: nothing can kill the group (the next run starts one, and says so)
+            try:
+                os.write(proc.stdin.fileno(), f"del {token}\n".encode())
+            except OSError:
+                self._stop_locked()
                 return
             if _read_line(proc.stdout.fileno(), ACK_TIMEOUT_S) != f"done {token}":
+                logger.warning("the working-dir size watchdog (pid %d) did not answer within %.1f s: killed; the "
+                               "next sandbox run starts a new one", proc.pid, ACK_TIMEOUT_S)
                 self._stop_locked()
 
     def _ensure_locked(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
-        self._stop_locked()  # it died: reap it
+        if self._proc is not None:
+            logger.warning("the working-dir size watchdog (pid %d) exited with code %s; starting a new one",
+                           self._proc.pid, self._proc.returncode)
+            self._stop_locked()
         package_root = str(Path(__file__).resolve().parents[2])
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": package_root}
         try:
@@ -89,15 +102,16 @@ class DiskWatch:
                                      f"disk_watch.main) did not start within {START_TIMEOUT_S:.0f} s (its error, if "
                                      "any, is on stderr above); no command runs without it")
 
-    def _send(self, line: str) -> bool:
-        """Write one request (starting the watchdog if needed); False if it died on the way (then it kills nothing)."""
-        self._ensure_locked()
-        try:
-            os.write(self._proc.stdin.fileno(), line.encode())
-            return True
-        except OSError:
-            self._stop_locked()
-            return False
+    def _send(self, line: str) -> None:
+        """Write one request, starting the watchdog if needed (once more if it died just now)."""
+        for _ in range(2):
+            self._ensure_locked()
+            try:
+                os.write(self._proc.stdin.fileno(), line.encode())
+                return
+            except OSError:
+                self._stop_locked()
+        raise SandboxUnavailable("the working-dir size watchdog died twice while a run was registered with it")
 
     def _stop_locked(self) -> None:
         proc, self._proc = self._proc, None
