@@ -122,6 +122,7 @@ async def test_the_engine_is_told_to_stop_at_the_turn_terminator(tokenizer):
     assert to_vllm_sampling(SamplingParams(stop_token_ids=(im_end,))).stop_token_ids == [im_end]
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a quiet 2-core box)
 def test_hermes_tool_calls_parse_from_text_and_from_single_tokens(tokenizer):
     from tokenizers import AddedToken
 

@@ -97,6 +97,7 @@ def test_within_the_switch_every_token_keeps_the_short_factors(tmp_path):
     assert "short RoPE factors" in " ".join(worker.packing_summary()["notes"])
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a quiet 2-core box)
 def test_the_pinned_rope_is_vllms_cos_sin_cache(monkeypatch):
     """The pinned rotary embedding's cos/sin are vLLM's own Phi3LongRoPEScaledRotaryEmbedding cache rows at the same
     positions, for a context past the switch and one within it."""

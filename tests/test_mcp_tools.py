@@ -197,6 +197,7 @@ async def test_a_dead_server_raises_and_the_next_call_reconnects(server_path, tm
         await close_tools(tools)
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a quiet 2-core box)
 def test_start_up_errors_name_the_file_and_entry(server_path, tmp_path):
     clash = {"class_name": "calculator", "tool_schema": {"type": "function", "function": {
         "name": "add", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}}
@@ -255,6 +256,7 @@ async def test_a_trajectory_whose_server_dies_is_dropped_and_counted(server_path
     assert out.trajectory_rewards() == [1.0]  # only the healthy trajectory is trained; none scored 0 for the crash
 
 
+@pytest.mark.integration  # slow for the fast suite (> 2 s on a quiet 2-core box)
 def test_a_server_that_never_lists_its_tools_fails_the_start_up_in_time(tmp_path):
     """Connected, but no tools/list answer: the start-up fails within connect_timeout_s, naming why, not hangs."""
     path = tmp_path / "hanging_server.py"
