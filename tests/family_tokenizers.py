@@ -884,6 +884,72 @@ FAMILIES: dict[str, FamilySpec] = {
               "list; the generation prompt opens <|START_THINKING|>. eos here is <|END_TEXT|>, the token that closes "
               "an assistant turn's content (as command-r7b's <|END_RESPONSE|>).",
     ),
+    # --- added for issue 59 (held-out templates whose calls were never read): tests/templates/README.md
+    "llama-4": FamilySpec(
+        name="llama-4",
+        hf_model_id="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        template_file="llama-4.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in (
+            "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad|>", "<|header_start|>", "<|header_end|>",
+            "<|eom|>", "<|eot|>", "<|python_start|>", "<|python_end|>", "<|image|>")),
+        eos_token="<|eot|>",
+        turn_terminators=("<|eot|>", "<|eom|>"),
+        stop_tokens=("<|eot|>", "<|eom|>"),
+        history_turn_end="<|eot|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|finetune_right_pad|>",
+        template_tokens=("<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|python_start|>",
+                         "<|python_end|>", "<|image|>"),
+        adds_bos=True,
+        template_kwargs={"tools": _TOOLS_DOC + " (into the first user message unless tools_in_user_message=False)",
+                         "tools_in_user_message": "default True"},
+        render_kwargs={"strftime_now": fixed_strftime_now},
+        notes="A call turn is <|python_start|>{content}<|python_end|> then every call as {\"name\", \"parameters\"} "
+              "JSON, objects back to back (parallel calls), then <|eot|>; tool results in an ipython turn. The real "
+              "tokenizer prepends <|begin_of_text|> on encode (adds_bos) and its generation config stops on "
+              "<|eot|> and <|eom|>.",
+    ),
+    "falcon-h1": FamilySpec(
+        name="falcon-h1",
+        hf_model_id="tiiuae/Falcon-H1-7B-Instruct",
+        template_file="falcon-h1.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>",
+                                               "<|im_end|>")),
+        eos_token="<|im_end|>",
+        turn_terminators=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        history_turn_end="<|im_end|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|pad|>",
+        template_tokens=("<|begin_of_text|>", "<|im_start|>", "<|im_end|>"),
+        multi_token_markers=("<tools>", "</tools>", "<tool_call>", "</tool_call>"),
+        template_kwargs={"tools": _TOOLS_DOC + " (a system block with the call instructions, left unclosed)"},
+        notes="ChatML; renders no `tool_calls` (a call turn renders its content only) and needs string content "
+              "(None raises); the tools block asks for <tool_call>\\n{'arguments': <args-dict>, 'name': "
+              "<function-name>}\\n</tool_call>, a Python dict, arguments first. The real tokenizer's eos is "
+              "<|end_of_text|>; eos here is <|im_end|>, the token that closes an assistant turn.",
+    ),
+    "xlam-2": FamilySpec(
+        name="xlam-2",
+        hf_model_id="Salesforce/Llama-xLAM-2-8b-fc-r",
+        template_file="xlam-2-llama.jinja",
+        vocab="smollm2",
+        vocab_tokens=tuple((t, True) for t in _LLAMA31_SPECIALS),
+        eos_token="<|eot_id|>",
+        turn_terminators=("<|eot_id|>",),
+        stop_tokens=("<|eot_id|>",),
+        history_turn_end="<|eot_id|>",
+        bos_token="<|begin_of_text|>",
+        pad_token="<|finetune_right_pad_id|>",
+        template_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        adds_bos=True,
+        template_kwargs={"tools": _TOOLS_DOC + " (after the default system prompt's call instructions)"},
+        notes="A call turn is one bare JSON list [{\"name\", \"arguments\"}, ...], no marker, its content dropped; "
+              "tool results in an ipython turn; a default system prompt (with the call instructions when tools are "
+              "given) unless the conversation has one. Llama 3.1 vocabulary: BOS on encode.",
+    ),
 }
 
 

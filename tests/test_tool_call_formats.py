@@ -28,6 +28,9 @@ EXPECTED = {
     "nemotron-nano-v2": "nemotron_toolcall", "smollm3": "hermes", "qwq-32b": "hermes",
     "apriel-1.6": "marked_json", "gigachat3.1": "marked_json", "minimax-m1": "marked_json", "lfm2.5-8b": "pythonic",
     "cohere2moe": "command_r",
+    # issue 59: Llama 4 writes its JSON after <|python_start|><|python_end|>; Falcon-H1 asks for a Python dict in
+    # <tool_call> tags; xLAM-2 writes a bare JSON list
+    "llama-4": "llama_json", "falcon-h1": "hermes_dict", "xlam-2": "bare_json_list",
 }
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web.", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
@@ -41,10 +44,12 @@ SINGLE_CALL = {"llama-3.1", "llama-3.2", "gpt-oss", "gigachat3.1"}  # their temp
 
 def unrendered_calls(fmt: str, calls) -> str:
     """What a model samples for `calls` where its template renders none (it is told the format in the prompt): our
-    hermes block's format, Granite 3.3's `<|tool_call|>` list, LFM2's Python-syntax list."""
+    hermes block's format, Granite 3.3's `<|tool_call|>` list, LFM2's Python-syntax list, Falcon-H1's dict."""
     objects = [{"name": n, "arguments": a} for n, a in calls]
     if fmt == "granite":
         return "<|tool_call|>" + json.dumps(objects)
+    if fmt == "hermes_dict":  # Falcon-H1's instructions: a Python dict, arguments first
+        return "\n".join("<tool_call>\n" + repr({"arguments": a, "name": n}) + "\n</tool_call>" for n, a in calls)
     if fmt == "pythonic":
         return "<|tool_call_start|>[" + ", ".join(
             f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls) \
@@ -81,6 +86,8 @@ MALFORMED = {
     "command_r": ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "search", "parameters": {"query": "x"}]'
                   "<|END_ACTION|>", "invalid_json"),
     "granite": ('<|tool_call|>[{"arguments": {"query": "x"}}]', "missing_name"),
+    "hermes_dict": ("<tool_call>\n{'arguments': {'query': 'x'}, 'name': 'search'\n</tool_call>", "malformed_structure"),
+    "bare_json_list": ('[{"name": "search", "arguments": {"query": "x"}}', "invalid_json"),
 }
 
 
@@ -455,3 +462,96 @@ def test_a_template_that_fails_on_tools_is_never_given_them(tokenizer):
 
 
 TOOL_PROMPT_MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+
+
+# --- Issue 59: the start-up round trip (detect.py): a format is chosen only where its reader reads the template's
+# own probe calls back, names and arguments, the two-call turn included; else the run is refused, naming it all
+JSON_CALLS_TEMPLATE = (  # Llama 3's JSON objects, written {prefix}{call}{sep}{call}...: llama_json's pattern matches
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}{{ PREFIX if m.tool_calls else '' }}"
+    "{% for c in m.tool_calls or [] %}{{ SEP if not loop.first else '' }}{\"name\": \"{{ c.function.name }}\", "
+    "\"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _json_calls_tokenizer(tokenizer, prefix: str, sep: str):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = JSON_CALLS_TEMPLATE.replace("PREFIX", repr(prefix)).replace("SEP", repr(sep))
+    tok.name_or_path = "/models/json-calls"
+    return tok
+
+
+def test_a_format_whose_reader_does_not_read_the_rendered_call_back_is_refused(tokenizer):
+    """Text before the JSON (not a marker of its own: several words) is content to llama_json's reader, so every
+    call would be a final answer (the Llama 4 failure): refused at startup, naming the format, the rendered turn and
+    what it parsed as. Before the round trip this template was served as llama_json, silently."""
+    from skyrl_stepwise.chat.tool_formats.detect import ToolFormatRoundTripFailed
+
+    tok = _json_calls_tokenizer(tokenizer, "I will call it now ", "")
+    with pytest.raises(ToolFormatRoundTripFailed) as refused:
+        create_renderer(tok, "template")
+    message = str(refused.value)
+    assert "'/models/json-calls'" in message and "'llama_json'" in message and "generator.tool_parser" in message
+    assert 'I will call it now {"name": "skyrl_probe_call", "parameters": {"skyrl_probe_arg": 1}}' in message
+    assert "parsed as [] (name, arguments, error), not [('skyrl_probe_call', {'skyrl_probe_arg': 1})]" in message
+    # the user can still name a format: taken as named
+    assert create_renderer(tok, "template", tool_parser="llama_json").tool_parser.name == "llama_json"
+
+
+def test_parallel_calls_the_reader_misreads_are_refused(tokenizer):
+    """One call reads back, two joined by `|` do not (the second is invalid_json): the two-call turn is checked too,
+    since a model of this template writes parallel calls that way."""
+    from skyrl_stepwise.chat.tool_formats.detect import ToolFormatRoundTripFailed
+
+    tok = _json_calls_tokenizer(tokenizer, "", "|")
+    with pytest.raises(ToolFormatRoundTripFailed, match="invalid_json"):
+        create_renderer(tok, "template")
+    assert create_renderer(_json_calls_tokenizer(tokenizer, "", ";"), "template").tool_parser.name == "llama_json"
+
+
+def test_the_first_candidate_that_reads_back_is_chosen(tokenizer):
+    """`CALL: {...}`: llama_json's pattern matches first but its reader takes the turn for text; marked_json (the
+    template's own marker) reads it back, so it is chosen, and the calls the template renders parse."""
+    chat = create_renderer(_json_calls_tokenizer(tokenizer, "CALL: ", ""), "template")
+    assert chat.tool_parser.name == "marked_json" and chat.tool_parser.format.markers == ("CALL:",)
+    user = [{"role": "user", "content": "U"}]
+    turn = chat.turn_ids(user + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "call00000", "function": {"name": "search", "arguments": {"query": "x"}}}]}],
+        1, TOOLS)
+    assert [(c.name, c.arguments) for c in chat.parse(turn.ids, [], TOOLS).tool_calls] == [("search", {"query": "x"})]
+
+
+def test_llama4_calls_parse_after_its_python_block():
+    """Llama 4's template writes `<|python_start|>{text}<|python_end|>` then the calls back to back: the turn's text
+    is the block's, the calls all parse (were: every call taken for the final answer)."""
+    tok, chat = family_tokenizer("llama-4"), _renderer("llama-4")
+    text = ('<|python_start|>Let me look.<|python_end|>{"name": "search", "parameters": {"query": "x"}}'
+            '{"name": "calculator", "parameters": {"expression": "2+3"}}')
+    turn = chat.parse(tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|eot|>")], [],
+                      TOOLS)
+    assert turn.content == "Let me look." and [(c.name, c.arguments, c.error) for c in turn.tool_calls] == [
+        ("search", {"query": "x"}, None), ("calculator", {"expression": "2+3"}, None)]
+    # calls inside the block (as vLLM's Llama 4 parser also reads them), and an empty block: a malformed call
+    inside = chat.parse(tok('<|python_start|>{"name": "search", "parameters": {"query": "x"}}<|python_end|>',
+                            add_special_tokens=False)["input_ids"], [], TOOLS)
+    assert [(c.name, c.arguments) for c in inside.tool_calls] == [("search", {"query": "x"})]
+    empty = chat.parse(tok("<|python_start|>search it<|python_end|>", add_special_tokens=False)["input_ids"], [],
+                       TOOLS)
+    assert [c.error for c in empty.tool_calls] == ["unparsed_call_marker"]
+
+
+def test_a_template_that_renders_no_calls_is_refused_naming_what_it_rendered():
+    """Falcon-H1's template with its call instructions in a format no parser reads: the refusal says the template
+    renders no calls (quoting the empty call turn as such, not as a call) and quotes the instructions' end."""
+    import copy
+
+    tok = copy.deepcopy(family_tokenizer("falcon-h1"))
+    tok.chat_template = tok.chat_template.replace("{'arguments': <args-dict>, 'name': <function-name>}",
+                                                  "CALL <function-name> WITH <args>")
+    with pytest.raises(UnknownToolFormat) as refused:
+        create_renderer(tok, "template")
+    message = str(refused.value)
+    assert "renders tool schemas but no tool calls" in message and "without the call" in message
+    assert "'<|im_start|>assistant\\n<|im_end|>'" in message  # the probe call's turn, as rendered
+    assert "<tool_call>\\nCALL <function-name> WITH <args>\\n</tool_call>" in message  # the instructions' end

@@ -19,8 +19,8 @@ from typing import Any
 from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTurn, RenderError, check_observations_kept,
                                       fold_system_into_user, probe_call_message, probe_role_support, unicode_normalizer,
                                       RenderedTurn, rendered_forms, rendered_turn, through_first_stop)
-from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat
-from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering
+from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat, ToolParser
+from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering, RoundTrip
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES
 from skyrl_stepwise.chat.tool_formats.xml_values import PROBE_VALUE, ValuePadding, probed_padding
 from skyrl_stepwise.chat.tool_parsers import parse_harmony_text, tool_parser_for
@@ -31,6 +31,9 @@ _MARKER = "SKYRLASSISTANTTURNMARKER"
 _LAST_MARKER = "SKYRLLASTTURNMARKER"  # the last assistant turn's, so an earlier turn's marker is never taken for it
 _PROBE_TOOL = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
                                                 "parameters": {"type": "object", "properties": {}}}}
+# the probe call's own schema, so an XML-style value reads back typed as the rendered argument (an integer)
+_ROUND_TRIP_TOOL = {"type": "function", "function": {"name": PROBE_NAME, "description": "d", "parameters": {
+    "type": "object", "properties": {PROBE_ARG: {"type": "integer"}}}}}
 
 
 class TemplateRenderer:
@@ -63,8 +66,6 @@ class TemplateRenderer:
         self.stop_ids = {tokenizer.eos_token_id, self.close_id}
         probe, self.string_arguments = self._tool_support()
         self.renders_tools, self.renders_tool_calls = probe.renders_tools, probe.renders_calls
-        # the format the template renders calls in (generator.tool_parser overrides); unknown: fails here
-        self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser, self._value_padding())
         # what the template writes between a turn's text and its first call (Qwen: "\n"), so text before a call
         # is parsed without it and the template's rendering of the turn reproduces the sampled text
         self.content_call_separator = self._content_call_separator()
@@ -77,6 +78,11 @@ class TemplateRenderer:
             if at >= 0 else None
         self._call_close = call_close if call_close in self.stop_ids - {tokenizer.eos_token_id, self.close_id} \
             else None
+        # the format the template renders calls in, proved by reading the template's own probe calls back as a
+        # sampled turn is read (generator.tool_parser overrides); unknown or not read back: fails here
+        padding = self._value_padding()
+        self.tool_parser = tool_parser_for(probe, tokenizer, tool_parser, padding,
+                                           lambda fmt: self._round_trips(probe, ToolParser(fmt, tokenizer, padding)))
 
     def render(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The chat template as text; tool schemas go where the template puts them, or in a hermes system block
@@ -129,6 +135,10 @@ class TemplateRenderer:
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None = None) -> ParsedTurn:
         """The sampled text without its closing token (the template handles any reasoning in it); with tools,
         calls in the template's format become calls and the content is the text before them."""
+        return self._parse_with(self.tool_parser, completion_ids, tools)
+
+    def _parse_with(self, parser: ToolParser, completion_ids: list[int], tools: list[dict] | None) -> ParsedTurn:
+        """`parse` with `parser` reading the calls (the start-up round trip proves a candidate format this way)."""
         ends = completion_ids and completion_ids[-1] in self.stop_ids and completion_ids[-1] != self._call_close
         ids = completion_ids[:-1] if ends else completion_ids
         text = self.decode(ids)
@@ -137,7 +147,7 @@ class TemplateRenderer:
             return ParsedTurn(content, thinking, calls if tools else [], reasoning_key="thinking")
         if not tools:
             return ParsedTurn(text)
-        content, calls = self.tool_parser.parse(ids, self.decode, tools)
+        content, calls = parser.parse(ids, self.decode, tools)
         if self.string_arguments:  # the template concatenates arguments as text (DeepSeek R1): OpenAI's JSON string
             calls = [replace(c, arguments=json.dumps(c.arguments, ensure_ascii=False))
                      if c.error is None and isinstance(c.arguments, dict) else c for c in calls]
@@ -283,7 +293,11 @@ class TemplateRenderer:
         except RenderError:
             before = ""
         renders_tools = "skyrl_probe_tool" in before
-        probe = ProbeRendering(before, "", renders_tools)
+        try:
+            without_tools = self._apply_template(user, True, None)
+        except RenderError:
+            without_tools = ""
+        probe = ProbeRendering(before, "", renders_tools, without_tools=without_tools)
         errors = []
         # arguments as a dict, else as OpenAI's JSON string; content "" or None (DeepSeek R1 renders calls only
         # for `content is none`)
@@ -293,7 +307,7 @@ class TemplateRenderer:
             call = {"role": "assistant", "content": content, "tool_calls": [{
                 "type": "function", "id": "call00000", "function": {"name": PROBE_NAME, "arguments": arguments}}]}
             try:
-                probe = ProbeRendering(before, self._apply_template(user + [call], False, [tool]), renders_tools)
+                probe = replace(probe, with_call=self._apply_template(user + [call], False, [tool]))
             except RenderError as e:
                 cause = e.__cause__ or e
                 errors.append(f"{type(cause).__name__}: {cause}")
@@ -308,6 +322,36 @@ class TemplateRenderer:
         if not probe.with_call and errors:
             probe = replace(probe, call_error=errors[-1])
         return probe, False
+
+    def _round_trips(self, probe: ProbeRendering, parser: ToolParser) -> list[RoundTrip]:
+        """The template's probe call turn, and its two-call turn where it renders parallel calls, each read back by
+        `parser` as sampled ids are: the turn's text after the generation prompt, through the first stop token
+        after its last call (the turn's terminator appended where the template writes none), through `parse`."""
+        one = _sampled_turn(probe.before, probe.with_call)
+        per_call = one.count(PROBE_NAME)
+        turns = [(one, 1)]
+        if probe.with_two_calls and per_call:
+            two = _sampled_turn(probe.before, probe.with_two_calls)
+            turns.append((two, min(2, two.count(PROBE_NAME) // per_call)))  # GigaChat 3.1 renders one a turn
+        trips = []
+        for text, n_calls in turns:
+            ids = self._through_stop(text)
+            calls = self._parse_with(parser, ids, [_ROUND_TRIP_TOOL]).tool_calls
+            arguments = [json.loads(c.arguments) if isinstance(c.arguments, str) and c.error is None else c.arguments
+                         for c in calls]
+            trips.append(RoundTrip(parser.name, self.decode(ids), ((PROBE_NAME, {PROBE_ARG: 1}),) * n_calls,
+                                   tuple((c.name, a, c.error) for c, a in zip(calls, arguments))))
+        return trips
+
+    def _through_stop(self, turn: str) -> list[int]:
+        """The ids of `turn` (a rendered call turn) through the first stop token after its last call, as a model
+        samples it; the turn's terminator appended where the template closes it only before a later message."""
+        last = turn.rfind(PROBE_ARG)
+        ends = [(i, t) for t in self.stop_ids if (i := turn.find(self.decode([t]), last)) >= 0]
+        if not ends:
+            return self.encode(turn) + [self.close_id]
+        at, stop = min(ends)
+        return self.encode(turn[:at]) + [stop]
 
     def _value_padding(self) -> ValuePadding | None:
         """What the template writes around a string argument value (Qwen3-Coder: a newline each side), so XML-style
@@ -394,6 +438,16 @@ class TemplateRenderer:
                 if self.decode([token]).strip():
                     break  # visible text before any special token: no terminator
         return None
+
+
+def _sampled_turn(before: str, rendered: str) -> str:
+    """What a model writes for the last turn of `rendered` after the generation prompt `before`: the text after
+    their common prefix, backed off to a line break or a tag's end (a marker both start, Gemma 4's `<|`, is not cut
+    in two; a generation prompt that opens a think block a past call turn lacks does not matter)."""
+    shared = len(os.path.commonprefix([before, rendered]))
+    while shared and rendered[shared - 1] not in ">\n":
+        shared -= 1
+    return rendered[shared:]
 
 
 def generation_config_stops(model_path: str) -> set[int]:

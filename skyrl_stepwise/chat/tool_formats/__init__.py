@@ -16,8 +16,8 @@ from skyrl_stepwise.chat.tool_formats.gemma4 import GEMMA4
 from skyrl_stepwise.chat.tool_formats.glm import GLM
 from skyrl_stepwise.chat.tool_formats.granite import GRANITE
 from skyrl_stepwise.chat.tool_formats.harmony import HARMONY
-from skyrl_stepwise.chat.tool_formats.hermes import HERMES
-from skyrl_stepwise.chat.tool_formats.json_lists import FIREFUNCTION, NEMOTRON_TOOLCALL
+from skyrl_stepwise.chat.tool_formats.hermes import HERMES, HERMES_DICT
+from skyrl_stepwise.chat.tool_formats.json_lists import BARE_JSON_LIST, FIREFUNCTION, NEMOTRON_TOOLCALL
 from skyrl_stepwise.chat.tool_formats.kimi import KIMI_K2
 from skyrl_stepwise.chat.tool_formats.llama_json import LLAMA_JSON
 from skyrl_stepwise.chat.tool_formats.minimax import MINIMAX
@@ -26,10 +26,11 @@ from skyrl_stepwise.chat.tool_formats.pythonic import PYTHONIC
 from skyrl_stepwise.chat.tool_formats.xml_params import QWEN_XML, SEED_XML
 
 # Tried in this order on a template's rendering; each `renders` pattern names the probe call, so at most one
-# matches a rendering, except hermes and llama_json (a JSON object), which come last.
+# matches a rendering, except hermes and llama_json (a JSON object), which come last. Detection takes the first
+# match whose reader reads the rendered probe calls back (the start-up round trip, detect.py).
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     HARMONY, MISTRAL, DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, GLM, QWEN_XML, SEED_XML, FUNCTIONARY, MINIMAX, GEMMA4,
-    COMMAND_R, GRANITE, FIREFUNCTION, NEMOTRON_TOOLCALL, PYTHONIC, HERMES, LLAMA_JSON)}
+    COMMAND_R, GRANITE, FIREFUNCTION, NEMOTRON_TOOLCALL, BARE_JSON_LIST, PYTHONIC, HERMES_DICT, HERMES, LLAMA_JSON)}
 
 
 def tool_format_names() -> list[str]:

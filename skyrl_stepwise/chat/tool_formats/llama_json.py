@@ -1,5 +1,9 @@
-"""Llama 3.x JSON calls: the whole turn is `{"name": ..., "parameters": {...}}` (optionally after
-`<|python_tag|>`), no tags around it.
+"""Llama JSON calls: the turn is `{"name": ..., "parameters": {...}}` objects, no tags around them.
+
+- Llama 3.x: the whole turn is one call (optionally after `<|python_tag|>`);
+- Llama 4: the turn's text sits between `<|python_start|>` and `<|python_end|>` (empty for a call-only turn), and
+  every call follows, one object after another with nothing between them (parallel calls); a model may also write
+  its calls inside those tags.
 
 The library's Llama 3 parser reads a turn that does not decode as a call as the final answer; here a turn that
 opens like a call (`{` then `"name"`) and does not decode is a malformed call, answered, so the episode goes on.
@@ -14,15 +18,34 @@ from skyrl_stepwise.chat.base import ToolCallRequest
 from skyrl_stepwise.chat.tool_formats.base import ToolFormat, call_from_object
 
 LLAMA_JSON_FORMAT = 'a JSON object {"name": <tool name>, "parameters": <JSON object>}'
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _CALL_START = re.compile(r'^\s*(<\|python_tag\|>)?\s*\{\s*"(name|function)"')
 
 
 def parse_llama_json_text(text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCallRequest]]:
-    """One call, or several separated by `;` or whitespace, when the turn opens like a call; else content."""
-    m = _CALL_START.match(text)
-    if m is None:
+    """(content, calls): one call or several (separated by `;`, whitespace or nothing) where the turn opens like a
+    call; Llama 4's `<|python_start|>text<|python_end|>` before them is the turn's text; else all is content."""
+    if text.lstrip().startswith(PYTHON_START):
+        content, calls = _parse_python_block(text.lstrip()[len(PYTHON_START):])
+        return (content, calls) if calls else (text, [])
+    if _CALL_START.match(text) is None:
         return text, []
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+    return "", _read_calls(text.strip().removeprefix("<|python_tag|>").strip())
+
+
+def _parse_python_block(after_start: str) -> tuple[str, list[ToolCallRequest]]:
+    """Llama 4: the text inside the tags is the turn's text, or its calls where it opens like one; calls follow."""
+    inner, closed, rest = after_start.partition(PYTHON_END)
+    calls = []
+    if _CALL_START.match(inner):
+        calls, inner = _read_calls(inner.strip()), ""
+    if closed and _CALL_START.match(rest):
+        calls.extend(_read_calls(rest.strip()))
+    return inner, calls
+
+
+def _read_calls(body: str) -> list[ToolCallRequest]:
+    """Every JSON object in `body`, one after another; the first that does not decode ends it (invalid_json)."""
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(body):
         try:
@@ -34,12 +57,12 @@ def parse_llama_json_text(text: str, tools: list[dict] | None = None) -> tuple[s
         at = end
         while at < len(body) and body[at] in "; \n\t":
             at += 1
-    return "", calls
+    return calls
 
 
 LLAMA_JSON = ToolFormat(
-    name="llama_json", expected_format=LLAMA_JSON_FORMAT, markers=("<|python_tag|>",),
+    name="llama_json", expected_format=LLAMA_JSON_FORMAT, markers=("<|python_tag|>", PYTHON_START),
     renders=re.compile(r'\{\s*"name":\s*"skyrl_probe_call",\s*"parameters":'),
     instructs=re.compile(r'\{"name": function name, "parameters"'),
     parse_text=parse_llama_json_text,
-    description='Llama 3.x JSON {"name", "parameters"} (Llama 3.1/3.2/3.3)')
+    description='Llama JSON {"name", "parameters"} (Llama 3.1/3.2/3.3, Llama 4 after <|python_start|>...<|python_end|>)')

@@ -79,7 +79,7 @@ def _call(node: ast.expr, body: str) -> ToolCallRequest:
         if kw.arg is None:  # **kwargs
             return ToolCallRequest(name, None, raw, "malformed_structure")
         try:
-            arguments[kw.arg] = _literal(kw.value)
+            arguments[kw.arg] = json_literal(kw.value)
         except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, an unhashable key, too deep
             return ToolCallRequest(name, None, raw, "invalid_arguments")
     return ToolCallRequest(name, arguments, raw)
@@ -94,16 +94,18 @@ def _dotted(node: ast.expr) -> str | None:
     return None
 
 
-def _literal(node: ast.expr):
+def json_literal(node: ast.expr):
+    """The JSON value a Python literal expression writes (`true`/`null` names too); ValueError where JSON cannot
+    hold it (complex, bytes, sets, non-string keys)."""
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
     if isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(e) for e in node.elts]
+        return [json_literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
-        keys = [_literal(k) for k in node.keys]
+        keys = [json_literal(k) for k in node.keys]
         if not all(isinstance(k, str) for k in keys):
             raise ValueError("JSON object keys are strings")
-        return dict(zip(keys, (_literal(v) for v in node.values)))
+        return dict(zip(keys, (json_literal(v) for v in node.values)))
     value = ast.literal_eval(node)
     if value is not None and not isinstance(value, (str, int, float, bool)):  # complex, bytes, sets: not JSON
         raise ValueError(f"not a JSON value: {type(value).__name__}")
