@@ -555,3 +555,24 @@ def test_a_template_that_renders_no_calls_is_refused_naming_what_it_rendered():
     assert "renders tool schemas but no tool calls" in message and "without the call" in message
     assert "'<|im_start|>assistant\\n<|im_end|>'" in message  # the probe call's turn, as rendered
     assert "<tool_call>\\nCALL <function-name> WITH <args>\\n</tool_call>" in message  # the instructions' end
+
+
+def test_the_round_trip_refuses_llama4_with_a_reader_that_refuses_its_prefix(monkeypatch):
+    """The check that would have caught the silent Llama 4 failure: with the Llama 3 reader (it takes a turn that
+    opens with `<|python_start|>` for text), Llama 4's template is refused at startup, naming the format and the
+    rendered call, instead of served with every call taken for the final answer."""
+    from dataclasses import replace
+
+    from skyrl_stepwise.chat.tool_formats import FORMATS as formats
+    from skyrl_stepwise.chat.tool_formats.detect import ToolFormatRoundTripFailed
+    from skyrl_stepwise.chat.tool_formats.llama_json import parse_llama_json_text
+
+    def llama3_only(text, tools=None):
+        return (text, []) if text.lstrip().startswith("<|python_start|>") else parse_llama_json_text(text, tools)
+
+    monkeypatch.setitem(formats, "llama_json", replace(formats["llama_json"], parse_text=llama3_only))
+    with pytest.raises(ToolFormatRoundTripFailed) as refused:
+        _renderer("llama-4")
+    message = str(refused.value)
+    assert "'llama_json'" in message and "'meta-llama/Llama-4-Scout-17B-16E-Instruct'" in message
+    assert '<|python_start|><|python_end|>{"name": "skyrl_probe_call", "parameters": {"skyrl_probe_arg": 1}}' in message
