@@ -576,3 +576,19 @@ def test_the_round_trip_refuses_llama4_with_a_reader_that_refuses_its_prefix(mon
     message = str(refused.value)
     assert "'llama_json'" in message and "'meta-llama/Llama-4-Scout-17B-16E-Instruct'" in message
     assert '<|python_start|><|python_end|>{"name": "skyrl_probe_call", "parameters": {"skyrl_probe_arg": 1}}' in message
+
+
+def test_a_library_renderer_whose_parser_misses_its_own_calls_is_not_served(monkeypatch):
+    """The round trip runs for the `renderers` library's format too: a parser that reads the library's own probe
+    call as text refuses the named renderer at startup and, with `auto`, leaves the model's template (proved the
+    same way) to serve it."""
+    from skyrl_stepwise.chat.base import ParsedTurn
+    from skyrl_stepwise.chat.library import LibraryRenderer
+
+    tok = family_tokenizer("llama-3.2")
+    assert create_renderer(tok, "llama-3").name == "renderers:llama-3"
+    monkeypatch.setattr(LibraryRenderer, "parse", lambda self, ids, prompt, tools=None: ParsedTurn(self.decode(ids)))
+    with pytest.raises(ValueError, match=r"renderers:llama-3 renders tool calls .* its parser does not read back"):
+        create_renderer(tok, "llama-3")
+    chat = create_renderer(tok, "auto")
+    assert chat.name == "template:meta-llama/Llama-3.2-3B-Instruct" and chat.tool_parser.name == "llama_json"

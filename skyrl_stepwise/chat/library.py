@@ -1,10 +1,12 @@
 """The PyPI `renderers` library (prime-rl's renderers) as our renderer: hand-written per-family renderers with an
 exact `bridge_to_next_turn`, tool-call and reasoning parsers, and a thinking-retention policy. We add nothing to
-what it does; we only check its bridge's prefix contract and say why it declined.
+what it does; we only check its bridge's prefix contract and say why it declined, and, at start-up, that its parser
+reads its own rendering of a probe call back (the round trip every detected format gets, tool_formats/detect.py).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
 from typing import Any
@@ -13,6 +15,7 @@ from skyrl_stepwise.chat.base import (Message, unicode_normalizer, NextPrompt, P
                                       RenderedTurn, check_observations_kept, probe_call_message,
                                       probe_role_support, rendered_turn)
 from skyrl_stepwise.chat.tool_formats import FORMATS, PROBE_ARG, ToolParser
+from skyrl_stepwise.chat.tool_formats.detect import ROUND_TRIP_TOOLS, RoundTrip, ToolFormatRoundTripFailed
 from skyrl_stepwise.chat.tool_formats.xml_values import PROBE_VALUE, ValuePadding, probed_padding
 
 # The call format of the library's renderers, by name prefix (first match), for answering a malformed call and
@@ -109,6 +112,36 @@ class LibraryRenderer:
         self.own_parser = ToolParser(fmt, tokenizer, self._value_padding() if self.reads_values else None) \
             if fmt is not None else None
         self.roles = probe_role_support(lambda m: self.decode(self.renderer.render_ids(m, add_generation_prompt=True)))
+        self._check_round_trip()
+
+    def _check_round_trip(self) -> None:
+        """The start-up round trip (tool_formats/detect.py) for the library's own format: a turn with one probe call,
+        and with two where it renders both, rendered by the library and read back by `parse` as sampled ids are,
+        must give back the same calls; else ToolFormatRoundTripFailed (with `renderer: auto`, create_renderer then
+        serves the model's own template, whose format is proved the same way). A turn it cannot render is skipped:
+        that renderer writes no calls to check."""
+        user = [{"role": "user", "content": "U"}]
+        tools = ROUND_TRIP_TOOLS
+        for n_calls in (1, 2):
+            messages = user + [probe_call_message(n_calls)]
+            try:
+                turn = self.turn_ids(messages, 1, tools)
+            except RenderError:
+                continue
+            text = self.decode(turn.ids) if turn is not None else ""
+            names = [c["function"]["name"] for c in messages[-1]["tool_calls"]]
+            rendered = tuple((name, {PROBE_ARG: 1}) for name in names[:1] + [n for n in names[1:] if n in text])
+            if not text or names[0] not in text:
+                continue
+            calls = self.parse(turn.ids, self.prompt_ids(user, tools), tools).tool_calls
+            trip = RoundTrip(self.name, text, rendered, tuple(
+                (c.name, json.loads(c.arguments) if isinstance(c.arguments, str) and c.error is None else c.arguments,
+                 c.error) for c in calls))
+            if not trip.ok:
+                raise ToolFormatRoundTripFailed(
+                    f"{self.name} renders tool calls for {self.tokenizer.name_or_path!r} that its parser does not read "
+                    f"back: it rendered {text!r}, which parsed as {list(trip.parsed)} (name, arguments, error), not "
+                    f"{list(trip.expected)}")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

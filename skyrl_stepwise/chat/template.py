@@ -20,7 +20,7 @@ from skyrl_stepwise.chat.base import (PROBE_TEXT, Message, NextPrompt, ParsedTur
                                       fold_system_into_user, probe_call_message, probe_role_support, unicode_normalizer,
                                       RenderedTurn, rendered_forms, rendered_turn, through_first_stop)
 from skyrl_stepwise.chat.tool_formats import PROBE_ARG, PROBE_NAME, ToolFormat, ToolParser
-from skyrl_stepwise.chat.tool_formats.detect import ProbeRendering, RoundTrip
+from skyrl_stepwise.chat.tool_formats.detect import ROUND_TRIP_TOOLS, ProbeRendering, RoundTrip
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES
 from skyrl_stepwise.chat.tool_formats.xml_values import PROBE_VALUE, ValuePadding, probed_padding
 from skyrl_stepwise.chat.tool_parsers import parse_harmony_text, tool_parser_for
@@ -31,9 +31,6 @@ _MARKER = "SKYRLASSISTANTTURNMARKER"
 _LAST_MARKER = "SKYRLLASTTURNMARKER"  # the last assistant turn's, so an earlier turn's marker is never taken for it
 _PROBE_TOOL = {"type": "function", "function": {"name": "skyrl_probe_tool", "description": "d",
                                                 "parameters": {"type": "object", "properties": {}}}}
-# the probe call's own schema, so an XML-style value reads back typed as the rendered argument (an integer)
-_ROUND_TRIP_TOOL = {"type": "function", "function": {"name": PROBE_NAME, "description": "d", "parameters": {
-    "type": "object", "properties": {PROBE_ARG: {"type": "integer"}}}}}
 
 
 class TemplateRenderer:
@@ -336,7 +333,7 @@ class TemplateRenderer:
         trips = []
         for text, n_calls in turns:
             ids = self._through_stop(text)
-            calls = self._parse_with(parser, ids, [_ROUND_TRIP_TOOL]).tool_calls
+            calls = self._parse_with(parser, ids, ROUND_TRIP_TOOLS).tool_calls
             arguments = [json.loads(c.arguments) if isinstance(c.arguments, str) and c.error is None else c.arguments
                          for c in calls]
             trips.append(RoundTrip(parser.name, self.decode(ids), ((PROBE_NAME, {PROBE_ARG: 1}),) * n_calls,

@@ -23,12 +23,16 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from skyrl_stepwise.chat.tool_formats import FORMATS, PROBE_NAME, ToolFormat
+from skyrl_stepwise.chat.tool_formats import FORMATS, PROBE_ARG, PROBE_NAME, ToolFormat
 from skyrl_stepwise.chat.tool_formats.hermes import HERMES
 from skyrl_stepwise.chat.tool_formats.marked_json import marked_json_format
 
 
 _CONTEXT = 16  # characters kept before the point where the renderings part
+# the probe calls' own schemas (`probe_call_message` names a second call `skyrl_probe_call1`), given to the reader in
+# the round trip, so an XML-style value reads back typed as the rendered argument (an integer)
+ROUND_TRIP_TOOLS = [{"type": "function", "function": {"name": name, "description": "d", "parameters": {
+    "type": "object", "properties": {PROBE_ARG: {"type": "integer"}}}}} for name in (PROBE_NAME, f"{PROBE_NAME}1")]
 
 
 class UnknownToolFormat(ValueError):
