@@ -1,4 +1,4 @@
-"""Offline tokenizers for 35 real model families, each carrying its real chat template.
+"""Offline tokenizers for 38 real model families, each carrying its real chat template.
 
 No model hub is reachable in CI, so each family's tokenizer is rebuilt from what ships with the test
 environment (see tests/templates/README.md):
@@ -8,7 +8,8 @@ environment (see tests/templates/README.md):
   real `special` flags and the real NFC normaliser. Token ids of the template markers are the real ones.
 - Any other family (llama-3.1, hermes-3, mistral-small-3.2, gpt-oss, smollm2, and the 15 added for issue 28:
   glm-4.6, granite-3.3/4.0, gemma-2/4, phi-3.5, llama-3.2, deepseek-v3.1, qwen3-coder, qwen3.5, nemotron-3-nano,
-  minimax-m2, seed-oss, command-r7b, mistral-nemo): the embedded SmolLM2
+  minimax-m2, seed-oss, command-r7b, mistral-nemo; later sweeps' families; llama-4, falcon-h1, xlam-2 for issue
+  59): the embedded SmolLM2
   tokenizer with the family's markers added (`AddedToken(t, special=True, normalized=False)`). The
   vocabulary, and so the ids, differ from the real model's, but every marker is one id as in the real
   tokenizer, which is what exact token-level extension depends on.
