@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from skyrl_stepwise.envs.base import TAMPER_METRIC
 from skyrl_stepwise.envs.grading_harness import NotPlain, decode, encode
 from skyrl_stepwise.sandbox import Limits, RunResult, SandboxMetrics, StopReason
 from skyrl_stepwise.sandbox.backends import open_sandbox
@@ -46,7 +47,6 @@ from skyrl_stepwise.sandbox.backends import open_sandbox
 GRADE_LIMITS = Limits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=1 << 20)
 HARNESS = (Path(__file__).with_name("grading_harness.py")).read_text()
 GRADE_COMMAND = f"python3 -I -S -B -c {shlex.quote(HARNESS)}"
-TAMPER_METRIC = "reward/tamper_suspected"
 MAX_ROUNDS = 4  # grade_check: sandbox runs at most (a call whose argument is another call's result needs a round)
 MAX_CHECK_CALLS = 10_000  # grade_check: candidate calls per pass, so a loop over a probe cannot run forever
 GRADER_READS = ("sitecustomize.py", "usercustomize.py")
@@ -294,7 +294,9 @@ class _Replay:
             raise _Abort(f"more than {MAX_CHECK_CALLS} calls")
         try:
             key = json.dumps(encode([list(args), kwargs]))
-        except NotPlain as e:  # a probe (a result still pending) or an object: not a call the sandbox can make
+        except NotPlain as e:
+            if any(isinstance(a, _Probe) for a in (*args, *kwargs.values())):
+                return _Probe()  # an argument is a result still pending: this call waits for the next round
             raise _Abort(f"an argument that is not plain data ({e})") from None
         outcome = self.known.get(key)
         if outcome is None:
@@ -377,7 +379,7 @@ def grade_check(files: Mapping[str, str | bytes], module: str, function: str, ch
         if not pending:
             finished = _pass(check_source, prelude, _Replay(known, pending), entry, function, probing=False)
             return Grade((finished and not pending,), tuple(tamper), stop)
-        run = run_calls(files, [Call(module, function, a, k) for a, k in pending.values()], limits, metrics)
+        run = run_calls(files, [Call(module, function, tuple(a), k) for a, k in pending.values()], limits, metrics)
         known.update(zip(pending, run.outcomes))
         tamper += run.tamper
         stop = run.stop_reason
