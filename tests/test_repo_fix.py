@@ -182,8 +182,8 @@ async def test_reward_is_the_hidden_tests_demo_fix_1_wrong_fix_0():
 async def test_the_episode_runs_on_the_configured_backend(tmp_path, monkeypatch):
     """environment.sandbox.backend: docker (a FAKE docker CLI: our plumbing, not container isolation): the task's
     files are written to the container's working dir, the bash tool and the grading go through `docker exec`, and
-    an edit outside the working dir is refused as with bwrap. (The fake does not mount /work, which the grading's
-    import path names, so the reward itself is only checked on bwrap.)"""
+    an edit outside the working dir is refused as with bwrap; the grading (its own container, the package's
+    sources copied in, the working dir put on the path by the grading program itself) pays the fix."""
     state = use_fake_docker_backend(tmp_path, monkeypatch)
     task = gen.repo_fix_tasks("train", 3)[0]
     [edit] = task.fix()
@@ -191,6 +191,7 @@ async def test_the_episode_runs_on_the_configured_backend(tmp_path, monkeypatch)
                                               ("view", {"path": "/etc/passwd"})])
     assert outputs[0].startswith("edited") and outputs[1] == "all tests passed"
     assert "outside the working directory" in outputs[2] and final.metrics["sandbox/path_refusals"] == 1.0
+    assert final.reward == 1.0 and final.metrics["reward/tamper_suspected"] == 0.0
     execs = fake_calls(state, "exec")
     assert any(c[-1] == f"python3 {task.test_file}" for c in execs) and any(c[-1] == GRADE_COMMAND for c in execs)
     assert len(fake_calls(state, "rm")) == len(fake_calls(state, "run"))
