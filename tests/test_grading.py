@@ -127,9 +127,9 @@ def test_stray_modules_and_pasted_answers_are_named():
 
 async def test_the_grading_sandbox_sees_the_given_files_after_the_stdlib_and_no_expected_value(monkeypatch):
     require_sandbox()
-    files = {"pkg/__init__.py": "", "pkg/m.py": "import os, sys\n"
+    files = {"pkg/__init__.py": "", "pkg/m.py": "import json, os, sys\n"
              "def look():\n    return [sys.path[-1] == os.getcwd(), sorted(os.listdir('.')), sys.flags.isolated,\n"
-             "            sys.flags.no_site, 'json' in sys.modules and sys.modules['json'].__file__.startswith('/usr')]\n"}
+             "            sys.flags.no_site, json.__file__.startswith(sys.base_prefix)]\n"}
     secret = "EXPECTED-VALUE-NEVER-SENT"
     seen: list = []
     real_open = grading.open_sandbox

@@ -9,6 +9,7 @@ working dir, to its answer), never by copying tests: the matrix below gives it e
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from dataclasses import dataclass
@@ -87,6 +88,16 @@ for _i in range(100):
     Attack("always_equal", "module", ALWAYS_EQUAL),
     Attack("read_token", "module", READ_TOKEN),
     Attack("exit_early", "module", "\nimport os as _o\n_o._exit(0)\n"),
+    Attack("forge_results", "module", '''
+import os as _o
+for _fd in range(1, 32):  # a passing result for the first calls, on whatever descriptor the grader reads
+    for _i in range(4):
+        _lines = '{"i": %d, "value": ["bool", true]}\\n{"i": %d, "value": ["list", []]}\\n' % (_i, _i)
+        try:
+            _o.write(_fd, _lines.encode())
+        except OSError:
+            pass
+'''),
     Attack("stdlib_shadow", "workdir", files=(("json.py", '''
 def dumps(obj, **kw):
     return "{" + ", ".join('"%s": true' % k for k in obj) + "}"
@@ -207,10 +218,12 @@ def test_every_attack_class_meets_an_env_and_every_env_grades_imported_code():
 
 
 @pytest.mark.parametrize("env,attack", MATRIX)
-async def test_the_attack_earns_nothing_and_is_counted(env: CodeEnv, attack: Attack):
-    reward, metrics = await env.play(attack)
+async def test_the_attack_earns_nothing_and_is_counted(env: CodeEnv, attack: Attack, caplog):
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.envs.grading"):
+        reward, metrics = await env.play(attack)
     assert reward == 0.0, (env.name, attack.name, metrics)
     assert metrics.get(TAMPER) == 1.0, (env.name, attack.name, metrics)
+    assert "suspected of tampering" in caplog.text  # the run's log says why
 
 
 @pytest.mark.parametrize("env", [pytest.param(e, id=e.name) for e in CODE_ENVS])

@@ -360,9 +360,9 @@ def test_file_source(package: str, tested: list[tuple[str, Function]], expected:
 
 def hidden_cases(package: str, groups: dict[str, list[tuple[str, str]]], expected: dict[str, Any]) -> list[dict]:
     """The hidden tests as grading cases (envs/grading.py), one per (module, expression) of each group: the call's
-    module, function and arguments (evaluated here, from our own template expressions), and the expected value. Arguments
-    and expected values are type-tagged JSON (a parquet column holds one type); the expected values never leave the
-    host: the grading sandbox gets the calls only."""
+    module, function and arguments (evaluated here, from our own template expressions), and the expected value.
+    Arguments and expected values are type-tagged JSON (a parquet column holds one type); the expected values never
+    leave the host: the grading sandbox gets the calls only."""
     from skyrl_stepwise.envs.grading_harness import encode
 
     cases = []

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import builtins
 import json
+import logging
 import random
 import shlex
 import sys
@@ -44,6 +45,7 @@ from skyrl_stepwise.envs.grading_harness import NotPlain, decode, encode
 from skyrl_stepwise.sandbox import Limits, RunResult, SandboxMetrics, StopReason
 from skyrl_stepwise.sandbox.backends import open_sandbox
 
+logger = logging.getLogger(__name__)
 GRADE_LIMITS = Limits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=1 << 20)
 HARNESS = (Path(__file__).with_name("grading_harness.py")).read_text()
 GRADE_COMMAND = f"python3 -I -S -B -c {shlex.quote(HARNESS)}"
@@ -66,6 +68,7 @@ class Call:
     kwargs: dict = field(default_factory=dict)
 
     def request(self) -> dict[str, Any]:
+        """The call as the grading program reads it (arguments type-tagged)."""
         return {"module": self.module, "function": self.function, "args": encode(list(self.args)),
                 "kwargs": encode(dict(self.kwargs))}
 
@@ -116,6 +119,7 @@ class Grade:
 
     @property
     def tamper_suspected(self) -> bool:
+        """Whether anything on the way looked like a forgery attempt (the reward is the cases either way)."""
         return bool(self.tamper)
 
     def metrics(self) -> dict[str, float]:
@@ -127,7 +131,14 @@ class Grade:
         return out
 
     def with_tamper(self, reasons: Sequence[str]) -> Grade:
+        """The same verdict with the env's own suspicions added (e.g. task_sources' stray modules)."""
         return Grade(self.passed, self.tamper + tuple(reasons), self.stop_reason)
+
+    def log_suspicions(self, instance_id: Any) -> None:
+        """Name why an episode was suspected in the run's log (the metric is a number; the reasons are here)."""
+        if self.tamper:
+            logger.warning(f"grading: instance {instance_id!r} suspected of tampering: "
+                           f"{'; '.join(self.tamper[:3])}{' ...' if len(self.tamper) > 3 else ''}")
 
 
 # ------------------------------------------------------------------------------------------- the sandbox run

@@ -101,6 +101,7 @@ class HumanEvalEnv:
             return StepResult(to_messages(results), 0.0, False, metrics)
         solution = extract_code(turn.content) if not calls else None
         grade = (await asyncio.to_thread(self._grade, solution)) if solution else Grade((False,))
+        grade.log_suspicions(self.spec.get("task_id"))
         passed, reason = all(grade.passed), grade.stop_reason
         metrics = {**grade.metrics(), "humaneval/passed": float(passed), "answered": float(solution is not None),
                    "tool_calls": float(len(calls)), "turns": float(self.turns)}

@@ -98,6 +98,7 @@ class RepoFixEnv:
 
     def __init__(self) -> None:
         self.cases: list[Case] = []
+        self.instance_id: Any = None
         self.roots: set[str] = set()
         self.sandbox: Sandbox | None = None
         self.sandbox_metrics = SandboxMetrics()
@@ -107,7 +108,8 @@ class RepoFixEnv:
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
         """Check the row, start the trajectory's sandbox with the package in it, bind the tools to it."""
-        files, self.cases = check_task(extras.get("reward_spec") or {}, extras.get("instance_id"))
+        self.instance_id = extras.get("instance_id")
+        files, self.cases = check_task(extras.get("reward_spec") or {}, self.instance_id)
         self.roots = {PurePosixPath(f["path"]).parts[0] for f in files if len(PurePosixPath(f["path"]).parts) > 1}
         self.max_turns = int(extras.get("max_turns", self.max_turns_default))
         self.turns = 0
@@ -134,6 +136,7 @@ class RepoFixEnv:
             results, metrics = await run_turn_calls(self.executor, calls)
             return StepResult(to_messages(results), 0.0, False, metrics)
         grade = await asyncio.to_thread(self._grade)
+        grade.log_suspicions(self.instance_id)
         reward, passed, total = reward_of(group_verdicts(self.cases, grade))
         reason = grade.stop_reason
         metrics = {**grade.metrics(), "repo_fix/reward": reward, "repo_fix/solved": float(reward == 1.0),
