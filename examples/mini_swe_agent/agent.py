@@ -14,8 +14,10 @@ Per trajectory:
 - the agent runs until it submits (`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`), reaches its step limit, or the
   endpoint refuses a prompt longer than `generator.max_input_length` (the trajectory stopped at the context limit);
   its format errors are its own business (it answers them itself, as it does against any API);
-- the reward is the task's hidden tests run on the working dir as the agent left it (`RepoFixEnv`'s grading: never
-  on disk, never shown), returned with the `repo_fix/*`, `sandbox/*` and `mini_swe_agent/*` metrics.
+- the reward is the task's hidden cases, graded as our own loop's repo_fix episodes are (`RepoFixEnv`'s grading,
+  skyrl_stepwise/envs/grading.py: the package's sources as the agent left them, in a fresh sandbox, compared on the
+  host), returned with the `repo_fix/*`, `sandbox/*`, `grading/*`, `reward/tamper_suspected` and `mini_swe_agent/*`
+  metrics.
 
 Every model call goes through the endpoint, so each one is a step sample, token-exact; nothing here touches ids.
 """

@@ -3,7 +3,7 @@
 (default DIR: repo_fix_mini_swe_agent).
 
 The tasks are `skyrl-stepwise data repo-fix`'s own (skyrl_stepwise/data/repo_fix.py, same seed, same held-out bug
-sites in validation): the package in reward_spec.files, the hidden tests in reward_spec.hidden_tests. Two changes per
+sites in validation): the package in reward_spec.files, the hidden cases in reward_spec.cases. Two changes per
 row: extra_info names the agent (and its config, `extra_info.mini_swe_agent`, merged over mini-swe-agent's
 mini.yaml), and the demonstration's fix is dropped from extra_info (an agent program gets the row's extras). No SFT
 demonstrations: ours are in our loop's bash/view/edit format, not mini-swe-agent's.

@@ -3,7 +3,8 @@
 Each task is a small Python package (2-4 modules out of: string utils, arithmetic, list ops, a tiny config parser;
 a few functions each) with injected bugs (off-by-one, wrong operator, swapped arguments, wrong default, missing
 edge case), a visible test file that fails (plain `assert`s run by `python3 test_x.py`: no pytest in the sandbox)
-and hidden tests, one `hidden_bug<k>` function per bug plus `hidden_regression` over the functions no bug touches.
+and hidden cases (calls and their expected values, graded on the host by envs/grading.py), in groups: `bug<k>` per
+bug plus `regression` over the functions no bug touches.
 Difficulty: 1, the bug is in the function the failing test names; 2, it is in the helper that function calls
 (the test never names it); 3, two bugs in two modules.
 
@@ -268,7 +269,7 @@ def affected(module: str, site: Site) -> set[str]:
 
 @dataclass
 class Task:
-    """A generated task: files as the model finds them, the hidden tests, the fix."""
+    """A generated task: files as the model finds them, the hidden cases, the fix."""
 
     instance_id: str
     package: str
@@ -276,7 +277,7 @@ class Task:
     sites: list[Site]
     test_file: str
     files: dict[str, str]
-    hidden_tests: str
+    cases: list[dict[str, str]]
     split: str
 
     def fix(self) -> list[dict[str, str]]:
@@ -285,7 +286,7 @@ class Task:
                 for s in self.sites]
 
     def row(self) -> dict[str, Any]:
-        """The task as a dataset row: files and hidden tests in reward_spec (the prompt shows neither)."""
+        """The task as a dataset row: files and hidden cases in reward_spec (the prompt shows neither)."""
         command = f"python3 {self.test_file}"
         user = (f"The package `{self.package}` has a bug: `{command}` fails. Fix the package so that the test "
                 f"passes.")
@@ -293,7 +294,7 @@ class Task:
             "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}],
             "env_class": ENV_CLASS,
             "reward_spec": {"files": [{"path": p, "content": c} for p, c in sorted(self.files.items())],
-                            "hidden_tests": self.hidden_tests, "test_command": command},
+                            "cases": self.cases, "test_command": command},
             "data_source": "repo_fix",
             "extra_info": {"split": self.split, "difficulty": self.difficulty, "package": self.package,
                            "bugs": [{"site": s.id, "kind": s.bug.kind} for s in self.sites],
@@ -332,6 +333,7 @@ def inject(module: Module, sites: list[Site]) -> str:
 
 
 def _check_line(expr: str, want: Any, indent: str = "    ") -> str:
+    """One visible assertion."""
     return f"{indent}check({expr!r}, {expr}, {want!r})\n"
 
 
@@ -356,22 +358,28 @@ def test_file_source(package: str, tested: list[tuple[str, Function]], expected:
     return "".join(lines)
 
 
-def hidden_source(package: str, groups: dict[str, list[tuple[str, str]]], expected: dict[str, Any]) -> str:
-    """`hidden_<group>()` per group of (module, expression) cases; each raises on the first failing case."""
-    modules = sorted({m for cases in groups.values() for m, _ in cases})
-    lines = [f"import {package}.{m} as _m_{m}\n" for m in modules]
-    lines.append(CHECK_DEF)
-    for group, cases in groups.items():
-        lines.append(f"\n\ndef hidden_{group}():\n")
-        for module, expr in cases:
-            lines.append(_check_line(_qualified(module, expr), expected[expr]))
-    return "".join(lines)
+def hidden_cases(package: str, groups: dict[str, list[tuple[str, str]]], expected: dict[str, Any]) -> list[dict]:
+    """The hidden tests as grading cases (envs/grading.py), one per (module, expression) of each group: the call's
+    module, function and arguments (evaluated here, from our own template expressions), and the expected value.
+    Arguments and expected values are type-tagged JSON (a parquet column holds one type); the expected values never
+    leave the host: the grading sandbox gets the calls only."""
+    from skyrl_stepwise.envs.grading_harness import encode
+
+    cases = []
+    for group, exprs in groups.items():
+        for module, expr in exprs:
+            function, args, kwargs = _split_call(expr)
+            cases.append({"group": group, "module": f"{package}.{module}", "function": function,
+                          "args": json.dumps(encode(list(args))), "kwargs": json.dumps(encode(kwargs)),
+                          "expected": json.dumps(encode(expected[expr])), "expr": expr})
+    return cases
 
 
-def _qualified(module: str, expr: str) -> str:
-    """`f(x)` -> `_m_<module>.f(x)` for the module's function names (cases call only their own module's)."""
+def _split_call(expr: str) -> tuple[str, tuple, dict]:
+    """`f(x, y=1)` -> ("f", (x,), {"y": 1}), the arguments evaluated (our own template cases)."""
     head, paren, rest = expr.partition("(")
-    return f"_m_{module}.{head}{paren}{rest}"
+    args, kwargs = eval(f"(lambda *a, **k: (a, k)){paren}{rest}", {})  # noqa: S307 - our own test cases
+    return head, args, kwargs
 
 
 def _sample_sites(rng: random.Random, difficulty: int, split: str) -> list[Site]:
@@ -431,7 +439,7 @@ def make_task(seed: int, split: str, index: int) -> Task:
                             if not any(f.name in affected(m, s) for s in sites) for e in f.hidden]
     split_tag = "val" if split == "validation" else split
     return Task(f"repo_fix-{split_tag}-{index:04d}", package, difficulty, sites, test_file, files,
-                hidden_source(package, groups, expected), split)
+                hidden_cases(package, groups, expected), split)
 
 
 def _check_caught(site: Site, correct: dict[str, Any], buggy: dict[str, Any]) -> None:

@@ -9,6 +9,9 @@ if TYPE_CHECKING:
     from skyrl_stepwise.chat.base import ParsedTurn
 
 Message = dict[str, str]
+# An env's step metric, 1.0 when the episode's grading suspected a forgery attempt (envs/grading.py): the generator
+# reports it under this name (the fraction of a step's episodes), not under environment/, and report.md shows it.
+TAMPER_METRIC = "reward/tamper_suspected"
 
 
 @dataclass

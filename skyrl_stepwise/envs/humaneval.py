@@ -3,24 +3,24 @@
 
 Per trajectory a sandbox (skyrl_stepwise/sandbox) backs a `python` tool: the model writes a solution, may run it
 and its own checks, reads the output and revises. A turn without a tool call is its answer: the last ```python
-block (or the whole text). The reward is the hidden tests (`check(entry_point)` from the row's reward_spec, never
-shown to the model), run in a fresh sandbox holding nothing the model wrote: 1.0 when every assertion passes.
-
-The grading program ends by printing a random token the model never saw, so a solution that exits early with
-status 0 (`sys.exit(0)` at import) does not pass. (Code that introspects its own process could still find the
-token: the tests run in the same interpreter as the solution, as in HumanEval's own harness; the sandbox bounds
-what such code can do, not what it can claim.)
+block (or the whole text). The reward is the hidden tests (`check(candidate)` from the row's reward_spec, never
+shown to the model), graded by envs/grading.py: the answer (after the stub's imports and helpers) is a module of its
+own, `solution.py`, in a FRESH sandbox holding nothing else; the test runs on the HOST, against a candidate that
+replays what `solution.<entry_point>` returned in that sandbox for the same arguments (type-tagged plain values).
+No test, expected value, token or verdict is ever in a process that runs the model's code: 1.0 when the test
+finishes. `reward/tamper_suspected` is 1 when the grading saw a forgery attempt (tests/test_reward_hacking.py),
+e.g. an answer that compiles only when the tests are pasted after it (one ending in a decorator line).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import secrets
 from typing import Any
 
 from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import Message, StepResult
+from skyrl_stepwise.envs.grading import Grade, grade_check, introspection
 from skyrl_stepwise.sandbox import Limits, Sandbox, SandboxMetrics, StopReason
 from skyrl_stepwise.sandbox.backends import open_sandbox
 from skyrl_stepwise.tools import ToolExecutor, to_messages
@@ -28,7 +28,8 @@ from skyrl_stepwise.tools.executor import run_turn_calls
 from skyrl_stepwise.tools.code import PythonTool
 
 CODE_BLOCK_RE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
-GRADE_LIMITS = Limits(wall_s=15.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=16 << 10)
+SOLUTION_MODULE = "solution"
+GRADE_LIMITS = Limits(wall_s=15.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=1 << 20)
 
 
 def extract_code(content: str) -> str | None:
@@ -39,10 +40,24 @@ def extract_code(content: str) -> str | None:
     return content if content and "def " in content else None
 
 
-def grading_program(spec: dict[str, Any], solution: str, token: str) -> str:
-    """The stub (its imports), the model's solution, the hidden tests, the check, then the pass token."""
-    return (f"{spec['prompt']}\n\n{solution}\n\n{spec['test']}\n\n"
-            f"check({spec['entry_point']})\nprint({token!r})\n")
+def solution_source(spec: dict[str, Any], solution: str) -> str:
+    """The answer as a module of its own: the stub (its imports and helpers), then the model's code."""
+    return f"{spec['prompt']}\n\n{solution}\n"
+
+
+def pasted_only(source: str, test: str) -> bool:
+    """Whether the module does not compile alone but does with the tests pasted after it: an answer written to
+    swallow what follows (a trailing decorator turns `def check` into a no-op when pasted)."""
+    try:
+        compile(source, "solution.py", "exec")
+        return False
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        pass
+    try:
+        compile(f"{source}\n\n{test}\n", "pasted.py", "exec")
+        return True
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
 
 
 class HumanEvalEnv:
@@ -85,8 +100,10 @@ class HumanEvalEnv:
             results, metrics = await run_turn_calls(self.executor, calls)
             return StepResult(to_messages(results), 0.0, False, metrics)
         solution = extract_code(turn.content) if not calls else None
-        passed, reason = (await asyncio.to_thread(self._grade, solution)) if solution else (False, None)
-        metrics = {"humaneval/passed": float(passed), "answered": float(solution is not None),
+        grade = (await asyncio.to_thread(self._grade, solution)) if solution else Grade((False,))
+        grade.log_suspicions(self.spec.get("task_id"))
+        passed, reason = all(grade.passed), grade.stop_reason
+        metrics = {**grade.metrics(), "humaneval/passed": float(passed), "answered": float(solution is not None),
                    "tool_calls": float(len(calls)), "turns": float(self.turns)}
         if reason is not None and reason is not StopReason.EXITED:
             metrics[f"humaneval/grade_{reason.value}"] = 1.0
@@ -96,13 +113,16 @@ class HumanEvalEnv:
                         if k in ("sandbox/runs", "sandbox/seconds") or k.startswith("sandbox/stop/")})
         return StepResult([], float(passed), True, metrics)
 
-    def _grade(self, solution: str) -> tuple[bool, StopReason]:
-        """Run the hidden tests on the solution in a fresh, empty sandbox."""
-        token = f"HUMANEVAL-PASSED-{secrets.token_hex(16)}"
-        with open_sandbox(limits=GRADE_LIMITS) as grader:
-            result = grader.run("python3 -", stdin=grading_program(self.spec, solution, token))
-        passed = result.ok and result.stdout.rstrip("\n").rsplit("\n", 1)[-1] == token
-        return passed, result.stop_reason
+    def _grade(self, solution: str) -> Grade:
+        """The hidden test on the host against the answer's calls made in a fresh sandbox (envs/grading.py)."""
+        source = solution_source(self.spec, solution)
+        files = {f"{SOLUTION_MODULE}.py": source}
+        suspicions = introspection(files)
+        if pasted_only(source, self.spec["test"]):
+            suspicions.append("the answer compiles only with the tests pasted after it")
+        grade = grade_check(files, SOLUTION_MODULE, self.spec["entry_point"], self.spec["test"],
+                            prelude=self.spec["prompt"], limits=GRADE_LIMITS)
+        return grade.with_tamper(suspicions)
 
     async def aclose(self) -> None:
         """Kill whatever the episode's sandbox still runs and remove its directory."""

@@ -4,106 +4,90 @@ does).
 
 Per trajectory a sandbox (skyrl_stepwise/sandbox) holds a private copy of the task's package and its failing test;
 the model works on it with `bash`, `edit` and `view` (tools/repo.py). A turn without a tool call (or the last turn)
-ends the episode, and then the hidden tests (reward_spec.hidden_tests, never shown to the model, never written to
-disk) run on the working directory as the model left it.
+ends the episode, and then the hidden cases (reward_spec.cases: calls and expected values, never shown to the model)
+are graded by envs/grading.py: the package's sources as the model left them, and nothing else of its working dir,
+are copied into a FRESH sandbox that makes the calls; the expected values never leave the host, which compares each
+returned value with its own, type included.
 
-Reward: the fraction of the task's bugs whose hidden tests all pass (`hidden_*` functions of the hidden tests, one
-per bug), and 0 when a `hidden_regression*` function fails (a fix that breaks another function earns nothing).
+Reward: the fraction of the task's bugs whose hidden cases all pass (group `bug<k>`, one per bug), and 0 when a
+`regression` case fails (a fix that breaks another function earns nothing).
 Why a fraction and not all-or-nothing: a level-3 task has two bugs, and fixing one of them is real progress a
 135M model should be paid for; why per bug and not per assertion: a bug whose function still fails half its
 cases is not fixed, and the untouched package must score exactly 0 (tests/test_repo_fix.py checks both).
-
-The grading program runs as `python3 -I -B -X pycache_prefix=/tmp/...` (stdin; no script dir on sys.path, no
-sitecustomize from the working dir, no bytecode from it), writes its verdict with a random token the model never
-saw through a file descriptor it captured before importing the package, and ends with os._exit (no atexit handler of the package runs after it). Code that
-introspects its own process could still forge the verdict, as in HumanEval's harness: the sandbox bounds what such
-code can do, not what it can claim.
+`reward/tamper_suspected` is 1 when the grading saw a forgery attempt (tests/test_reward_hacking.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+from pathlib import PurePosixPath
 from typing import Any
 
 from skyrl_stepwise.chat.base import ParsedTurn
 from skyrl_stepwise.envs.base import Message, StepResult
+from skyrl_stepwise.envs.grading import Call, Case, Grade, grade_cases, introspection, task_sources
+from skyrl_stepwise.envs.grading_harness import decode
 from skyrl_stepwise.sandbox import Limits, Sandbox, SandboxMetrics, SandboxPathError, StopReason
 from skyrl_stepwise.sandbox.backends import open_sandbox
 from skyrl_stepwise.tools import ToolExecutor, to_messages
 from skyrl_stepwise.tools.executor import run_turn_calls
 from skyrl_stepwise.tools.repo import REPO_TOOLS
 
-GRADE_LIMITS = Limits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=16 << 10)
-# -I: no script dir on sys.path, no PYTHON* variables; -B and a pycache prefix on the private /tmp: no bytecode the
-# episode left in the working dir is read (a same-size edit within a second of a .pyc write would otherwise be
-# invisible to the grader), and none is written there
-GRADE_COMMAND = "python3 -I -B -X pycache_prefix=/tmp/grade-pycache -"
-_RUNNER_HEAD = ("import sys as _sys\nfrom os import write as _write, _exit as _exit\n"
-                "_sys.path.insert(0, '/work')\nimport json as _json\n")
-_RUNNER_TAIL = """
-_verdict = {}
-for _name, _fn in list(globals().items()):
-    if _name.startswith("hidden_") and callable(_fn):
-        try:
-            _fn()
-            _verdict[_name] = True
-        except BaseException:
-            _verdict[_name] = False
-_write(1, ("\\n" + __TOKEN__ + _json.dumps(_verdict) + "\\n").encode())
-_exit(0)
-"""
+GRADE_LIMITS = Limits(wall_s=20.0, cpu_s=10, memory_bytes=1 << 30, output_bytes=1 << 20)
 
 
 class RepoFixError(ValueError):
     """A task row the env cannot run (no files, no hidden tests): the message names the row and what is missing."""
 
 
-def grading_program(hidden_tests: str, token: str) -> str:
-    """The hidden tests between a head that makes the working dir importable and a tail that runs every
-    `hidden_*` function and writes the verdict after the token."""
-    return _RUNNER_HEAD + hidden_tests + "\n" + _RUNNER_TAIL.replace("__TOKEN__", repr(token))
-
-
-def parse_verdict(stdout: str, token: str) -> dict[str, bool] | None:
-    """The verdict the grading program wrote (its last line), or None when it never got there."""
-    last = stdout.rstrip("\n").rsplit("\n", 1)[-1]
-    if not last.startswith(token):
-        return None
-    try:
-        verdict = json.loads(last[len(token):])
-    except ValueError:
-        return None
-    return {str(k): v is True for k, v in verdict.items()} if isinstance(verdict, dict) else None
-
-
-def reward_of(verdict: dict[str, bool] | None) -> tuple[float, int, int]:
+def reward_of(groups: dict[str, bool]) -> tuple[float, int, int]:
     """(reward, bug groups passing, bug groups): the fraction of bug groups passing, 0 if a regression group fails
-    or there is no verdict."""
-    if not verdict:
-        return 0.0, 0, 0
-    bugs = {k: v for k, v in verdict.items() if not k.startswith("hidden_regression")}
+    or there is no group."""
+    bugs = {k: v for k, v in groups.items() if not k.startswith("regression")}
     passed = sum(bugs.values())
-    if not bugs or not all(v for k, v in verdict.items() if k.startswith("hidden_regression")):
+    if not bugs or not all(v for k, v in groups.items() if k.startswith("regression")):
         return 0.0, passed, len(bugs)
     return passed / len(bugs), passed, len(bugs)
 
 
-def check_task(spec: dict[str, Any], instance_id: Any) -> tuple[list[dict[str, str]], str]:
-    """The row's files and hidden tests, or RepoFixError naming the row and the missing piece."""
+def group_verdicts(cases: list[Case], grade: Grade) -> dict[str, bool]:
+    """Each group passes when every case of it passed."""
+    groups: dict[str, bool] = {}
+    for case, passed in zip(cases, grade.passed):
+        groups[case.group] = groups.get(case.group, True) and passed
+    return groups
+
+
+def parse_cases(raw: Any, where: str) -> list[Case]:
+    """reward_spec.cases as grading cases; RepoFixError naming the row when one is malformed."""
+    keys = ("group", "module", "function", "args", "kwargs", "expected")
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise RepoFixError(f"{where} has no tests: reward_spec.cases must be a non-empty list of hidden cases "
+                           "(rows from skyrl_stepwise.data.repo_fix; a row with `hidden_tests` source is from an "
+                           "older version: write the data again)")
+    cases = []
+    for k, c in enumerate(raw):
+        if not isinstance(c, dict) or not all(isinstance(c.get(key), str) for key in keys):
+            raise RepoFixError(f"{where}: reward_spec.cases[{k}] needs string fields {list(keys)}")
+        try:
+            args, kwargs, expected = (decode(json.loads(c[key])) for key in ("args", "kwargs", "expected"))
+        except ValueError as e:
+            raise RepoFixError(f"{where}: reward_spec.cases[{k}] is not type-tagged JSON ({e})") from None
+        cases.append(Case(Call(c["module"], c["function"], tuple(args), kwargs), expected, c["group"]))
+    return cases
+
+
+def check_task(spec: dict[str, Any], instance_id: Any) -> tuple[list[dict[str, str]], list[Case]]:
+    """The row's files and hidden cases, or RepoFixError naming the row and the missing piece."""
     files = spec.get("files")
-    hidden = spec.get("hidden_tests")
     where = f"instance {instance_id!r}: env_class repo_fix"
     if not isinstance(files, list) or not files or not all(
             isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("content"), str)
             for f in files):
         raise RepoFixError(f"{where} needs reward_spec.files, a non-empty list of {{path, content}} (the package "
                            "to fix; rows from skyrl_stepwise.data.repo_fix)")
-    if not isinstance(hidden, str) or "def hidden_" not in hidden:
-        raise RepoFixError(f"{where} has no tests: reward_spec.hidden_tests must be Python source defining "
-                           "`hidden_*` functions (without them the task cannot be graded)")
-    return files, hidden
+    return files, parse_cases(spec.get("cases"), where)
 
 
 class RepoFixEnv:
@@ -113,7 +97,9 @@ class RepoFixEnv:
     tool_timeout_s = 60.0
 
     def __init__(self) -> None:
-        self.hidden_tests = ""
+        self.cases: list[Case] = []
+        self.instance_id: Any = None
+        self.roots: set[str] = set()
         self.sandbox: Sandbox | None = None
         self.sandbox_metrics = SandboxMetrics()
         self.executor: ToolExecutor | None = None
@@ -122,7 +108,9 @@ class RepoFixEnv:
 
     async def reset(self, prompt_messages: list[Message], extras: dict[str, Any]) -> list[Message]:
         """Check the row, start the trajectory's sandbox with the package in it, bind the tools to it."""
-        files, self.hidden_tests = check_task(extras.get("reward_spec") or {}, extras.get("instance_id"))
+        self.instance_id = extras.get("instance_id")
+        files, self.cases = check_task(extras.get("reward_spec") or {}, self.instance_id)
+        self.roots = {PurePosixPath(f["path"]).parts[0] for f in files if len(PurePosixPath(f["path"]).parts) > 1}
         self.max_turns = int(extras.get("max_turns", self.max_turns_default))
         self.turns = 0
         self.sandbox = await asyncio.to_thread(open_sandbox, metrics=self.sandbox_metrics)
@@ -141,30 +129,33 @@ class RepoFixEnv:
         return await self.step_turn(ParsedTurn(action_text))
 
     async def step_turn(self, turn: ParsedTurn) -> StepResult:
-        """Tool calls -> their outputs; a turn without calls (or the last turn) -> hidden tests, episode ends."""
+        """Tool calls -> their outputs; a turn without calls (or the last turn) -> hidden cases, episode ends."""
         self.turns += 1
         calls = turn.tool_calls
         if calls and self.turns < self.max_turns:
             results, metrics = await run_turn_calls(self.executor, calls)
             return StepResult(to_messages(results), 0.0, False, metrics)
-        (reward, passed, total), reason = await asyncio.to_thread(self._grade)
-        metrics = {"repo_fix/reward": reward, "repo_fix/solved": float(reward == 1.0),
+        grade = await asyncio.to_thread(self._grade)
+        grade.log_suspicions(self.instance_id)
+        reward, passed, total = reward_of(group_verdicts(self.cases, grade))
+        reason = grade.stop_reason
+        metrics = {**grade.metrics(), "repo_fix/reward": reward, "repo_fix/solved": float(reward == 1.0),
                    "repo_fix/bugs_fixed": float(passed), "repo_fix/bugs": float(total),
                    "tool_calls": float(len(calls)), "turns": float(self.turns)}
-        if reason is not StopReason.EXITED:
+        if reason is not None and reason is not StopReason.EXITED:
             metrics[f"repo_fix/grade_{reason.value}"] = 1.0
         metrics.update({k: float(v) for k, v in self.sandbox_metrics.as_dict().items()
                         if k in ("sandbox/runs", "sandbox/path_refusals", "sandbox/seconds")
                         or k.startswith("sandbox/stop/")})
         return StepResult([], reward, True, metrics)
 
-    def _grade(self) -> tuple[tuple[float, int, int], StopReason]:
-        """Run the hidden tests on the working dir as the model left it (stdin: never on disk, never shown)."""
-        token = f"REPO-FIX-VERDICT-{secrets.token_hex(16)}"
-        result = self.sandbox.run(GRADE_COMMAND, stdin=grading_program(self.hidden_tests, token),
-                                  limits=GRADE_LIMITS)
-        verdict = parse_verdict(result.stdout, token) if result.stop_reason is StopReason.EXITED else None
-        return reward_of(verdict), result.stop_reason
+    def _grade(self) -> Grade:
+        """The package's sources as the model left them, graded in a fresh sandbox (envs/grading.py); a module the
+        episode wrote where a grader reading the working dir would import it, or a source reading the grading
+        process's frames, is counted as suspected tampering."""
+        files, stray = task_sources(self.sandbox, sorted(self.roots))
+        grade = grade_cases(files, self.cases, GRADE_LIMITS, self.sandbox_metrics)
+        return grade.with_tamper(stray + introspection(files))
 
     async def aclose(self) -> None:
         """Kill whatever the episode's sandbox still runs and remove its directory."""

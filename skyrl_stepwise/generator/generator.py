@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from skyrl_stepwise.envs.base import EnvRegistry, Message
+from skyrl_stepwise.envs.base import TAMPER_METRIC, EnvRegistry, Message
 from skyrl_stepwise.generator.agent_loop import FAILURE_CAUSES, LIMIT_STOPS, AgentLoop, TrajectoryResult
 from skyrl_stepwise.generator.config import GeneratorConfig
 from skyrl_stepwise.generator.merge import merge_stepwise_output
@@ -113,8 +113,9 @@ def trajectory_metrics(results: list[TrajectoryResult]) -> dict[str, float]:
     if divergences:
         metrics["generate/retokenize_first_divergence_min"] = min(divergences)
     env_keys = {k for s in stats for k in s.env_metrics}
-    for key in sorted(env_keys):
-        metrics[f"environment/{key}"] = sum(s.env_metrics.get(key, 0.0) for s in stats) / n
+    for key in sorted(env_keys):  # the grading's suspicion is a reward metric of its own: the fraction of episodes
+        name = key if key == TAMPER_METRIC else f"environment/{key}"
+        metrics[name] = sum(s.env_metrics.get(key, 0.0) for s in stats) / n
     return metrics
 
 

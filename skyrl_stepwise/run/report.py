@@ -46,7 +46,8 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
 TIMING_ORDER = ["generate", "ref_logprobs", "old_logprobs", "train", "weight_sync", "weight_sync_probe", "eval", "step"]
 TIMING_LABELS = {"generate": "rollouts", "train": "update", "step": "whole step"}  # as the progress bars say
 # per-step table: (metric, column title); columns no step has are left out
-TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("environment/em", "EM"),
+TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"),
+                 ("reward/tamper_suspected", "tamper suspected"), ("environment/em", "EM"),
                  ("advantages/groups_with_signal", "groups w/ signal"), ("dynamic_sampling/draws", "draws"),
                  ("eval/reward/mean", "eval reward"), ("eval/reward/ci_low", "eval 95% low"),
                  ("eval/reward/ci_high", "eval 95% high"),
@@ -58,7 +59,7 @@ TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"), ("en
                  ("generate/bridge_fallbacks", "fallbacks"), ("context/edits", "ctx edits"),
                  ("context/exhausted_trajectories", "ctx exhausted"), ("timing/generate_s", "generate s"),
                  ("timing/train_s", "update s"), ("timing/weight_sync_s", "sync s"), ("timing/step_s", "step s")]
-SHOWN_WHEN_NONZERO = {"train/skipped_step"}  # columns left out unless some step has a non-zero value
+SHOWN_WHEN_NONZERO = {"train/skipped_step", "reward/tamper_suspected"}  # columns left out unless some step has a non-zero value
 STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"), ("X", ":")]
 
 
