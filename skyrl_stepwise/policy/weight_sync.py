@@ -325,7 +325,7 @@ def check_adapter_engines(cfg: WeightSyncConfig, group, engine) -> None:
 # The engine's own float noise per probe token (nats, |engine - trainer| on the same weights): the floor of the
 # noise the adapter check compares an adapter's effect with. float32 engines agree with the trainer to ~1e-5;
 # bfloat16 ones measured mean 0.025-0.082, max 0.10-0.29 nats over 16 tokens (SmolLM2, a bf16 host, issue 59), and
-# RMS 0.03-0.05 here with bf16 forced on the CPU (docs/lora.md). The noise of a run is measured too: the probe
+# RMS 0.046 nats on SmolLM2 here with bf16 forced on the CPU (docs/lora.md's verdict table). The noise of a run is measured too: the probe
 # at version 0 (no adapter on either side) and each probe's residual; the largest of the three is used.
 DTYPE_NOISE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 3e-2}
 # How many noise units apart the two candidates (adapter applied / not) must be on the probe before it decides:
