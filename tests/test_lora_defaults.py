@@ -79,13 +79,17 @@ def test_a_misspelled_target_module_is_refused_from_the_config_naming_the_valid_
 
 
 @pytest.mark.integration  # Hydra composes the config: a few seconds on a loaded box
-def test_cfg_job_refuses_a_misspelled_target_module_before_any_engine(tiny_model_dir, capsys):
-    from skyrl_stepwise.run.app_config import check_printed_config
+def test_cfg_job_refuses_a_misspelled_target_module_before_any_engine(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    from skyrl_stepwise.cli import train
 
-    with pytest.raises(SystemExit):
-        check_printed_config(["--cfg", "job", f"model_path={tiny_model_dir}", "trainer.lora.enabled=true",
-                              "trainer.lora.target_modules=[q_proj,v_prj]"])
-    assert "trainer.lora.target_modules: 'v_prj'" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("--cfg job must not run"))
+    with pytest.raises(SystemExit) as exit_:
+        train.main([f"model_path={tiny_model_dir}", "trainer.lora.enabled=true",
+                    "trainer.lora.target_modules=[q_proj,v_prj]", "--cfg", "job"])
+    assert exit_.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "trainer.lora.target_modules: 'v_prj' names no linear module" in err and "'v_proj'" in err
 
 
 # ----------------------------------------------------------------------------------------- 2. SFT left the eval at 0
