@@ -239,7 +239,7 @@ def worker(out: Path, model_dir: Path, plan: dict) -> None:
     cfg.trainer.algorithm.use_kl_loss = False
     cfg.trainer.optim.lr = 1e-2
     if plan.get("lora"):  # the adapter alone reaches the engine, one version per sync
-        cfg.trainer.lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, sync="adapter")
+        cfg.trainer.lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, sync="adapter", lr=1e-2)
     cfg.validate()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     registry = EnvRegistry()

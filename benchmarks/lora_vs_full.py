@@ -12,7 +12,7 @@ seconds per train_step (median after one warm-up step), the weight export for th
 into full weights first), and the bytes each arm holds between steps (parameters, AdamW state), LoRA / full ratios.
 
 The learning (--learning): the main job (`experiment=search_r1_tiny`) as `make run` runs it, and again with
-`trainer.lora.enabled=true sft.lora=false trainer.optim.lr=<--lora-lr>`: both arms RL from the same cached SFT warm
+`trainer.lora.enabled=true sft.lora=false trainer.lora.lr=<--lora-lr>`: both arms RL from the same cached SFT warm
 start (sft.lora=false: the LoRA arm's SFT is the full arm's, one cache key) and are evaluated greedily on the same
 128 prompts. Printed per arm: the paired RL - SFT interval, RL step / update / weight-sync seconds (medians over the
 steps), and the paired LoRA - full difference after RL. `--full-run DIR` / `--lora-run DIR` read finished runs
@@ -58,7 +58,7 @@ def arm_overrides(arm: str, lora_lr: float, rank: int | None) -> list[str]:
     """The main job's overrides for one arm: LoRA RL starts from the full arm's SFT warm start (sft.lora=false)."""
     if arm == "full":
         return list(MAIN_JOB)
-    lora = MAIN_JOB + ["trainer.lora.enabled=true", "sft.lora=false", f"trainer.optim.lr={lora_lr}"]
+    lora = MAIN_JOB + ["trainer.lora.enabled=true", "sft.lora=false", f"trainer.lora.lr={lora_lr}"]
     return lora + ([f"trainer.lora.rank={rank}", f"trainer.lora.alpha={2.0 * rank}"] if rank else [])
 
 

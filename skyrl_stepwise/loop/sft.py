@@ -85,6 +85,9 @@ class SFTConfig:
     # SFT, then LoRA RL on the fully fine-tuned model (the same warm start a full RL run uses: one cached SFT
     # serves both; benchmarks/lora_vs_full.py compares them so).
     lora: bool | None = None
+    # The adapter's lr when SFT trains one. null: 10 x the lr SFT chose (sft.lr, or sft.unseen_terminator_lr; see
+    # trainer.lora.lr): a LoRA SFT at the full-weight lr left the eval at 0 (issue 59). Ignored for full SFT.
+    lora_lr: float | None = None
     # optimizer steps between checkpoints (next to the cached model: <cache>/sft/<key>.ckpts); an interrupted SFT
     # continues from the last one, exactly. 0 disables (a save stages weights + AdamW: ~1.6 GiB for SmolLM2).
     ckpt_interval: int = 20
@@ -115,6 +118,8 @@ class SFTConfig:
         if self.unseen_terminator_nats is not None and self.unseen_terminator_nats <= 0:
             raise ValueError(f"{prefix}.unseen_terminator_nats must be > 0 (or null: off), "
                              f"got {self.unseen_terminator_nats}")
+        if self.lora_lr is not None and self.lora_lr <= 0:
+            raise ValueError(f"{prefix}.lora_lr must be > 0 (or null: 10 x the SFT lr), got {self.lora_lr}")
         if self.unseen_terminator_lr <= 0:
             raise ValueError(f"{prefix}.unseen_terminator_lr must be > 0, got {self.unseen_terminator_lr}")
         if self.unseen_terminator_warmup_steps < 0:

@@ -58,6 +58,22 @@ def step_notes(metrics: dict) -> list[str]:
     return notes
 
 
+def adapter_note(metrics: dict) -> str | None:
+    """trainer.lora.sync=adapter: the adapter version the engines serve after this step's sync and what the
+    probe decided about it (policy/weight_sync.py AdapterVerdict), for the step line."""
+    from skyrl_stepwise.policy.weight_sync import MIN_SEPARATION
+
+    if "sync/adapter_version" not in metrics:
+        return None
+    note = f"engines serve adapter v{metrics['sync/adapter_version']:.0f}"
+    if "sync/adapter_decided" not in metrics:
+        return note
+    if metrics["sync/adapter_decided"]:
+        return note + f" (probe: applied, margin {metrics['sync/adapter_margin']:+.1f} standard errors)"
+    return note + (f" (probe undecided: the adapter moves the probe {metrics['sync/adapter_separation']:.1f} x the "
+                   f"engine's noise, decides at {MIN_SEPARATION:g})")
+
+
 def _step_of(line: str) -> float:
     """The step a metrics.jsonl line records; a line cut short by a kill mid-write belongs to no kept step."""
     try:
@@ -113,6 +129,8 @@ class Tracker:
             self._last_wandb_step = max(self._last_wandb_step, step)
         shown = " ".join(f"{label}={metrics[k]:.4g}" for label, k in CONSOLE_KEYS.items() if k in metrics)
         shown += "".join(f" | {note}" for note in step_notes(metrics))
+        served = adapter_note(metrics)
+        shown += f" | {served}" if served else ""
         skipped = skipped_updates(metrics)
         if skipped is None:
             logger.info(f"step {step}: {shown}")

@@ -77,10 +77,10 @@ _GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_pr
                               "context"}  # SFT replays demonstrations with no context policy (loop/sft.py)
 # SFT keys that never change the trained weights: whether the main job runs it, how often it checkpoints (a resume is
 # exact), and the divergence guard (it only stops a run). num_warmup_steps is in the key: it changes the weights.
-# sft.lora is keyed as the adapter it trains ("lora" below), not as its spelling: null with trainer.lora off and
+# sft.lora (and sft.lora_lr) is keyed as the adapter it trains ("lora" below), not as its spelling: null with trainer.lora off and
 # false are the same full SFT, one cached warm start. sft.agent_demos is how demonstrations are recorded: what they
 # are (the conversations and their tools) is in the key.
-_SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence", "lora", "agent_demos"}
+_SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence", "lora", "lora_lr", "agent_demos"}
 _SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
 _FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
                          "gradient_checkpointing"}  # where, how fast and in what memory: not what
@@ -123,10 +123,11 @@ def model_digest(model_path: str, memo_path: Path | None = None) -> dict[str, st
 
 
 def sft_lora_config(cfg):
-    """The LoRA settings SFT trains with: trainer.lora, switched on or off by sft.lora (null: as RL does)."""
+    """The LoRA settings SFT trains with: trainer.lora, switched on or off by sft.lora (null: as RL does), at SFT's
+    own adapter lr (sft.lora_lr; null: 10 x SFT's chosen lr), never RL's trainer.lora.lr."""
     lora = cfg.trainer.lora
     enabled = lora.enabled if cfg.sft.lora is None else cfg.sft.lora
-    return dataclasses.replace(lora, enabled=enabled)
+    return dataclasses.replace(lora, enabled=enabled, lr=cfg.sft.lora_lr)
 
 
 def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
@@ -217,6 +218,8 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_p
                                    close_id)
         chosen = warm_start_settings(cfg.sft, len(batches), tokenizer.decode([close_id]), nats)
         log(chosen.describe(cfg.sft, optim.num_warmup_steps))
+        if sft_lora.enabled:  # the worker scales the adapter's lr (LoRAConfig.optimizer_lr)
+            log(f"sft: the LoRA adapter trains at {sft_lora.describe_lr(chosen.lr, 'the SFT lr', 'sft.lora_lr')}")
         if (chosen.lr, chosen.warmup_steps) != (optim.lr, optim.num_warmup_steps):
             policy.call("set_optim", dataclasses.replace(optim, lr=chosen.lr, num_warmup_steps=chosen.warmup_steps))
         if metrics_path is not None:
@@ -253,3 +256,40 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_p
     log(f"sft: done in {time.perf_counter() - start:.0f} s, loss {history[0]['sft/loss']:.3f} -> "
         f"{history[-1]['sft/loss']:.3f}; model in {out}")
     return out
+
+
+def sft_history(model_dir: str | Path) -> list[dict]:
+    """The SFT steps' metrics saved in a warm-start folder (sft_metrics.json), or [] for any other folder."""
+    path = Path(model_dir) / "sft_metrics.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else []
+    except (OSError, json.JSONDecodeError):
+        return []
+
+
+def sft_left_eval_at_zero(cfg, evals: list, history: list[dict] | None = None) -> str | None:
+    """A loud sentence when the eval after SFT scored 0 on every prompt, naming the likely key; None otherwise.
+
+    Every RL group then scores 0, has no signal and is skipped: the run would complete having trained nothing and
+    say nothing (issue 59: `trainer.lora.enabled=true` trained the warm start as an adapter at the full-weight lr,
+    loss 1.763 -> 1.682, eval 0.000 on 128 prompts). `evals`: the run's EvalResults; `history`: SFT's step metrics."""
+    after = next((r for r in evals if r.stage == "after SFT"), None)
+    if after is None or after.num_prompts == 0 or max(after.scores, default=0.0) > 0:
+        return None
+    before = next((r for r in evals if r.stage == "before SFT"), None)
+    was = f", {before.mean:.3f} before it" if before is not None and before.num_prompts else ""
+    loss = f" (SFT loss {history[0]['sft/loss']:.3f} -> {history[-1]['sft/loss']:.3f})" \
+        if history and "sft/loss" in history[0] else ""
+    sft_lora = sft_lora_config(cfg)
+    if sft_lora.enabled:
+        why = (f"`trainer.lora.enabled=true` trained the SFT warm start as a LoRA adapter"
+               f"{' (sft.lora=true)' if cfg.sft.lora else ''} at "
+               f"{sft_lora.describe_lr(cfg.sft.lr, 'sft.lr', 'sft.lora_lr')}, which moved the model too little. "
+               f"Likely key: sft.lora_lr (higher), or sft.lora=false (full SFT, then LoRA RL: the measured "
+               f"combination in docs/lora.md)")
+    else:
+        why = (f"the full SFT (sft.lr={cfg.sft.lr:g}, sft.epochs={cfg.sft.epochs}) did not teach the task's answer "
+               f"format. Likely keys: sft.lr, sft.epochs")
+    return (f"SFT LEFT THE EVAL AT 0: the eval after SFT scored 0 on all {after.num_prompts} prompts{was}{loss}. "
+            f"Every RL group will score 0 and carry no signal, so the RL steps will train nothing "
+            f"(signal_groups=0). {why}.")

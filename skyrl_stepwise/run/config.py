@@ -169,6 +169,8 @@ class RunConfig:
             self._validate_rollouts_ahead()
         if self.trainer.lora.sync == "adapter":
             self._validate_adapter_sync()
+        if self.trainer.lora.enabled:
+            check_lora_targets(self.trainer.model_path, list(self.trainer.lora.target_modules))
         if self.trainer.algorithm.dynamic_sampling and self.generator.n_samples_per_prompt < 2:
             raise ValueError("trainer.algorithm.dynamic_sampling=true keeps only prompt groups whose samples scored "
                              f"differently, but generator.n_samples_per_prompt={self.generator.n_samples_per_prompt} "
@@ -300,3 +302,33 @@ def register_configs() -> None:
     # SFT on exactly when sft.data is set)
     OmegaConf.register_new_resolver("skyrl_is_set", lambda value: value not in (None, ""), replace=True)
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def check_lora_targets(model_path: str, targets: list[str]) -> None:
+    """trainer.lora.target_modules against the model's architecture, from its config alone (the model built on the
+    meta device: no weight is read), so `--cfg job` and the start-up check refuse a misspelled module in seconds,
+    naming the key and the valid names (policy/lora.py resolve_target_modules, the rule the policy applies), not
+    minutes later when the policy loads. A model whose config cannot be read here (a hub id not downloaded yet) is
+    left to that later check."""
+    from skyrl_stepwise.policy.lora import ALL_LINEAR, resolve_target_modules
+
+    if all(t == ALL_LINEAR for t in targets):
+        return
+    model = meta_model(model_path)
+    if model is not None:
+        resolve_target_modules(model, targets)
+
+
+def meta_model(model_path: str):
+    """The model of `model_path`'s config on the meta device (no weights), or None when its config cannot be read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from skyrl_stepwise.models.prepare import resolve_model_path
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(model_path))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, ImportError):  # no config here, or an architecture only its own code builds
+        return None

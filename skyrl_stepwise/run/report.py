@@ -192,6 +192,25 @@ def fsdp_backend(fsdp) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def describe_lora(cfg) -> str:
+    """What trains and what the engines serve: full fine-tuning, or LoRA's rank, alpha, targets, adapter lr (RL's
+    and the SFT warm start's), and the sync mode. The console prints it at start-up; report.md's Config lists it."""
+    from skyrl_stepwise.loop.warm_start import sft_lora_config
+
+    lora = cfg.trainer.lora
+    if not lora.enabled:
+        return f"full fine-tuning (trainer.lora.enabled=false), lr {cfg.trainer.optim.lr:g}"
+    serves = ("the LoRA adapter alone, loaded by version (trainer.lora.sync=adapter; v0: no adapter yet)"
+              if lora.sync == "adapter" else "the merged weights W + alpha/rank x B @ A (trainer.lora.sync=merged)")
+    text = (f"LoRA rank {lora.rank}, alpha {lora.alpha:g}, targets {list(lora.target_modules)}, adapter "
+            f"{lora.describe_lr(cfg.trainer.optim.lr)}; the engines serve {serves}")
+    if cfg.sft.enabled:
+        sft = sft_lora_config(cfg)
+        text += ("; SFT warm start: an adapter at " + sft.describe_lr(cfg.sft.lr, "sft.lr", "sft.lora_lr")
+                 if sft.enabled else "; SFT warm start: every weight (sft.lora=false)")
+    return text
+
+
 def config_summary(cfg) -> list[str]:
     """The settings that decide what a run's curves mean, as markdown bullets."""
     g, t, a = cfg.generator, cfg.trainer, cfg.trainer.algorithm
@@ -212,7 +231,8 @@ def config_summary(cfg) -> list[str]:
         f"up to {g.max_turns} turns",
         f"- samples: {mode}, `{g.history}` history, renderer `{g.renderer}`, "
         f"T={g.sampling.temperature}, max {g.sampling.max_generate_length} tokens per turn",
-        f"- algorithm: {a.advantage_estimator}, {kl}, lr {t.optim.lr}, mini-batch {t.policy_mini_batch_size} prompts, "
+        f"- trains: {describe_lora(cfg)}",
+        f"- algorithm: {a.advantage_estimator}, {kl}, lr {t.lora.optimizer_lr(t.optim.lr) if t.lora.enabled else t.optim.lr:g}, mini-batch {t.policy_mini_batch_size} prompts, "
         f"TIS clip {a.tis_ratio_clip_high}",
         f"- engine: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}); policy: FSDP2 on "
         f"{t.fsdp.world_size} rank(s) ({fsdp_backend(t.fsdp)}), {t.attn_implementation}, "
@@ -246,6 +266,10 @@ def _status(history: list[dict], total_steps: int, failure: BaseException | None
                   "starts again from step 1 (a finished SFT warm start is cached and reused).")
         return f"**interrupted at step {done}** of {total_steps}; the steps below were logged before that. {resume}"
     what = f"failed with `{type(failure).__name__}: {failure_text(failure)}`"
+    updated = getattr(failure, "updated_step", None)  # set by the RL loop: this step's update ran, then it failed
+    if updated is not None and updated > done:
+        return (f"**{what}** in step {updated} of {total_steps}, after its update ran (the weights were trained; the "
+                f"step's metrics were not logged); the steps below were logged before that.")
     if done == 0:
         return f"**{what}** before step 1 of {total_steps}; nothing was trained (details in run.log)."
     return f"**{what}** after step {done} of {total_steps}; the steps below were logged before that."
@@ -403,6 +427,15 @@ def learning_summary(history: list[dict]) -> str | None:
     return summary
 
 
+def sft_zero_section(cfg, run_dir: Path) -> list[str]:
+    """The console's warning when SFT left the eval at 0 (loop/warm_start.py sft_left_eval_at_zero), in bold."""
+    from skyrl_stepwise.loop.evaluation import load_evals
+    from skyrl_stepwise.loop.warm_start import sft_history, sft_left_eval_at_zero
+
+    zero = sft_left_eval_at_zero(cfg, load_evals(run_dir), sft_history(cfg.trainer.model_path))
+    return [f"**{zero}**", ""] if zero else []
+
+
 def evaluation_section(run_dir: Path, history: list[dict]) -> list[str]:
     """The staged evals (before SFT, after SFT, after RL) with intervals, and how many steps had signal."""
     from skyrl_stepwise.loop.evaluation import eval_table, load_evals, rl_minus_sft, score_label
@@ -464,6 +497,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
              *skipped_section(steps),
              *failures_section(run_dir, steps),
              *context_section(cfg, steps),
+             *sft_zero_section(cfg, run_dir),
              *evaluation_section(run_dir, steps),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
              "## Steps", "", step_table(steps) if steps else "No step was logged.", "",
