@@ -229,8 +229,8 @@ def test_cannot_signal_the_trainer(sandbox, bystander):
     assert received == []
     # neither pid exists in the sandbox's PID namespace
     assert result.stdout.count("failed ProcessLookupError") == len(targets) >= 1, result
-    # the sandbox sees only its own processes: its shell (pid 1) and the ls
-    assert sandbox.run("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"1", "2", "3"}
+    # the sandbox sees only its own processes: its init (pid 1), the shell, the ls and the grep
+    assert sandbox.run("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"2", "3", "4"}
 
 
 def test_a_daemonised_process_does_not_outlive_the_run_or_close(metrics, bystander, tmp_path):
@@ -326,3 +326,113 @@ def test_no_capabilities_and_no_nested_user_namespaces(sandbox, bystander):
     assert "CapEff:\t0000000000000000" in result.stdout, result
     assert "NESTED" not in result.stdout and "unshare failed" in result.stderr
     assert "ROOT" not in result.stdout and "Error" in result.stdout  # uid 0 is not even mapped
+
+
+# --- issue 58 item 3: a sandbox that holds -------------------------------------------------------------------------
+
+_SYS = {"keyctl": 250, "add_key": 248, "request_key": 249, "bpf": 321, "userfaultfd": 323, "perf_event_open": 298,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "mount": 165, "umount2": 166,
+        "ptrace": 101, "kexec_load": 246, "kexec_file_load": 320, "unshare": 272, "setns": 308, "clone3": 435,
+        "memfd_create": 319, "init_module": 175, "finit_module": 313, "open_by_handle_at": 304, "swapon": 167,
+        "reboot": 169, "syslog": 103, "pivot_root": 155, "chroot": 161, "acct": 163, "settimeofday": 164,
+        "quotactl": 179, "process_vm_readv": 310, "fsopen": 430, "open_tree": 428, "move_mount": 429,
+        "lookup_dcookie": 212, "name_to_handle_at": None}  # x86_64 numbers; None: an allowed call, for contrast
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_SEARCH, _KEYCTL_READ, _KEY_SPEC_SESSION_KEYRING = 1, 10, 11, -3
+
+
+def _libc():
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="syscall numbers below are x86_64's")
+def test_a_secret_in_the_trainers_session_keyring_cannot_be_read(sandbox, bystander):
+    """The issue's attack: a key the trainer's session holds was read from inside with keyctl. Now each sandbox
+    joins a fresh session keyring, and the filter refuses keyctl/add_key/request_key (EPERM)."""
+    ctypes, libc = _libc()
+    token = secrets.token_hex(16)
+    assert libc.syscall(250, _KEYCTL_JOIN_SESSION_KEYRING, b"skyrl-test-session") > 0  # this test's own session
+    key = libc.syscall(248, b"user", b"skyrl-test-secret", token.encode(), len(token), _KEY_SPEC_SESSION_KEYRING)
+    assert key > 0, ctypes.get_errno()
+    code = ("import ctypes\nl = ctypes.CDLL(None, use_errno=True)\n"
+            f"k = l.syscall(250, {_KEYCTL_SEARCH}, {_KEY_SPEC_SESSION_KEYRING}, b'user', b'skyrl-test-secret', 0)\n"
+            "print('search', k, ctypes.get_errno())\nbuf = ctypes.create_string_buffer(256)\n"
+            f"n = l.syscall(250, {_KEYCTL_READ}, {key}, buf, 256)\nprint('read', n, ctypes.get_errno(), buf.value)\n"
+            "print('add', l.syscall(248, b'user', b'x', b'y', 1, -3), ctypes.get_errno())\n")
+    result = sandbox.run("python3 -", stdin=code)
+    assert token not in result.stdout + result.stderr, result
+    assert result.stdout.splitlines() == ["search -1 1", "read -1 1 b''", "add -1 1"], result
+
+
+def test_each_run_joins_a_fresh_empty_session_keyring():
+    """Apart from the filter: the process bwrap starts as holds a new session keyring, not the trainer's."""
+    import subprocess
+    import sys
+
+    from skyrl_stepwise.sandbox.runner import make_preexec
+
+    probe = ("import ctypes\nl = ctypes.CDLL(None)\nprint(l.syscall(250, 0, -3, 0))\n")  # KEYCTL_GET_KEYRING_ID
+    ours = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True).stdout
+    theirs = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True,
+                            preexec_fn=make_preexec(FAST, None)).stdout
+    assert int(ours) > 0 and int(theirs) > 0 and ours != theirs
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="syscall numbers below are x86_64's")
+def test_the_seccomp_filter_refuses_the_kernels_attack_surface(sandbox, bystander):
+    """keyctl, bpf, userfaultfd, perf_event_open, io_uring, mount, ptrace, kexec, module loading, new namespaces,
+    memfd (memory no per-process cap counts): each fails with EPERM or ENOSYS, whatever the host's sysctls."""
+    names = [n for n, nr in _SYS.items() if nr is not None]
+    code = ("import ctypes, errno\nl = ctypes.CDLL(None, use_errno=True)\n"
+            f"for name, nr in {[(n, _SYS[n]) for n in names]}:\n"
+            "    r = l.syscall(nr, 0x10000000 if name == 'unshare' else 1, 0, 0, 0, 0, 0)\n"
+            "    print(name, r, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))\n"
+            "print('seccomp', [x for x in open('/proc/self/status') if x.startswith('Seccomp:')][0].split()[1])\n")
+    result = sandbox.run("python3 -", stdin=code)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines.pop("seccomp") == "2", result  # a filter is installed
+    assert sorted(lines) == sorted(names), result
+    for name, outcome in lines.items():
+        assert outcome in ("-1 EPERM", "-1 ENOSYS"), (name, outcome)
+
+
+def test_ordinary_programs_still_run_under_the_filter(sandbox, bystander):
+    code = ("import os, socket, subprocess, threading, tempfile\n"
+            "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+            "print(subprocess.run(['sh', '-c', 'echo child'], capture_output=True, text=True).stdout.strip())\n"
+            "a, b = socket.socketpair(); a.send(b'unix'); print(b.recv(4).decode())\n"
+            "socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()\n"
+            "pid = os.fork()\nif pid == 0: os._exit(3)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+            "with tempfile.NamedTemporaryFile(dir='/work') as f: f.write(b'x'); f.flush(); print(os.path.getsize(f.name))\n")
+    result = sandbox.run("python3 -", stdin=code)
+    assert result.ok and result.stdout.split() == ["thread", "child", "unix", "3", "1"], result
+
+
+def test_no_filter_no_sandbox(monkeypatch):
+    """Where libseccomp's bindings cannot load, the sandbox says so and runs nothing (never an unfiltered run)."""
+    import builtins
+
+    from skyrl_stepwise.sandbox import SandboxUnavailable, seccomp
+
+    real_import = builtins.__import__
+
+    def no_seccomp(name, *args, **kwargs):
+        if name in ("seccomp", "pyseccomp"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    seccomp.filter_bpf.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_seccomp)
+    try:
+        with BwrapSandbox(limits=FAST) as sb:
+            with pytest.raises(SandboxUnavailable, match="No sandbox runs without the filter"):
+                sb.run("echo unfiltered")
+    finally:
+        monkeypatch.undo()
+        seccomp.filter_bpf.cache_clear()
+
+
+def test_the_sandbox_has_its_own_hostname(sandbox, bystander):
+    result = sandbox.run("hostname; cat /proc/sys/kernel/hostname")
+    assert result.stdout.split() == ["sandbox", "sandbox"] and socket.gethostname() != "sandbox", result
