@@ -436,3 +436,84 @@ def test_no_filter_no_sandbox(monkeypatch):
 def test_the_sandbox_has_its_own_hostname(sandbox, bystander):
     result = sandbox.run("hostname; cat /proc/sys/kernel/hostname")
     assert result.stdout.split() == ["sandbox", "sandbox"] and socket.gethostname() != "sandbox", result
+
+
+def _unblock_fifo(path: Path) -> None:
+    """Give a reader or writer blocked on the FIFO at `path` its other end (so a failing test does not hang)."""
+    for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
+        try:
+            os.close(os.open(path, flags))
+        except OSError:
+            pass
+
+
+def _attempt_each(attempts: dict, fifo: Path) -> dict[str, str]:
+    """Run each file-API attempt in a thread; one still blocked after 5 s fails the test (after unblocking it)."""
+    outcomes: dict[str, str] = {}
+
+    def attempt(name: str) -> None:
+        try:
+            outcomes[name] = str(attempts[name]())
+        except SandboxPathError as e:
+            outcomes[name] = f"refused: {e}"
+
+    for name in attempts:
+        worker = threading.Thread(target=attempt, args=(name,), daemon=True)
+        worker.start()
+        worker.join(5)
+        if worker.is_alive():
+            _unblock_fifo(fifo)
+            worker.join(5)
+            pytest.fail(f"{name} blocked on the FIFO (holding the sandbox's lock)")
+    return outcomes
+
+
+_PLANT = "rm f && mkfifo f && python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"s\")'"
+
+
+def test_a_fifo_or_socket_planted_for_the_file_api_is_refused_not_waited_on(sandbox, bystander):
+    """The issue's attack: one turn with `edit` plus `bash("rm f && mkfifo f")` left the file API blocked in open()
+    on the FIFO, holding the sandbox's lock: the rollout never ended. Now the file API opens by fd, non-blocking,
+    and refuses anything that is not a regular file."""
+    sandbox.write_file("f", "x = 1\n")
+    assert sandbox.run(_PLANT).ok
+    outcomes = _attempt_each({
+        "read f": lambda: sandbox.read_file("f"), "write f": lambda: sandbox.write_file("f", "y"),
+        "read s": lambda: sandbox.read_file("s"), "write s": lambda: sandbox.write_file("s", "y"),
+    }, sandbox.workdir / "f")
+    for name, outcome in outcomes.items():
+        assert outcome.startswith("refused: path") and "not a regular file" in outcome, outcomes
+    dest = Path(tempfile.mkdtemp())
+    assert sandbox.export(dest) == [] and sandbox.run("test -p f && test -S s").ok  # nothing followed or copied
+
+
+@pytest.mark.integration  # importing the tools takes ~1.5 s on a loaded 2-core box
+def test_the_repo_tools_refuse_a_planted_fifo_or_socket(sandbox, bystander):
+    import asyncio
+
+    from skyrl_stepwise.tools.repo import EditTool, ViewTool
+
+    sandbox.write_file("f", "x = 1\n")
+    assert sandbox.run(_PLANT).ok
+    edit, view = EditTool().bound_to(sandbox), ViewTool().bound_to(sandbox)
+    outcomes = _attempt_each({
+        "edit": lambda: asyncio.run(edit.call({"path": "f", "old": "x", "new": "y"})),
+        "view": lambda: asyncio.run(view.call({"path": "s"})),
+    }, sandbox.workdir / "f")
+    assert "not a regular file" in outcomes["edit"] and "not a regular file" in outcomes["view"], outcomes
+
+
+def test_the_file_api_gives_up_on_a_lock_held_past_a_runs_time(monkeypatch):
+    """A tool call waits for the sandbox's lock no longer than a run can hold it, then is told so (never hangs)."""
+    from skyrl_stepwise.sandbox import files
+
+    monkeypatch.setattr(files, "LOCK_MARGIN_S", 0.2)
+    with BwrapSandbox(limits=Limits(wall_s=0.3)) as sb:
+        sb._lock.acquire()
+        try:
+            started = time.monotonic()
+            with pytest.raises(files.SandboxBusy, match="stayed busy"):
+                sb.read_file("anything")
+            assert time.monotonic() - started < 2
+        finally:
+            sb._lock.release()

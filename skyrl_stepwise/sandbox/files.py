@@ -9,11 +9,19 @@ be swapped underneath us.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import SandboxPathError
+
+LOCK_MARGIN_S = 30.0  # past a run's wall clock: its reap (5 s), namespace teardown (5 s), the watchdog's answer (5 s)
+
+
+class SandboxBusy(SandboxPathError):
+    """The sandbox's lock could not be had in time (a run holds it): a tool error for the model, never a hang."""
 
 
 def confined_path(workdir: Path, path: str) -> Path:
@@ -31,19 +39,42 @@ def confined_path(workdir: Path, path: str) -> Path:
     return target
 
 
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_regular(target: Path, path: str, flags: int, mode: int = 0o644) -> int:
+    """Open a working-dir file by fd, never blocking and never through a final symlink, and refuse what is not a
+    regular file. A FIFO opened with a blocking open() waits for a writer forever, holding the sandbox's lock (the
+    issue's `edit` + `rm f && mkfifo f`); a device or socket is no file the model's tools should touch."""
+    try:
+        fd = os.open(target, flags | _OPEN_FLAGS, mode)
+    except FileNotFoundError:
+        raise SandboxPathError(f"no file {path!r} in the working directory") from None
+    except IsADirectoryError:
+        raise SandboxPathError(f"path {path!r} is a directory") from None
+    except OSError as e:  # ELOOP (a symlink swapped in), ENXIO (a socket, or a FIFO with no reader)...
+        raise SandboxPathError(f"path {path!r} is not a regular file ({os.strerror(e.errno)})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise SandboxPathError(f"path {path!r} is {kind}")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def read_confined(workdir: Path, path: str, max_bytes: int) -> str:
-    """A working-dir file's text, at most `max_bytes` (a note says when it was cut)."""
+    """A working-dir file's text, at most `max_bytes` (a note says when it was cut); regular files only."""
     target = confined_path(workdir, path)
-    if not target.is_file():
-        raise SandboxPathError(f"no file {path!r} in the working directory")
-    with open(target, "rb") as handle:
+    with os.fdopen(_open_regular(target, path, os.O_RDONLY), "rb") as handle:
         data = handle.read(max_bytes + 1)
     text = data[:max_bytes].decode("utf-8", errors="replace")
     return text + (f"\n[... truncated at {max_bytes} bytes]" if len(data) > max_bytes else "")
 
 
 def write_confined(workdir: Path, path: str, content: str | bytes, owner: tuple[int, int] | None) -> Path:
-    """Write a working-dir file (parents created), owned by the sandbox's user where it runs as its own uid."""
+    """Write a working-dir file (parents created), owned by the sandbox's user where it runs as its own uid; an
+    existing file must be a regular one (it is truncated only once that is checked)."""
     target = confined_path(workdir, path)
     if target.is_dir():
         raise SandboxPathError(f"path {path!r} is a directory")
@@ -51,8 +82,9 @@ def write_confined(workdir: Path, path: str, content: str | bytes, owner: tuple[
     made = [p for p in reversed(target.parents) if root in p.parents and not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode() if isinstance(content, str) else content
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    fd = _open_regular(target, path, os.O_WRONLY | os.O_CREAT)
     with os.fdopen(fd, "wb") as handle:
+        handle.truncate(0)
         handle.write(data)
     if owner is not None:
         for p in [*made, target]:
@@ -88,7 +120,10 @@ def export_files(workdir: Path, dest: Path, max_bytes: int) -> list[str]:
                 continue
             rel = src.relative_to(root)
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                fd = _open_regular(src, str(rel), os.O_RDONLY)
+            except SandboxPathError:
+                continue
             with os.fdopen(fd, "rb") as fin, open(dest / rel, "wb") as fout:
                 shutil.copyfileobj(fin, fout)
             total += st.st_size
@@ -119,8 +154,6 @@ def tree_size(root: Path, max_entries: int = 100_000) -> int:
 
 
 def _is_regular(mode: int) -> bool:
-    import stat
-
     return stat.S_ISREG(mode)
 
 
@@ -131,27 +164,46 @@ class HostWorkdir:
     uid/gid a written file gets, or None)."""
 
     def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
-        """A working-dir file's text (path relative to /work); SandboxPathError outside it."""
+        """A working-dir file's text (path relative to /work); SandboxPathError outside it or not a regular file."""
         try:
-            with self._lock:
+            with self._locked():
                 return read_confined(self.workdir, path, max_bytes)
+        except SandboxBusy:
+            raise
         except ValueError:
             self.metrics.count("path_refusals")
             raise
 
     def write_file(self, path: str, content: str | bytes) -> None:
-        """Write a working-dir file (path relative to /work); SandboxPathError outside it."""
+        """Write a working-dir file (path relative to /work); SandboxPathError outside it or not a regular file."""
         try:
-            with self._lock:
+            with self._locked():
                 write_confined(self.workdir, path, content, self._owner)
+        except SandboxBusy:
+            raise
         except ValueError:
             self.metrics.count("path_refusals")
             raise
 
     def export(self, dest: Path, max_bytes: int = 64 << 20) -> list[str]:
         """Copy the working dir's regular files out (symlinks skipped, never followed)."""
-        with self._lock:
+        with self._locked():
             return export_files(self.workdir, Path(dest), max_bytes)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The sandbox's lock, waited for no longer than a run can hold it (its wall clock, plus the reap and the
+        watchdog's answer): a tool call gets SandboxBusy instead of hanging its rollout. File access itself never
+        blocks (non-blocking opens, regular files only), so it holds the lock for milliseconds."""
+        limits = getattr(self, "limits", None)
+        timeout = (limits.wall_s if limits is not None else 10.0) + LOCK_MARGIN_S
+        if not self._lock.acquire(timeout=timeout):
+            raise SandboxBusy(f"the working directory stayed busy for {timeout:.0f} s (a command still running); "
+                              "try again")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """Kill every process of the sandbox and remove its working dir; safe to call twice."""
