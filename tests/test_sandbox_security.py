@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import processes_with, require_sandbox
+from sandbox_helpers import processes_with, require_sandbox, run_unprivileged
 from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
 from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
 
@@ -517,3 +517,65 @@ def test_the_file_api_gives_up_on_a_lock_held_past_a_runs_time(monkeypatch):
             assert time.monotonic() - started < 2
         finally:
             sb._lock.release()
+
+
+_DEEP_AND_LOCKED = ("python3 -c 'import os\nfor i in range(1500):\n    os.mkdir(\"d\"); os.chdir(\"d\")\n"
+                    "open(\"deep\", \"w\").write(\"x\")' && mkdir -p locked/inner && echo s > locked/inner/f && "
+                    "chmod 000 locked/inner locked")
+_CLEANUP_SCRIPT = f"""
+import os, subprocess, tempfile
+from pathlib import Path
+from skyrl_stepwise.sandbox import BwrapSandbox, Limits
+from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
+sb = BwrapSandbox(limits=Limits(wall_s=60))
+result = sb.run({_DEEP_AND_LOCKED!r})
+assert result.ok, result
+assert (sb.workdir / "locked").exists()
+sb.close()
+print("closed", sb.workdir.parent.exists())
+dead = subprocess.Popen(["true"]); dead.wait()  # a pid no process has now: a trainer that was SIGKILLed
+stale = Path(tempfile.mkdtemp(prefix=f"{{DIR_PREFIX}}{{dead.pid}}-"))
+fd = os.open(stale, os.O_RDONLY)
+for i in range(1500):
+    os.mkdir("d", dir_fd=fd); nxt = os.open("d", os.O_RDONLY, dir_fd=fd); os.close(fd); fd = nxt
+os.mkdir("locked", dir_fd=fd); os.chmod("locked", 0, dir_fd=fd); os.close(fd)
+print("swept", sweep_stale_dirs(Path(tempfile.gettempdir())) == [stale], stale.exists())
+"""
+
+
+def _assert_cleaned(out) -> None:
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["closed", "False", "swept", "True", "False"], out
+
+
+@pytest.mark.integration  # a 1,500-level tree takes ~2 s to make and remove on a loaded box
+def test_close_and_the_sweep_remove_a_1500_level_tree_and_a_chmod_000_dir(tmp_path):
+    """close() raised RecursionError on a 1,500-level tree (the tree stayed, and the next start-up sweep failed on
+    it), and a `chmod 000` dir survived close() for a trainer that is not root. Both are removed now, by the
+    trainer as it runs (root in CI) and as an unprivileged user (a laptop)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    _assert_cleaned(subprocess.run([sys.executable, "-c", _CLEANUP_SCRIPT], capture_output=True, text=True,
+                                   timeout=180, env=env))
+    _assert_cleaned(run_unprivileged(_CLEANUP_SCRIPT))
+
+
+_HIDDEN_FROM_THE_CAP = """
+from skyrl_stepwise.sandbox import BwrapSandbox, Limits
+limits = Limits(wall_s=20, file_size_bytes=4 << 20, workdir_bytes=16 << 20)
+with BwrapSandbox(limits=limits) as sb:
+    first = sb.run("mkdir d && for i in 1 2 3 4; do head -c 3000000 /dev/zero > d/f$i; done && chmod 000 d")
+    second = sb.run("for i in 1 2 3; do head -c 3000000 /dev/zero > g$i; done")
+    print(first.stop_reason.value, second.stop_reason.value)
+"""
+
+
+@pytest.mark.integration  # starts a second interpreter as another user (~2 s)
+def test_a_chmod_000_dir_does_not_hide_its_files_from_the_disk_cap():
+    """For a trainer that is not root, the size scan skipped a dir it could not read: 12 MB hidden in a `chmod 000`
+    dir, then 9 MB more, passed a 16 MiB cap."""
+    out = run_unprivileged(_HIDDEN_FROM_THE_CAP)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["exited", "disk_limit"], out

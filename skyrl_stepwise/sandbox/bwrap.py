@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ import weakref
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
-from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in
+from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in, remove_tree
 from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
 from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
@@ -38,6 +39,7 @@ DIR_PREFIX = "skyrl-sandbox-"  # + the owning process's pid: a killed trainer's 
 _UID_BASE = 10_000_000  # sandbox uids (root trainer only): base + 1000 * (pid % 100000) + slot
 _uid_slots = itertools.count()
 _uid_lock = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 def bwrap_binary() -> str:
@@ -205,7 +207,7 @@ def sweep_stale_dirs(root: Path) -> list[Path]:
                 continue
         except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_quietly(path)
         removed.append(path)
     return removed
 
@@ -243,7 +245,15 @@ def _cleanup(workdir: Path, runs: set[Run], start_lock: threading.Lock) -> None:
         run.kill()
     for run in list(runs):
         run.wait_for_namespace()
-    shutil.rmtree(workdir.parent, ignore_errors=True)
+    _remove_quietly(workdir.parent)
+
+
+def _remove_quietly(path: Path) -> None:
+    """remove_tree, with a warning (never an exception: close() and the finalizer must finish) naming what stayed."""
+    try:
+        remove_tree(path)
+    except OSError as e:
+        logger.warning("sandbox dir %s could not be removed: %s", path, e)
 
 
 class BwrapSandbox(HostWorkdir):
