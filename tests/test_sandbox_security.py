@@ -579,3 +579,37 @@ def test_a_chmod_000_dir_does_not_hide_its_files_from_the_disk_cap():
     out = run_unprivileged(_HIDDEN_FROM_THE_CAP)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["exited", "disk_limit"], out
+
+
+def _kernel_cap_or_skip() -> None:
+    from skyrl_stepwise.sandbox.workdir_fs import mount_allowed
+
+    if not mount_allowed():
+        pytest.skip("this process may not mount a tmpfs (not root): the working dir's cap is the watchdog's poll")
+
+
+def test_unlinked_but_open_files_count_against_the_working_dirs_cap(sandbox, bystander, metrics):
+    """Files unlinked while held open took no room the size scan could see: 30 MB past a 16 MiB cap. The kernel's
+    cap (a size-capped tmpfs) counts them: the write past the cap fails with ENOSPC."""
+    _kernel_cap_or_skip()
+    code = ("import os\nheld = []\nfor i in range(10):\n    f = open(f'u{i}', 'wb'); os.unlink(f'u{i}')\n"
+            "    f.write(b'0' * 3000000); f.flush(); held.append(f)\nprint('wrote', len(held))\n")
+    result = sandbox.run("python3 -", stdin=code)
+    _stopped(result, StopReason.DISK_LIMIT, metrics)
+    assert "wrote 10" not in result.stdout, result
+
+
+def test_mountinfo_shows_no_host_path(sandbox, bystander):
+    _kernel_cap_or_skip()
+    result = sandbox.run("cat /proc/self/mountinfo")
+    assert result.ok and " /work " in result.stdout, result
+    assert DIR_PREFIX not in result.stdout and str(sandbox.workdir) not in result.stdout, result
+    assert "/tmp" not in [line.split()[3] for line in result.stdout.splitlines()], result  # no host dir as a root
+
+
+def test_a_run_with_its_own_working_dir_cap_gets_it_from_the_kernel(sandbox, bystander):
+    _kernel_cap_or_skip()
+    bigger = Limits(**{**FAST.__dict__, "workdir_bytes": 48 << 20, "wall_s": 20.0})
+    result = sandbox.run("for i in 1 2 3 4 5 6 7 8; do head -c 3000000 /dev/zero > f$i || exit 9; done", limits=bigger)
+    assert result.ok, result  # 24 MB fit under 48 MiB (over FAST's 16)
+    assert sandbox.run("head -c 3000000 /dev/zero > g").stop_reason is StopReason.DISK_LIMIT  # back to 16 MiB

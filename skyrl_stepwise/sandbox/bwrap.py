@@ -29,6 +29,7 @@ from pathlib import Path
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
 from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in, remove_tree
 from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
+from skyrl_stepwise.sandbox.workdir_fs import mount_capped, resize, unmount
 from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
 WORKDIR_IN_SANDBOX = "/work"
@@ -207,6 +208,7 @@ def sweep_stale_dirs(root: Path) -> list[Path]:
                 continue
         except OSError:
             continue
+        unmount(path / "work")
         _remove_quietly(path)
         removed.append(path)
     return removed
@@ -245,6 +247,7 @@ def _cleanup(workdir: Path, runs: set[Run], start_lock: threading.Lock) -> None:
         run.kill()
     for run in list(runs):
         run.wait_for_namespace()
+    unmount(workdir)
     _remove_quietly(workdir.parent)
 
 
@@ -274,6 +277,9 @@ class BwrapSandbox(HostWorkdir):
             _check_traversable(base)
         self.workdir = base / "work"
         self.workdir.mkdir(mode=0o700)
+        # the kernel caps the working dir where this process may mount (workdir_fs.py); else the watchdog does
+        self.kernel_capped = mount_capped(self.workdir, self.limits.workdir_bytes, self._owner)
+        self._capped_at = self.limits.workdir_bytes
         self._runs: set[Run] = set()
         self._lock = threading.Lock()  # held by a run and by host-side file access (never by close())
         self._closed = False
@@ -303,6 +309,9 @@ class BwrapSandbox(HostWorkdir):
         with self._lock:  # one run at a time (two tool calls of one turn queue): no file access races a run
             if self._closed:
                 raise RuntimeError("this sandbox is closed")
+            if self.kernel_capped and limits.workdir_bytes != self._capped_at:
+                resize(self.workdir, limits.workdir_bytes, self._owner)
+                self._capped_at = limits.workdir_bytes
             seccomp_fd = filter_fd()
             status_read, status_write = os.pipe()
             argv = bwrap_argv(self.workdir, command, limits, self.network, seccomp_fd, status_write)

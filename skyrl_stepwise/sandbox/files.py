@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import SandboxPathError
+from skyrl_stepwise.sandbox.workdir_fs import is_full
 
 LOCK_MARGIN_S = 30.0  # past a run's wall clock: its reap (5 s), namespace teardown (5 s), the watchdog's answer (5 s)
 
@@ -194,6 +195,12 @@ def _unlink_all_but_a_dir(fd: int) -> str | None:
                 return entry.name
             os.unlink(entry.name, dir_fd=fd)
     return None
+
+
+def over_cap(workdir: Path, cap_bytes: int) -> bool:
+    """Whether a run's working dir passed its cap: a kernel-capped dir that is full (workdir_fs: the write that
+    reached the cap failed with ENOSPC), or a plain dir whose files add up to more than `cap_bytes`."""
+    return is_full(workdir) or tree_size(workdir) > cap_bytes
 
 
 def tree_size(root: Path, max_entries: int = 100_000) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxUnavailable, StopReason
 from skyrl_stepwise.sandbox.disk_watch import DISK_WATCH
-from skyrl_stepwise.sandbox.files import tree_size
+from skyrl_stepwise.sandbox.files import over_cap
 
 _PR_SET_PDEATHSIG = 1
 _KEYCTL_JOIN_SESSION_KEYRING = 1
@@ -234,10 +234,14 @@ def run_process(
         runs.add(run)
     try:
         watch = DISK_WATCH.watch(proc.pid, limits.workdir_bytes, workdir)
+        watch_killed = False
         try:
             why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
         finally:
-            DISK_WATCH.unwatch(watch)  # before bwrap is reaped: its pid (the group's id) cannot be reused before
+            # before bwrap is reaped: its pid (the group's id) cannot be reused before
+            watch_killed = DISK_WATCH.unwatch(watch)
+        if why is None and watch_killed:
+            why = StopReason.DISK_LIMIT
         status, usage = _reap(run, start + limits.wall_s + 5.0)
     finally:
         if proc.returncode is None:  # the reader itself failed: kill, and reap so no zombie stays behind
@@ -256,7 +260,7 @@ def run_process(
     wall = time.monotonic() - start
     cpu = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
     exit_code, sig = _decode_status(status, inner)
-    if why is None and tree_size(workdir) > limits.workdir_bytes:
+    if why is None and over_cap(workdir, limits.workdir_bytes):
         why = StopReason.DISK_LIMIT
     if why is None:
         why = _classify(exit_code, sig, cpu, limits, err)
@@ -291,7 +295,7 @@ def _pump(run: Run, stdin: bytes | None, limits: Limits, workdir: Path, start: f
                 break
             if now >= next_watch:
                 next_watch = now + _WATCH_EVERY_S
-                if tree_size(workdir) > limits.workdir_bytes:
+                if over_cap(workdir, limits.workdir_bytes):
                     why = StopReason.DISK_LIMIT
                     break
             for key, _ in sel.select(timeout=min(deadline, next_watch) - now):
