@@ -641,3 +641,32 @@ def test_task_data_is_not_importable_whatever_the_install_prefix(monkeypatch):
         shutil.rmtree(prefix)
     assert "ModuleNotFoundError: No module named 'skyrl_stepwise.data'" in result.stderr, result
     assert result.stdout.split() == ["0", "skyrl_stepwise"], result  # the prefix is there, the package dir empty
+
+
+def test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds(sandbox, bystander):
+    """A process left running past the command (setsid, &) burned CPU that no one reaped: `cpu_s` said ~0. The
+    sandbox's init now kills and reaps it, so its CPU time reaches the run's rusage."""
+    burner = "import time\nwhile time.process_time() < 0.4: pass\nopen('burnt', 'w').close()\ntime.sleep(60)\n"
+    result = sandbox.run(f"setsid python3 -c \"{burner}\" & while [ ! -e burnt ]; do sleep 0.05; done")
+    assert result.ok, result
+    assert result.cpu_s >= 0.4, result  # the burner's 0.4 s (before: only the shell's and the init's own time)
+
+
+def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, caplog):
+    from skyrl_stepwise.sandbox import bwrap, caps
+
+    monkeypatch.setattr(bwrap, "cgroup_v2_missing", lambda: "no cgroup v2 file system mounted")
+    monkeypatch.setattr(bwrap, "mount_allowed", lambda: False)
+    bwrap.check_sandbox_available.cache_clear()
+    caplog.set_level("INFO", logger=bwrap.__name__)
+    try:
+        bwrap.check_sandbox_available()
+    finally:
+        bwrap.check_sandbox_available.cache_clear()
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "sandbox caps" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    line = warned[0].getMessage()
+    assert "memory/CPU: per-process only (no cgroup v2 file system mounted)" in line
+    assert "working dir: a watchdog poll only" in line and "seccomp filter on" in line
+    here = caps.CapsReport(kernel_disk_cap=True, cgroup_missing=caps.cgroup_v2_missing())
+    assert ("per-process only" in here.line()) == (here.cgroup_missing is not None)

@@ -29,7 +29,8 @@ from pathlib import Path
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
 from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in, remove_tree
 from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
-from skyrl_stepwise.sandbox.workdir_fs import mount_capped, resize, unmount
+from skyrl_stepwise.sandbox.caps import CapsReport, cgroup_v2_missing
+from skyrl_stepwise.sandbox.workdir_fs import mount_allowed, mount_capped, resize, unmount
 from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
 WORKDIR_IN_SANDBOX = "/work"
@@ -218,7 +219,14 @@ def check_sandbox_available() -> str:
             "on Ubuntu 24.04+ unprivileged user namespaces are restricted by AppArmor "
             "(kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile for bwrap)"
         )
+    report = caps_report()
+    (logger.warning if report.cgroup_missing or not report.kernel_disk_cap else logger.info)(report.line())
     return binary
+
+
+def caps_report() -> CapsReport:
+    """Which caps the kernel enforces for sandboxes of this process (said at start-up; docs/sandbox.md)."""
+    return CapsReport(kernel_disk_cap=mount_allowed(), cgroup_missing=cgroup_v2_missing())
 
 
 def sweep_stale_dirs(root: Path) -> list[Path]:
