@@ -93,7 +93,10 @@ class DiskWatch:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": package_root}
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from skyrl_stepwise.sandbox.disk_watch import main; main()"],
+                # the package's own root first on the path, before the cwd `-c` puts there: a checkout in the cwd
+                # (another version of this package) must not answer for this one
+                [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                 "from skyrl_stepwise.sandbox.disk_watch import main; main()", package_root],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, start_new_session=True, close_fds=True,
                 env=env,
             )
