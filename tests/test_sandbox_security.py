@@ -539,7 +539,7 @@ fd = os.open(stale, os.O_RDONLY)
 for i in range(1500):
     os.mkdir("d", dir_fd=fd); nxt = os.open("d", os.O_RDONLY, dir_fd=fd); os.close(fd); fd = nxt
 os.mkdir("locked", dir_fd=fd); os.chmod("locked", 0, dir_fd=fd); os.close(fd)
-print("swept", sweep_stale_dirs(Path(tempfile.gettempdir())) == [stale], stale.exists())
+print("swept", stale in sweep_stale_dirs(Path(tempfile.gettempdir())), stale.exists())  # (others' may go too)
 """
 
 
