@@ -72,3 +72,42 @@ def fake_calls(state, verb: str) -> list[list[str]]:
     path = state / "argv.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [argv for argv in map(json.loads, lines) if argv[0] == verb]
+
+
+NOBODY = 65534
+
+
+def run_unprivileged(code: str, timeout: float = 180.0):
+    """Run the Python `code` (the repo importable) as a user without privileges, as on a laptop: where the tests run
+    as root (CI), as uid/gid 65534 via `setpriv` with no capability and the system python3 (this venv's interpreter
+    may sit under root's 0700 home; its site-packages are put on the path); else as the current user. Skips where
+    that cannot be arranged. Returns the CompletedProcess (text)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    import tempfile
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    site = sysconfig.get_paths()["purelib"]
+    if os.geteuid() != 0:
+        argv = [sys.executable, "-c", code]
+    else:
+        setpriv, python = shutil.which("setpriv"), "/usr/bin/python3"
+        if setpriv is None or not os.path.exists(python):
+            pytest.skip("no setpriv or /usr/bin/python3 to drop to an unprivileged uid")
+        probe = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                               text=True)
+        if probe.stdout.strip() != str(tuple(sys.version_info[:2])):
+            pytest.skip(f"/usr/bin/python3 is {probe.stdout.strip()}, this venv {sys.version_info[:2]}")
+        argv = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", python, "-c", code]
+    cwd = tempfile.mkdtemp(prefix="skyrl-unpriv-")
+    os.chmod(cwd, 0o777)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join([repo, site]), "HOME": cwd, "TMPDIR": "/tmp"}
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    finally:
+        shutil.rmtree(cwd, ignore_errors=True)

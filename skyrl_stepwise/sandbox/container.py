@@ -42,6 +42,7 @@ from skyrl_stepwise.sandbox.bwrap import (
     WORKDIR_IN_SANDBOX,
     _allocate_credentials,
     _pid_alive,
+    _remove_quietly,
     sweep_stale_dirs,
 )
 from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in
@@ -206,7 +207,7 @@ def _cleanup(cli_path: str, container: list[str], base: Path, runs: set[Run], st
         run.kill()
     if container:
         _cli([cli_path, "rm", "-f", container[0]])
-    shutil.rmtree(base, ignore_errors=True)
+    _remove_quietly(base)  # any depth, any modes the container's processes left
 
 
 class ContainerSandbox(HostWorkdir):

@@ -8,7 +8,7 @@ with 6 busy Python threads: 106-231 MiB written against a 16 MiB cap. So the cap
 own (stdlib only, started once per trainer process), which no thread of the trainer can delay:
 
     trainer --"add <token> <pgid> <cap> <path>"--> watchdog     (after the run's process started)
-    trainer --"del <token>"--> watchdog --"done <token>"-->      (before the run's process is reaped)
+    trainer --"del <token>"--> watchdog --"done <token> killed|kept"-->  (before the run's process is reaped)
 
 The watchdog SIGKILLs the run's process group once the dir passes its cap. It never kills a group after its "done":
 the run's group leader is reaped only after that reply, so its pid cannot have been reused. A watchdog that does not
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import SandboxUnavailable
-from skyrl_stepwise.sandbox.files import tree_size
+from skyrl_stepwise.sandbox.files import over_cap
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +61,26 @@ class DiskWatch:
             self._send(f"add {token} {pgid} {cap_bytes} {os.fsencode(str(workdir)).hex()}\n")
         return token
 
-    def unwatch(self, token: int) -> None:
+    def unwatch(self, token: int) -> bool:
         """Stop watching `token`; returns only once the watchdog can no longer kill its group (it answered, or it
-        was killed), so the caller may reap the group's leader."""
+        was killed), so the caller may reap the group's leader. True where the watchdog killed the group (the dir
+        passed its cap: with a kernel cap, the files that filled it may be gone with the run's processes)."""
         with self._lock:
             proc = self._proc
             if proc is None or proc.poll() is not None:
-                return  # none is running: nothing can kill the group (the next run starts one, and says so)
+                return False  # none is running: nothing can kill the group (the next run starts one, and says so)
             try:
                 os.write(proc.stdin.fileno(), f"del {token}\n".encode())
             except OSError:
                 self._stop_locked()
-                return
-            if _read_line(proc.stdout.fileno(), ACK_TIMEOUT_S) != f"done {token}":
+                return False
+            answer = _read_line(proc.stdout.fileno(), ACK_TIMEOUT_S)
+            if answer not in (f"done {token} kept", f"done {token} killed"):
                 logger.warning("the working-dir size watchdog (pid %d) did not answer within %.1f s: killed; the "
                                "next sandbox run starts a new one", proc.pid, ACK_TIMEOUT_S)
                 self._stop_locked()
+                return False
+            return answer.endswith("killed")
 
     def _ensure_locked(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -89,7 +93,10 @@ class DiskWatch:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": package_root}
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", "from skyrl_stepwise.sandbox.disk_watch import main; main()"],
+                # the package's own root first on the path, before the cwd `-c` puts there: a checkout in the cwd
+                # (another version of this package) must not answer for this one
+                [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                 "from skyrl_stepwise.sandbox.disk_watch import main; main()", package_root],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, start_new_session=True, close_fds=True,
                 env=env,
             )
@@ -159,6 +166,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.write(1, b"ready\n")
     watched: dict[str, tuple[int, int, Path]] = {}  # token -> (pgid, cap, workdir); dropped once killed
+    killed: set[str] = set()
     pending = b""
     period = POLL_EVERY_S
     next_scan = time.monotonic() + period
@@ -179,16 +187,19 @@ def main() -> None:
                         next_scan = time.monotonic() + period
                 elif verb == "del":
                     watched.pop(token, None)
-                    os.write(1, f"done {token}\n".encode())
+                    how = "killed" if token in killed else "kept"
+                    killed.discard(token)
+                    os.write(1, f"done {token} {how}\n".encode())
         now = time.monotonic()
         if watched and now >= next_scan:
             for token, (pgid, cap, workdir) in list(watched.items()):
-                if tree_size(workdir) > cap:
+                if over_cap(workdir, cap):
                     try:
                         os.killpg(pgid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
                     del watched[token]
+                    killed.add(token)
             took = time.monotonic() - now
             period = max(POLL_EVERY_S, 2 * took)
             next_scan = time.monotonic() + period

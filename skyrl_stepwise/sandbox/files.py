@@ -9,11 +9,20 @@ be swapped underneath us.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import SandboxPathError
+from skyrl_stepwise.sandbox.workdir_fs import is_full
+
+LOCK_MARGIN_S = 30.0  # past a run's wall clock: its reap (5 s), namespace teardown (5 s), the watchdog's answer (5 s)
+
+
+class SandboxBusy(SandboxPathError):
+    """The sandbox's lock could not be had in time (a run holds it): a tool error for the model, never a hang."""
 
 
 def confined_path(workdir: Path, path: str) -> Path:
@@ -31,19 +40,42 @@ def confined_path(workdir: Path, path: str) -> Path:
     return target
 
 
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_regular(target: Path, path: str, flags: int, mode: int = 0o644) -> int:
+    """Open a working-dir file by fd, never blocking and never through a final symlink, and refuse what is not a
+    regular file. A FIFO opened with a blocking open() waits for a writer forever, holding the sandbox's lock (the
+    issue's `edit` + `rm f && mkfifo f`); a device or socket is no file the model's tools should touch."""
+    try:
+        fd = os.open(target, flags | _OPEN_FLAGS, mode)
+    except FileNotFoundError:
+        raise SandboxPathError(f"no file {path!r} in the working directory") from None
+    except IsADirectoryError:
+        raise SandboxPathError(f"path {path!r} is a directory") from None
+    except OSError as e:  # ELOOP (a symlink swapped in), ENXIO (a socket, or a FIFO with no reader)...
+        raise SandboxPathError(f"path {path!r} is not a regular file ({os.strerror(e.errno)})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise SandboxPathError(f"path {path!r} is {kind}")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def read_confined(workdir: Path, path: str, max_bytes: int) -> str:
-    """A working-dir file's text, at most `max_bytes` (a note says when it was cut)."""
+    """A working-dir file's text, at most `max_bytes` (a note says when it was cut); regular files only."""
     target = confined_path(workdir, path)
-    if not target.is_file():
-        raise SandboxPathError(f"no file {path!r} in the working directory")
-    with open(target, "rb") as handle:
+    with os.fdopen(_open_regular(target, path, os.O_RDONLY), "rb") as handle:
         data = handle.read(max_bytes + 1)
     text = data[:max_bytes].decode("utf-8", errors="replace")
     return text + (f"\n[... truncated at {max_bytes} bytes]" if len(data) > max_bytes else "")
 
 
 def write_confined(workdir: Path, path: str, content: str | bytes, owner: tuple[int, int] | None) -> Path:
-    """Write a working-dir file (parents created), owned by the sandbox's user where it runs as its own uid."""
+    """Write a working-dir file (parents created), owned by the sandbox's user where it runs as its own uid; an
+    existing file must be a regular one (it is truncated only once that is checked)."""
     target = confined_path(workdir, path)
     if target.is_dir():
         raise SandboxPathError(f"path {path!r} is a directory")
@@ -51,8 +83,9 @@ def write_confined(workdir: Path, path: str, content: str | bytes, owner: tuple[
     made = [p for p in reversed(target.parents) if root in p.parents and not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode() if isinstance(content, str) else content
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    fd = _open_regular(target, path, os.O_WRONLY | os.O_CREAT)
     with os.fdopen(fd, "wb") as handle:
+        handle.truncate(0)
         handle.write(data)
     if owner is not None:
         for p in [*made, target]:
@@ -88,12 +121,86 @@ def export_files(workdir: Path, dest: Path, max_bytes: int) -> list[str]:
                 continue
             rel = src.relative_to(root)
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                fd = _open_regular(src, str(rel), os.O_RDONLY)
+            except SandboxPathError:
+                continue
             with os.fdopen(fd, "rb") as fin, open(dest / rel, "wb") as fout:
                 shutil.copyfileobj(fin, fout)
             total += st.st_size
             copied.append(str(rel))
     return copied
+
+
+_FLATTEN_DEPTH = 32  # deeper dirs are moved up to the top before they are emptied: bounded fds, no recursion
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: Path) -> None:
+    """Remove `path` and everything under it, whatever the depth and the modes the sandboxed code left. Iterative
+    and by dir fd (never a path longer than one name, never a symlink followed); a dir is given u+rwx before it is
+    opened (a `chmod 000` dir, which shutil.rmtree skips for a non-root trainer); a dir deeper than _FLATTEN_DEPTH
+    is renamed to the top (same file system) and emptied from there, so a 1,500-level tree needs 32 fds, not a
+    RecursionError. OSError where something could not be removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    os.chmod(path, 0o700)
+    top = os.open(path, _DIR_FLAGS)
+    try:
+        _empty_dir(top)
+    finally:
+        os.close(top)
+    os.rmdir(path)
+
+
+def _empty_dir(top: int) -> None:
+    """Delete everything in the directory open at `top` (see remove_tree)."""
+    stack: list[tuple[int, str]] = [(top, "")]
+    moved = 0
+    try:
+        while stack:
+            fd = stack[-1][0]
+            sub = _unlink_all_but_a_dir(fd)
+            if sub is None:
+                if len(stack) == 1:
+                    return
+                done, name = stack.pop()
+                os.close(done)
+                os.rmdir(name, dir_fd=stack[-1][0])
+                continue
+            os.chmod(sub, 0o700, dir_fd=fd)
+            if len(stack) >= _FLATTEN_DEPTH:
+                moved += 1
+                try:
+                    os.rename(sub, f".flat-{moved}", src_dir_fd=fd, dst_dir_fd=top)
+                except OSError:  # that name is taken by a non-empty dir or a file: the next number
+                    continue
+                continue
+            stack.append((os.open(sub, _DIR_FLAGS, dir_fd=fd), sub))
+    finally:
+        for fd, _ in stack[1:]:
+            os.close(fd)
+
+
+def _unlink_all_but_a_dir(fd: int) -> str | None:
+    """Unlink every non-directory in the dir open at `fd`; the name of one subdirectory left, or None."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                return entry.name
+            os.unlink(entry.name, dir_fd=fd)
+    return None
+
+
+def over_cap(workdir: Path, cap_bytes: int) -> bool:
+    """Whether a run's working dir passed its cap: a kernel-capped dir that is full (workdir_fs: the write that
+    reached the cap failed with ENOSPC), or a plain dir whose files add up to more than `cap_bytes`."""
+    return is_full(workdir) or tree_size(workdir) > cap_bytes
 
 
 def tree_size(root: Path, max_entries: int = 100_000) -> int:
@@ -102,9 +209,11 @@ def tree_size(root: Path, max_entries: int = 100_000) -> int:
     total = 0
     entries = 0
     stack = [str(root)]
+    opened: set[str] = set()
     while stack:
+        path = stack.pop()
         try:
-            with os.scandir(stack.pop()) as it:
+            with os.scandir(path) as it:
                 for entry in it:
                     entries += 1
                     if entries > max_entries:
@@ -113,14 +222,33 @@ def tree_size(root: Path, max_entries: int = 100_000) -> int:
                     total += st.st_blocks * 512
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(entry.path)
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
+        except PermissionError:  # a `chmod 000` dir of the sandbox (a non-root trainer owns it): open it, count it
+            if path in opened or not _open_up(path):
+                return 1 << 62  # a dir that cannot be counted counts as over any cap
+            opened.add(path)
+            stack.append(path)
+        except (FileNotFoundError, NotADirectoryError):
             continue
     return total
 
 
-def _is_regular(mode: int) -> bool:
-    import stat
+def _open_up(path: str) -> bool:
+    """Give a dir the scan could not read u+rwx (by an O_PATH fd: a symlink swapped in is never followed); False
+    where that is refused."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(os.fstat(fd).st_mode) | 0o700)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
+
+def _is_regular(mode: int) -> bool:
     return stat.S_ISREG(mode)
 
 
@@ -131,27 +259,46 @@ class HostWorkdir:
     uid/gid a written file gets, or None)."""
 
     def read_file(self, path: str, max_bytes: int = 64 << 10) -> str:
-        """A working-dir file's text (path relative to /work); SandboxPathError outside it."""
+        """A working-dir file's text (path relative to /work); SandboxPathError outside it or not a regular file."""
         try:
-            with self._lock:
+            with self._locked():
                 return read_confined(self.workdir, path, max_bytes)
+        except SandboxBusy:
+            raise
         except ValueError:
             self.metrics.count("path_refusals")
             raise
 
     def write_file(self, path: str, content: str | bytes) -> None:
-        """Write a working-dir file (path relative to /work); SandboxPathError outside it."""
+        """Write a working-dir file (path relative to /work); SandboxPathError outside it or not a regular file."""
         try:
-            with self._lock:
+            with self._locked():
                 write_confined(self.workdir, path, content, self._owner)
+        except SandboxBusy:
+            raise
         except ValueError:
             self.metrics.count("path_refusals")
             raise
 
     def export(self, dest: Path, max_bytes: int = 64 << 20) -> list[str]:
         """Copy the working dir's regular files out (symlinks skipped, never followed)."""
-        with self._lock:
+        with self._locked():
             return export_files(self.workdir, Path(dest), max_bytes)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The sandbox's lock, waited for no longer than a run can hold it (its wall clock, plus the reap and the
+        watchdog's answer): a tool call gets SandboxBusy instead of hanging its rollout. File access itself never
+        blocks (non-blocking opens, regular files only), so it holds the lock for milliseconds."""
+        limits = getattr(self, "limits", None)
+        timeout = (limits.wall_s if limits is not None else 10.0) + LOCK_MARGIN_S
+        if not self._lock.acquire(timeout=timeout):
+            raise SandboxBusy(f"the working directory stayed busy for {timeout:.0f} s (a command still running); "
+                              "try again")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """Kill every process of the sandbox and remove its working dir; safe to call twice."""

@@ -25,15 +25,22 @@ from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxUnavailable, StopReason
 from skyrl_stepwise.sandbox.disk_watch import DISK_WATCH
-from skyrl_stepwise.sandbox.files import tree_size
+from skyrl_stepwise.sandbox.files import over_cap
 
 _PR_SET_PDEATHSIG = 1
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
 _WATCH_EVERY_S = 0.1  # how often this process also checks the working dir's size (the cap is disk_watch's)
 # stderr text by which a limit shows when the program handled the failure itself and exited (kernel refusals
 # surface as errno messages, not signals): checked only for a failed exit, last 4 KiB of stderr
 _STDERR_MARKERS: tuple[tuple[StopReason, tuple[str, ...]], ...] = (
-    (StopReason.MEMORY_LIMIT, ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory")),
-    (StopReason.FILE_SIZE_LIMIT, ("File too large",)),
+    # a thread refused: under RLIMIT_AS each thread's stack (8 MiB) and malloc arena (64 MiB) run out of address
+    # space long before RLIMIT_NPROC counts 64 threads
+    (StopReason.MEMORY_LIMIT, ("MemoryError", "Cannot allocate memory", "std::bad_alloc", "out of memory",
+                               "can't start new thread", "unable to create native thread",
+                               "failed to create new OS thread")),
+    (StopReason.FILE_SIZE_LIMIT, ("File too large", "File size limit exceeded")),
+    (StopReason.CPU_LIMIT, ("CPU time limit exceeded",)),  # the shell's word for a child killed by SIGXCPU
     (StopReason.DISK_LIMIT, ("No space left on device", "Disk quota exceeded")),
     (StopReason.PROCESS_LIMIT, ("Resource temporarily unavailable", "Cannot fork", "can't fork", "fork: retry")),
 )
@@ -49,11 +56,14 @@ class Credentials:
 
 
 def make_preexec(limits: Limits, creds: Credentials | None) -> Callable[[], None]:
-    """The child's set-up before exec'ing bwrap: drop to the sandbox's uid, ask the kernel to SIGKILL it when the
-    thread that started it dies (so a killed trainer leaves nothing), and set the per-process rlimits. RLIMIT_NPROC
-    is set inside the sandbox instead (prlimit), where it counts only the sandbox's own processes."""
+    """The child's set-up before exec'ing bwrap: drop to the sandbox's uid, join a fresh, empty session keyring (the
+    trainer's may hold secrets: keys are not namespaced by bwrap; the seccomp filter also refuses keyctl), ask the
+    kernel to SIGKILL it when the thread that started it dies (so a killed trainer leaves nothing), and set the
+    per-process rlimits. RLIMIT_NPROC is set inside the sandbox instead (its init), where it counts only the
+    sandbox's own processes."""
     libc = ctypes.CDLL(None, use_errno=True)
     prctl = libc.prctl
+    syscall = libc.syscall
     rlimits = [
         (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1)),
         (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
@@ -67,6 +77,8 @@ def make_preexec(limits: Limits, creds: Credentials | None) -> Callable[[], None
             os.setgroups([])
             os.setgid(creds.gid)
             os.setuid(creds.uid)
+        if _SYS_KEYCTL is not None and syscall(_SYS_KEYCTL, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+            raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING) refused")
         # after the uid change: changing credentials clears the parent-death signal
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         for which, value in rlimits:
@@ -83,6 +95,9 @@ class Run:
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
         self.init_pids: list[int] = []
+        # held while bwrap is reaped and while it is killed: a kill (close() in another thread) never signals the
+        # pid or process group of a bwrap already reaped, whose id the kernel may have given to another process
+        self.reap_lock = threading.Lock()
 
     def note_started(self) -> None:
         """Record the namespace's init (bwrap's child) once the command has printed: it exists by then."""
@@ -91,15 +106,33 @@ class Run:
 
     def kill(self) -> None:
         """SIGKILL the namespace's init (while bwrap, its parent, is alive: the pid cannot be reused) and bwrap's
-        process group."""
-        if self.proc.returncode is None:
+        process group; nothing once bwrap was reaped (its ids may belong to another process by then)."""
+        with self.reap_lock:
+            if self.proc.returncode is not None:
+                return
             self.note_started()
             for pid in self.init_pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        _kill_group(self.proc)
+            _kill_group(self.proc)
+
+    def reap(self, block: bool) -> tuple[int, int, object] | None:
+        """wait4 bwrap (killed first when `block`): (pid, status, rusage), or None while it runs; under the lock
+        kill() takes, and the return code is set before the lock is let go."""
+        with self.reap_lock:
+            if block:
+                self.note_started()
+                for pid in self.init_pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                _kill_group(self.proc)
+            pid, status, usage = os.wait4(self.proc.pid, 0 if block else os.WNOHANG)
+            if not pid:
+                return None
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
+            return pid, status, usage
 
     def wait_for_namespace(self, timeout: float = 5.0) -> None:
         """Block until the namespace's init has exited (it exits last: the kernel kills the rest first)."""
@@ -157,6 +190,8 @@ def run_process(
     start_lock: threading.Lock | None = None,
     closed: Callable[[], bool] | None = None,
     env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
+    status_fd: int | None = None,
 ) -> RunResult:
     """Run `argv` (a full bwrap command line) under `limits`; the run sits in `runs` while it lives, so the
     sandbox's close() can kill a run still going in another thread. The command's wrapper prints
@@ -169,37 +204,51 @@ def run_process(
     missed, and outlived its sandbox.
 
     `env`: the environment of the host-side process (bwrap: a bare PATH; a container CLI needs e.g. DOCKER_HOST or
-    XDG_RUNTIME_DIR to reach its daemon). What runs inside gets its environment from the backend, never this."""
+    XDG_RUNTIME_DIR to reach its daemon). What runs inside gets its environment from the backend, never this.
+
+    `pass_fds`: descriptors made for this spawn only (bwrap's seccomp filter, the write end of the status pipe),
+    inherited by the process and closed here once it started. `status_fd`: the read end of the pipe on which the
+    sandbox's init writes the command's own wait status (bwrap.INIT); without it (the container backend) a shell's
+    exit code 128+N is read as signal N, the only thing its status says."""
     DISK_WATCH.ensure_started()
     start = time.monotonic()
     with start_lock or contextlib.nullcontext():
         if closed is not None and closed():
+            for fd in (*pass_fds, *([status_fd] if status_fd is not None else [])):
+                os.close(fd)
             raise SandboxClosed("the sandbox was closed before this run started")
         try:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, preexec_fn=preexec, start_new_session=True, close_fds=True,
-                env=env if env is not None else {"PATH": "/usr/bin:/bin"},
+                env=env if env is not None else {"PATH": "/usr/bin:/bin"}, pass_fds=pass_fds,
             )
         except (OSError, subprocess.SubprocessError) as e:  # bwrap missing, the uid switch or an rlimit refused
+            _read_status(status_fd)  # (closes it)
             raise SandboxUnavailable(f"could not start {os.path.basename(argv[0])} ({argv[0]}): "
                                      f"{type(e).__name__}: {e}") from e
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
         run = Run(proc)
         runs.add(run)
     try:
         watch = DISK_WATCH.watch(proc.pid, limits.workdir_bytes, workdir)
+        watch_killed = False
         try:
             why, out, err, truncated = _pump(run, stdin, limits, workdir, start, len(preamble))
         finally:
-            DISK_WATCH.unwatch(watch)  # before bwrap is reaped: its pid (the group's id) cannot be reused before
+            # before bwrap is reaped: its pid (the group's id) cannot be reused before
+            watch_killed = DISK_WATCH.unwatch(watch)
+        if why is None and watch_killed:
+            why = StopReason.DISK_LIMIT
         status, usage = _reap(run, start + limits.wall_s + 5.0)
     finally:
         if proc.returncode is None:  # the reader itself failed: kill, and reap so no zombie stays behind
-            run.kill()
-            os.waitpid(proc.pid, 0)
-            proc.returncode = -signal.SIGKILL
+            run.reap(block=True)
         run.wait_for_namespace()
         runs.discard(run)
+        inner = _read_status(status_fd)
     if preamble:
         head = b"".join(out.chunks)
         if not head.startswith(preamble):
@@ -210,8 +259,8 @@ def run_process(
             out.chunks = [head[len(preamble):]]
     wall = time.monotonic() - start
     cpu = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
-    exit_code, sig = _decode_status(status)
-    if why is None and tree_size(workdir) > limits.workdir_bytes:
+    exit_code, sig = _decode_status(status, inner)
+    if why is None and over_cap(workdir, limits.workdir_bytes):
         why = StopReason.DISK_LIMIT
     if why is None:
         why = _classify(exit_code, sig, cpu, limits, err)
@@ -246,7 +295,7 @@ def _pump(run: Run, stdin: bytes | None, limits: Limits, workdir: Path, start: f
                 break
             if now >= next_watch:
                 next_watch = now + _WATCH_EVERY_S
-                if tree_size(workdir) > limits.workdir_bytes:
+                if over_cap(workdir, limits.workdir_bytes):
                     why = StopReason.DISK_LIMIT
                     break
             for key, _ in sel.select(timeout=min(deadline, next_watch) - now):
@@ -300,17 +349,10 @@ def _feed(sel: selectors.BaseSelector, proc: subprocess.Popen, pending: memoryvi
 
 def _reap(run: Run, deadline: float):
     """wait4 the bwrap process (for its rusage: the run's CPU time), killing it if it outlives the deadline."""
-    proc = run.proc
     while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return status, usage
-        if time.monotonic() >= deadline:
-            run.kill()
-            pid, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return status, usage
+        reaped = run.reap(block=time.monotonic() >= deadline)
+        if reaped is not None:
+            return reaped[1], reaped[2]
         time.sleep(0.002)
 
 
@@ -322,8 +364,32 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _decode_status(status: int) -> tuple[int | None, int | None]:
-    """(exit code, signal). bwrap reports a command killed by signal N as exit 128+N, as shells do."""
+def _read_status(status_fd: int | None) -> int | None:
+    """The command's own wait status as the sandbox's init wrote it, or None (no pipe: the container backend; or
+    the init never wrote it: it was killed, with its sandbox, from outside). Closes `status_fd`."""
+    if status_fd is None:
+        return None
+    try:
+        os.set_blocking(status_fd, False)
+        data = os.read(status_fd, 64)
+    except OSError:
+        data = b""
+    finally:
+        os.close(status_fd)
+    try:
+        return int(data.split(b"\n", 1)[0])
+    except ValueError:
+        return None
+
+
+def _decode_status(status: int, inner: int | None = None) -> tuple[int | None, int | None]:
+    """(exit code, signal) of a run. `inner`: the command's own wait status from the sandbox's init, which tells a
+    command's `exit 137` from a SIGKILL (bwrap reports both as exit 137): exact. Without it (the init was killed
+    before it could report, or a backend whose status is a shell's) a status 128+N can only be read as signal N."""
+    if inner is not None:
+        if os.WIFSIGNALED(inner):
+            return None, os.WTERMSIG(inner)
+        return os.WEXITSTATUS(inner), None
     if os.WIFSIGNALED(status):
         return None, os.WTERMSIG(status)
     code = os.WEXITSTATUS(status)
@@ -340,6 +406,8 @@ def _classify(exit_code: int | None, sig: int | None, cpu: float, limits: Limits
         if sig == signal.SIGXFSZ:
             return StopReason.FILE_SIZE_LIMIT
         return StopReason.KILLED
+    if exit_code == 128 + signal.SIGXCPU and cpu >= limits.cpu_s:  # a shell whose child the CPU limit killed
+        return StopReason.CPU_LIMIT
     if exit_code:
         tail = b"".join(err.chunks)[-4096:].decode("utf-8", errors="replace")
         for reason, markers in _STDERR_MARKERS:

@@ -1,0 +1,77 @@
+"""Which of the sandbox's caps the kernel enforces on this host, for the start-up line and the docs.
+
+Why: the same code holds differently per host. As root, the working dir is a size-capped tmpfs (workdir_fs.py).
+A laptop's non-root trainer gets only the watchdog's poll. Total memory and CPU per sandbox need a cgroup v2 with the
+memory and cpu controllers delegated to this process, and that is not set up here yet. Without one, the memory and
+CPU caps are per process (RLIMIT_AS, RLIMIT_CPU): N processes may hold N x `memory_bytes` (at most
+`processes` of them). A user must see which case they are in at start-up, not find out from an incident.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class CapsReport:
+    """What holds on this host: the working-dir cap's kind, and why there is no cgroup (None: one could be had)."""
+
+    kernel_disk_cap: bool
+    cgroup_missing: str | None
+
+    def line(self) -> str:
+        """The start-up line: each cap and who enforces it; what is per-process only is said so."""
+        disk = ("working dir: kernel-capped tmpfs (unlinked-but-open files count)" if self.kernel_disk_cap else
+                "working dir: a watchdog poll only (this process may not mount a tmpfs: not root), so a fast writer "
+                "can overshoot the cap by what it writes in 20 ms")
+        if self.cgroup_missing is None:
+            mem = ("memory/CPU: a cgroup v2 with the memory and cpu controllers is available, but the sandbox does "
+                   "not use it yet: caps are per process")
+        else:
+            mem = (f"memory/CPU: per-process only ({self.cgroup_missing}): each process has its own address-space "
+                   "and CPU-time cap, so up to `processes` of them may hold that many times `memory_bytes`; memfd "
+                   "is refused by the seccomp filter, /dev/shm is read-only")
+        return f"sandbox caps: seccomp filter on; own hostname and session keyring; {disk}; {mem}"
+
+
+def cgroup_v2_missing() -> str | None:
+    """Why no cgroup v2 with the memory and cpu controllers can be had here, or None where the trainer's own cgroup
+    offers both and may be written."""
+    mount = _cgroup2_mount()
+    if mount is None:
+        return "no cgroup v2 file system mounted"
+    own = _own_cgroup()
+    if own is None:
+        return "this process is in no cgroup v2 (a cgroup v1 host)"
+    here = Path(mount) / own.lstrip("/")
+    try:
+        controllers = (here / "cgroup.controllers").read_text().split()
+    except OSError as e:
+        return f"cgroup v2 at {mount} unreadable for this process ({e.strerror})"
+    missing = [c for c in ("memory", "cpu") if c not in controllers]
+    if missing:
+        return (f"cgroup v2 at {mount} has no {' or '.join(missing)} controller for this process "
+                "(bound to cgroup v1, or not delegated)")
+    return None
+
+
+def _cgroup2_mount() -> str | None:
+    try:
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            left, _, right = line.partition(" - ")
+            if right.split(" ", 1)[0] == "cgroup2":
+                return left.split()[4]
+    except OSError:
+        pass
+    return None
+
+
+def _own_cgroup() -> str | None:
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return line[3:]
+    except OSError:
+        pass
+    return None
