@@ -39,15 +39,15 @@ FAST_WORKERS ?= auto
 # The budget: 20 min on a 2-core CPU without bf16, alarm at 25 (docs/development.md).
 test: install
 	@mkdir -p $(RESULTS)
-	$(PYTEST) -n $(FAST_WORKERS) -m "not integration and not own_model" --junitxml=$(RESULTS)/fast.xml tests; \
+	$(PYTEST) -n $(FAST_WORKERS) -m "not integration and not own_model and not slow" --junitxml=$(RESULTS)/fast.xml tests; \
 	fast=$$?; \
-	$(PYTEST) -m "integration and not own_model" --durations=10 --junitxml=$(RESULTS)/integration.xml tests; \
+	$(PYTEST) -m "integration and not own_model and not slow" --durations=10 --junitxml=$(RESULTS)/integration.xml tests; \
 	integration=$$?; \
 	test $$fast = 0 && test $$integration = 0
 
 # The fast suite alone (about 2 min on 2 cores): before every commit.
 test-fast: install
-	$(PYTEST) -n $(FAST_WORKERS) -m "not integration and not own_model" tests
+	$(PYTEST) -n $(FAST_WORKERS) -m "not integration and not own_model and not slow" tests
 
 # The slowest 40 tests and the time per file of the last `make test` (benchmarks/results/test_times/).
 test-times:

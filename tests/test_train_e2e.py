@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -213,45 +214,96 @@ def test_the_own_tasks_tool_call_is_readable_in_rollouts_show_and_report(tmp_pat
     assert "## Rollout samples" in report and "tool call unit_convert(" in report and "3000 m" in report
 
 
-@pytest.mark.timeout(1800)  # a cold SFT warm start alone is ~10 min on a 2-core CPU without bf16
-def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path):
-    """The main job's shape at toy size: eval the base model, SFT (2 demonstrations), eval, 1 RL step, eval.
+@dataclass
+class MainJob:
+    """One run of the main job's shape, read by several tests (each checks one thing of the same run)."""
 
-    Plumbing (the stages, their intervals, the SFT folder, the retriever, the reference's KL), so on the tiny model:
-    a cold SFT of the real SmolLM2 alone was ~10 min of this test. The main job's learning is checked on the real
-    model by benchmarks/search_r1_learning.py."""
-    from skyrl_stepwise.loop.evaluation import load_evals
+    out: Path
+    console: str
+    returncode: int
 
-    out = tmp_path / "run"
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory, tiny_smollm2) -> MainJob:
+    """The main job's shape at toy size, run once for this module: eval the base model, SFT (2 demonstrations), eval,
+    1 RL step, eval, a checkpoint. Plumbing (the stages, their intervals, the SFT folder, the retriever, the
+    reference's KL, the report, show, export), so on the tiny model: a cold SFT of the real SmolLM2 alone was ~10 min.
+    The main job's learning is measured on the real model by benchmarks/search_r1_learning.py."""
+    out = tmp_path_factory.mktemp("main_job") / "run"
     # a seed of its own: the SFT cache key changes, so SFT really runs (and its folder is removed afterwards)
     command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", "total_steps=1",
-               "model_path=smollm2-tiny", "sft.max_rows=2", "sft.batch_size=2", f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
+               f"model_path={tiny_smollm2}", "sft.max_rows=2", "sft.batch_size=2",
+               f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
                "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
-               "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled",
+               "trainer.ckpt_interval=1", f"logging.output_dir={out}", "logging.wandb_mode=disabled",
                # the reference inside the policy's Ray ranks; every step trains (no dynamic sampling), so it scores
                "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.dynamic_sampling=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                           timeout=1500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    stages = load_evals(out)
+    console = done.stdout + done.stderr
+    match = re.search(r"model in (\S+)\n", console)
+    job = MainJob(out, console, done.returncode)
+    yield job
+    if match:
+        shutil.rmtree(match.group(1), ignore_errors=True)
+
+
+@pytest.mark.timeout(1800)  # the module's one main-job run: ~4 min alone on a 2-core CPU without bf16
+def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(main_job):
+    from skyrl_stepwise.loop.evaluation import load_evals
+
+    assert main_job.returncode == 0, main_job.console[-6000:]
+    stages = load_evals(main_job.out)
     assert [s.stage for s in stages] == ["before SFT", "after SFT", "after RL (step 1)"]
     for stage in stages:
         assert stage.num_prompts == 3 and stage.ci_low <= stage.mean <= stage.ci_high
-    console = done.stdout + done.stderr
+    # the paired line compares the same prompts before and after RL, whatever the scores
+    assert "EM after RL (step 1) - after SFT (paired, 3 prompts):" in main_job.console
+
+
+def test_main_job_sft_writes_a_loadable_hf_folder(main_job):
+    assert main_job.returncode == 0, main_job.console[-3000:]
+    console = main_job.console
     sft_dir = Path(re.search(r"model in (\S+)\n", console).group(1))
-    try:
-        assert "sft step 1/1" in console and "eval after SFT: reward" in console
-        # rank 0 wrote the weights; the folder loads as an HF model (config and tokenizer copied next to them)
-        assert {"model.safetensors", "config.json", "tokenizer.json", "COMPLETE"} <= {p.name for p in sft_dir.iterdir()}
-    finally:
-        shutil.rmtree(sft_dir, ignore_errors=True)
-    report = (out / "report.md").read_text()
+    assert "sft step 1/1" in console and "eval after SFT: reward" in console
+    # rank 0 wrote the weights; the folder loads as an HF model (config and tokenizer copied next to them)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "COMPLETE"} <= {p.name for p in sft_dir.iterdir()}
+
+
+def test_main_job_report_metrics_and_reference(main_job):
+    assert main_job.returncode == 0, main_job.console[-3000:]
+    report = (main_job.out / "report.md").read_text()
     assert "## Evaluation" in report and "| after RL (step 1) |" in report
     assert "of 1 RL steps had non-zero advantages" in report
-    record = _records(out)[-1]
+    record = _records(main_job.out)[-1]
     # the search prompts went through the real retrieval server the job started
-    assert "retriever up" in console and "environment/search_calls" in record
+    assert "retriever up" in main_job.console and "environment/search_calls" in record
     assert record["advantages/groups_with_signal"] in (0.0, 1.0) and "eval/reward/ci_high" in record
     # the reference is the SFT model the step started from: on the step's one (on-policy) mini-batch the policy
     # has not moved yet, so its KL to the reference is zero (a reference holding other weights would not be)
     assert "timing/ref_logprobs_s" in record and abs(record["policy/kl_loss"]) < 1e-4, record.get("policy/kl_loss")
+
+
+def test_main_job_is_shown_and_exported(main_job, tmp_path):
+    """`skyrl-stepwise show` reads the run's rollouts, and `model export` turns its checkpoint into an HF folder
+    that transformers loads with the trained step's weights."""
+    import contextlib
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_stepwise.cli import main as cli
+
+    assert main_job.returncode == 0, main_job.console[-3000:]
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        assert cli(["show", str(main_job.out), "--step", "1"]) == 0
+    assert "--- step 1 train |" in shown.getvalue() and "[model]" in shown.getvalue()
+    assert cli(["model", "export", str(main_job.out), "--out", str(tmp_path / "export")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    dcp_to_torch_save(main_job.out / "ckpts" / "step_1" / "dcp", tmp_path / "step1.pt")
+    saved = torch.load(tmp_path / "step1.pt", weights_only=False)["model"]
+    for name, param in exported.state_dict().items():
+        if name in saved:
+            assert torch.equal(param, saved[name].float()), name
