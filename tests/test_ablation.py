@@ -23,7 +23,9 @@ def _load(path) -> GeneratorOutput:
 # a vLLM engine, a retriever and 3 modes x 2 histories x 2 timed updates: on a 2-core CPU without bf16 (fp32) it ran
 # past the suite's 600 s default (10 min measured on a shared AVX2 EPYC); the assertions are unchanged
 @pytest.mark.timeout(1500)
-def test_replay_ablation_report_matches_samples(tmp_path, model_path):
+def test_replay_ablation_report_matches_samples(tmp_path, tiny_smollm2):
+    """Bookkeeping (costs against the saved samples, the same start weights in every mode), so on the tiny model:
+    none of it depends on what the weights say, and SmolLM2's updates made this test 10 minutes."""
     from transformers import AutoModelForCausalLM
 
     from skyrl_stepwise.cli.ablate import run
@@ -33,7 +35,7 @@ def test_replay_ablation_report_matches_samples(tmp_path, model_path):
     # the KL loss is the GPU recipe's default: it needs reference logprobs in the replay and in every mode's run;
     # one prompt and one training step per mode keep the replay and the curves cheap (an update of SmolLM2 on
     # ~1200 tokens is ~17 s on 2 CPU cores)
-    cfg = load_config(["experiment=search_r1_tiny", "ablation.num_prompts=1", "ablation.train_steps=1",
+    cfg = load_config(["experiment=search_r1_tiny", f"model_path={tiny_smollm2}", "ablation.num_prompts=1", "ablation.train_steps=1",
                        "data.train_batch_size=1", "trainer.algorithm.use_kl_loss=true",
                        "generator.n_samples_per_prompt=2", "generator.sampling.max_generate_length=32",
                        "generator.max_turns=2", f"logging.output_dir={tmp_path}", "logging.wandb_mode=disabled",
@@ -69,7 +71,7 @@ def test_replay_ablation_report_matches_samples(tmp_path, model_path):
     assert "| exact | step_wise_merged |" in text
 
     # every timed update and every training run started from the initial weights, not from another mode's
-    initial = weights_checksum(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).named_parameters())
+    initial = weights_checksum(AutoModelForCausalLM.from_pretrained(tiny_smollm2, dtype=torch.float32).named_parameters())
     curves = json.loads((out / "curves.json").read_text())
     assert curves["initial_weights"] == initial and f"`{initial}`" in text and "warm-up" in text
     assert {r["start_weights"] for r in costs.values()} == {initial}

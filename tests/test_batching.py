@@ -120,11 +120,12 @@ def test_gather_logprobs_keeps_no_fp32_logits_for_backward():
 
 
 @pytest.mark.integration
-def test_packed_logprobs_equal_unpacked(model_path):
-    """Samples packed into one row (position_ids restarting) must not see each other: same logprobs as alone."""
+def test_packed_logprobs_equal_unpacked(tiny_smollm2):
+    """Samples packed into one row (position_ids restarting) must not see each other: same logprobs as alone.
+    The attention layout, not the weights: on SmolLM2's tiny twin (per-architecture packing: test_packing_conformance)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_smollm2, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
 
     def ids(n):

@@ -129,7 +129,9 @@ class CapturingPolicy:
 
 
 @pytest.mark.integration
-async def test_one_real_training_step_with_failures(tokenizer, model_path, tmp_path):
+async def test_one_real_training_step_with_failures(tokenizer, tiny_smollm2, tmp_path):
+    """A real trainer step over failed trajectories: plumbing, on SmolLM2's tiny twin."""
+    model_path = tiny_smollm2
     from skyrl_stepwise.run.config import RunConfig
     from skyrl_stepwise.policy.config import FSDPConfig, TrainerConfig
     from skyrl_stepwise.policy.fsdp_worker import PolicyWorker

@@ -161,10 +161,12 @@ def _loss_and_grads(model, batch: TrainBatch, cfg: AlgorithmConfig, budget: int)
     *[(r, m) for r in ("token_mean", "trajectory_mean") for m in ("outcome", "discounted", "gigpo")],
     ("sequence_mean", "outcome"),  # the per-sample mean of SkyRL/verl: shown NOT to be merge-invariant
 ])
-def test_merged_and_stepwise_give_the_same_loss_and_gradients(model_path, tokenizer, reduction, step_advantage):
+def test_merged_and_stepwise_give_the_same_loss_and_gradients(tiny_smollm2, tokenizer, reduction, step_advantage):
+    """Merge-invariance of the loss and gradients is arithmetic on the rows, whatever the weights: SmolLM2's tiny
+    twin (same tokenizer and template, so the same chat rows) keeps every check, without 8 loads of 135M."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_smollm2, dtype=torch.float32)
     trajs = _chat_trajs(tokenizer)
     stepwise = stepwise_output(trajs)
     with torch.no_grad():  # realistic logprobs: the model's own, perturbed per token into rollout/old/ref
@@ -326,9 +328,12 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, tmp: str) -> N
 
 
 @pytest.mark.integration
-def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(model_path, tmp_path):
+def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(tiny_smollm2, tmp_path):
+    """Sharding, the 2-rank step against a 1-process reference, checkpoint and snapshot mechanics: on SmolLM2's tiny
+    twin (the real model's weights add nothing to any check but minutes)."""
     from transformers import AutoModelForCausalLM
 
+    model_path = tiny_smollm2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,5 +1,5 @@
 """The main job with gateway.enabled end to end on CPU: the example agent program (examples/agent_program, its own
-`openai` tool loop in a thread) trains through the endpoint on the real SmolLM2 in vLLM, FSDP2 on gloo, and the
+`openai` tool loop in a thread) trains through the endpoint on SmolLM2's tiny twin in vLLM, FSDP2 on gloo, and the
 greedy evals run the same agent through their own endpoint. Exactness (trained ids = sampled ids) is unit-tested
 in test_gateway.py; here: the run finishes, its step trained on gateway step samples, and the agent's turns are
 readable in rollouts.jsonl."""
@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(1500)  # a hang guard sized for a loaded 2-core CPU without bf16 (5 min alone beside a test run)
 def test_the_agent_program_recipe_trains_and_evaluates_through_the_endpoint(tmp_path):
+    """Plumbing (the endpoint's calls become the step's samples, evals run the agent, rollouts are readable), so on
+    the tiny model: SmolLM2's chat template and token ids with none of its forward cost."""
     from skyrl_stepwise.loop.rollout_samples import load_rollouts
 
     import importlib.util
@@ -37,6 +39,7 @@ def test_the_agent_program_recipe_trains_and_evaluates_through_the_endpoint(tmp_
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # the agent's module
     command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=agent_program_tiny", "total_steps=1",
+               "model_path=smollm2-tiny",
                f"data.train_path={train}", f"data.val_path={val}", "trainer.ckpt_interval=0",
                "trainer.algorithm.dynamic_sampling=false", "data.max_eval_prompts=1",
                "generator.sampling.max_generate_length=48", f"logging.output_dir={out}", "logging.wandb_mode=offline"]

@@ -69,3 +69,26 @@ def test_converted_model_has_identical_logits_and_a_chat_template(model_path, to
     with torch.no_grad():
         x = torch.tensor([ids])
         assert torch.equal(original(x).logits, converted(x).logits)
+
+
+@pytest.mark.integration
+def test_the_tiny_model_is_smollm2s_tokenizer_and_template_on_a_small_body(tiny_smollm2, model_path):
+    """`model_path=smollm2-tiny` gives the plumbing tests SmolLM2's exact token ids, chat template and stop ids, with
+    a body small enough for a forward pass in milliseconds and a head dim vLLM serves."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from skyrl_stepwise.models.prepare import TINY_SHAPE, resolve_model_path
+
+    assert resolve_model_path("smollm2-tiny") == str(tiny_smollm2) == resolve_model_path("SmolLM2-tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (tiny_smollm2 / name).read_bytes() == (model_path / name).read_bytes(), name
+    config, real = AutoConfig.from_pretrained(tiny_smollm2), AutoConfig.from_pretrained(model_path)
+    assert config.hidden_size // config.num_attention_heads == config.head_dim == 32
+    assert {k: getattr(config, k) for k in TINY_SHAPE} == TINY_SHAPE
+    assert (config.model_type, config.vocab_size, config.eos_token_id) == (real.model_type, real.vocab_size,
+                                                                           real.eos_token_id)
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = [AutoTokenizer.from_pretrained(p).apply_chat_template(messages, add_generation_prompt=True)
+                for p in (tiny_smollm2, model_path)]
+    assert rendered[0] == rendered[1]
+    assert (tiny_smollm2 / "model.safetensors").stat().st_size < 20e6

@@ -46,12 +46,13 @@ def test_sft_batches_cover_every_conversation_each_epoch(tokenizer):
 
 
 @pytest.mark.integration
-def test_an_sft_step_lowers_the_loss_on_its_batch(tokenizer, model_path):
+def test_an_sft_step_lowers_the_loss_on_its_batch(tokenizer, tiny_smollm2):
+    """The SFT step's loss and its masks: SmolLM2's tiny twin, same tokenizer and template, so the same batch."""
     from skyrl_stepwise.policy.config import FSDPConfig, OptimConfig, TrainerConfig
     from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
 
     batch = sft_batches(conversation_samples(tokenizer, [CONVERSATION] * 2, GeneratorConfig()), 2, 1, 0)[0]
-    worker = PolicyWorker(TrainerConfig(model_path=str(model_path), optim=OptimConfig(lr=1e-4),
+    worker = PolicyWorker(TrainerConfig(model_path=str(tiny_smollm2), optim=OptimConfig(lr=1e-3),
                                         fsdp=FSDPConfig(world_size=1, mixed_precision=False)))
     first = worker.train_step(batch, "sft")
     second = worker.train_step(batch, "sft")

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,10 @@ def _dataset(tmp: Path) -> Path:
     return path
 
 
-def _command(data: Path, out: Path, steps: int) -> list[str]:
+def _command(data: Path, out: Path, steps: int, model: str = "smollm2-tiny") -> list[str]:
+    """The own task's run. On the tiny model by default: stop, resume, sync and checkpoints are plumbing."""
     return [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=tool_task_tiny", f"total_steps={steps}",
+            f"model_path={model}",
             f"environment.tool.tools_path={OWN_TASK / 'tools.yaml'}", "+environment.env_classes.guess=guess:GuessEnv",
             f"data.train_path={data}", f"data.val_path={data.parent / 'own' / 'val.parquet'}",
             "data.train_batch_size=2", "data.shuffle=false",
@@ -77,7 +80,9 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(2700)  # hang guards below; a CPU without bf16 under load is 2-3x the bf16 host's time
-def test_train_stop_and_resume(tmp_path, model_path):
+def test_train_stop_and_resume(tmp_path, tiny_smollm2):
+    """SIGTERM mid-step, then a resume that changes the sync method and rolls out ahead: plumbing, so on the tiny
+    model (the real model's tool call in the eval is read back in the next test)."""
     import psutil
 
     data = _dataset(tmp_path)
@@ -149,37 +154,53 @@ def test_train_stop_and_resume(tmp_path, model_path):
     # the first launch's record stays; the resumed launch's config and overrides went next to it
     assert "weight_sync.method=broadcast" in (out / ".hydra" / "overrides.yaml").read_text()
     assert list((out / ".hydra").glob("launch-*/overrides.yaml"))
-    _check_own_task_is_readable(out, first)
+    _check_own_env_ran(out, first)
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from safetensors.torch import load_file
 
-    initial = load_file(str(Path(model_path) / "model.safetensors"))
+    initial = load_file(str(Path(tiny_smollm2) / "model.safetensors"))
     dcp_to_torch_save(out / "ckpts" / "step_2" / "dcp", tmp_path / "final.pt")
     final = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
     changed = any(not torch.equal(final[k].float(), initial[k].float()) for k in initial if k in final)
     assert changed == (any(learned) or records[1]["train/grad_norm"] > 0)
 
 
-def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
-    """The env registered through config and the custom tool ran, and what they did can be read: rollouts.jsonl,
-    `skyrl-stepwise show`, report.md."""
-    import contextlib
-    import io
-
-    from skyrl_stepwise.cli.show import main as show
+def _check_own_env_ran(out: Path, first: list[dict]) -> None:
+    """The env registered through config ran in both launches, and what it did can be read in rollouts.jsonl."""
     from skyrl_stepwise.loop.rollout_samples import load_rollouts
 
     assert "environment/guessed" in first[0]  # GuessEnv's own metric
-    samples = load_rollouts(out)
-    train = [s for s in samples if s["stage"] == "train"]
+    train = [s for s in load_rollouts(out) if s["stage"] == "train"]
     assert sorted({s["step"] for s in train}) == [1, 2]  # the interrupted launch's step 1, the resumed step 2
     guesses = [s for s in train if "thinking of a number" in s["segments"][0]["text"]]
     assert guesses, [s["segments"][0]["text"][-200:] for s in train]
     for s in guesses:  # a wrong first guess gets GuessEnv's hint as the next message
         hints = [seg["text"] for seg in s["segments"] if seg["role"] == "env"]
         assert s["reward"] == 1.0 or any("Guess again." in h for h in hints) or s["turns"] == 1, s
-    evals = [s for s in samples if s["stage"] == "eval step 2"]
+
+
+@pytest.mark.timeout(1500)
+def test_the_own_tasks_tool_call_is_readable_in_rollouts_show_and_report(tmp_path, model_path):
+    """The custom tool from YAML ran and what it did can be read: rollouts.jsonl, `skyrl-stepwise show`, report.md.
+    Needs the real SmolLM2: the val row's greedy answer is one exact unit_convert call, which random weights never
+    write. One step on one keyword prompt keeps its training cheap; the eval is the point."""
+    import contextlib
+    import io
+
+    from skyrl_stepwise.cli.show import main as show
+    from skyrl_stepwise.loop.rollout_samples import load_rollouts
+
+    data = _dataset(tmp_path)
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(OWN_TASK), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    command = _command(data, out, 1, model="smollm2") + ["data.train_batch_size=1", "generator.n_samples_per_prompt=2",
+                                                          "trainer.fsdp.world_size=1", "trainer.ckpt_interval=0"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    samples = load_rollouts(out)
+    evals = [s for s in samples if s["stage"] == "eval step 1"]
     calls = [(c, s) for s in evals for c in (c for seg in s["segments"] for c in seg["tool_calls"])]
     call = {"name": "unit_convert", "arguments": {"value": 3, "from_unit": "km", "to_unit": "m"}}
     assert any(c == call for c, _ in calls), evals
@@ -187,47 +208,102 @@ def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
     assert any("3000 m" in seg["text"] for seg in sample["segments"] if seg["role"] == "env")  # the tool's result
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown):
-        assert show([str(out), "--step", "2", "--stage", "eval"]) == 0
+        assert show([str(out), "--step", "1", "--stage", "eval"]) == 0
     assert "tool call unit_convert(" in shown.getvalue() and "3000 m" in shown.getvalue()
     report = (out / "report.md").read_text()
     assert "## Rollout samples" in report and "tool call unit_convert(" in report and "3000 m" in report
 
 
-@pytest.mark.timeout(1800)  # a cold SFT warm start alone is ~10 min on a 2-core CPU without bf16
-def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path):
-    """The main job's shape at toy size: eval the base model, SFT (2 demonstrations), eval, 1 RL step, eval."""
-    from skyrl_stepwise.loop.evaluation import load_evals
+@dataclass
+class MainJob:
+    """One run of the main job's shape, read by several tests (each checks one thing of the same run)."""
 
-    out = tmp_path / "run"
+    out: Path
+    console: str
+    returncode: int
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory, tiny_smollm2) -> MainJob:
+    """The main job's shape at toy size, run once for this module: eval the base model, SFT (2 demonstrations), eval,
+    1 RL step, eval, a checkpoint. Plumbing (the stages, their intervals, the SFT folder, the retriever, the
+    reference's KL, the report, show, export), so on the tiny model: a cold SFT of the real SmolLM2 alone was ~10 min.
+    The main job's learning is measured on the real model by benchmarks/search_r1_learning.py."""
+    out = tmp_path_factory.mktemp("main_job") / "run"
     # a seed of its own: the SFT cache key changes, so SFT really runs (and its folder is removed afterwards)
     command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", "total_steps=1",
-               "sft.max_rows=2", "sft.batch_size=2", f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
+               f"model_path={tiny_smollm2}", "sft.max_rows=2", "sft.batch_size=2",
+               f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
                "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
-               "trainer.ckpt_interval=0", f"logging.output_dir={out}", "logging.wandb_mode=disabled",
+               "trainer.ckpt_interval=1", f"logging.output_dir={out}", "logging.wandb_mode=disabled",
                # the reference inside the policy's Ray ranks; every step trains (no dynamic sampling), so it scores
                "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.dynamic_sampling=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                           timeout=1500)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    stages = load_evals(out)
+    console = done.stdout + done.stderr
+    match = re.search(r"model in (\S+)\n", console)
+    job = MainJob(out, console, done.returncode)
+    yield job
+    if match:
+        shutil.rmtree(match.group(1), ignore_errors=True)
+
+
+@pytest.mark.timeout(1800)  # the module's one main-job run: ~4 min alone on a 2-core CPU without bf16
+def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(main_job):
+    from skyrl_stepwise.loop.evaluation import load_evals
+
+    assert main_job.returncode == 0, main_job.console[-6000:]
+    stages = load_evals(main_job.out)
     assert [s.stage for s in stages] == ["before SFT", "after SFT", "after RL (step 1)"]
     for stage in stages:
         assert stage.num_prompts == 3 and stage.ci_low <= stage.mean <= stage.ci_high
-    console = done.stdout + done.stderr
+    # the paired line compares the same prompts before and after RL, whatever the scores
+    assert "EM after RL (step 1) - after SFT (paired, 3 prompts):" in main_job.console
+
+
+def test_main_job_sft_writes_a_loadable_hf_folder(main_job):
+    assert main_job.returncode == 0, main_job.console[-3000:]
+    console = main_job.console
     sft_dir = Path(re.search(r"model in (\S+)\n", console).group(1))
-    try:
-        assert "sft step 1/1" in console and "eval after SFT: reward" in console
-        # rank 0 wrote the weights; the folder loads as an HF model (config and tokenizer copied next to them)
-        assert {"model.safetensors", "config.json", "tokenizer.json", "COMPLETE"} <= {p.name for p in sft_dir.iterdir()}
-    finally:
-        shutil.rmtree(sft_dir, ignore_errors=True)
-    report = (out / "report.md").read_text()
+    assert "sft step 1/1" in console and "eval after SFT: reward" in console
+    # rank 0 wrote the weights; the folder loads as an HF model (config and tokenizer copied next to them)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "COMPLETE"} <= {p.name for p in sft_dir.iterdir()}
+
+
+def test_main_job_report_metrics_and_reference(main_job):
+    assert main_job.returncode == 0, main_job.console[-3000:]
+    report = (main_job.out / "report.md").read_text()
     assert "## Evaluation" in report and "| after RL (step 1) |" in report
     assert "of 1 RL steps had non-zero advantages" in report
-    record = _records(out)[-1]
+    record = _records(main_job.out)[-1]
     # the search prompts went through the real retrieval server the job started
-    assert "retriever up" in console and "environment/search_calls" in record
+    assert "retriever up" in main_job.console and "environment/search_calls" in record
     assert record["advantages/groups_with_signal"] in (0.0, 1.0) and "eval/reward/ci_high" in record
     # the reference is the SFT model the step started from: on the step's one (on-policy) mini-batch the policy
     # has not moved yet, so its KL to the reference is zero (a reference holding other weights would not be)
     assert "timing/ref_logprobs_s" in record and abs(record["policy/kl_loss"]) < 1e-4, record.get("policy/kl_loss")
+
+
+def test_main_job_is_shown_and_exported(main_job, tmp_path):
+    """`skyrl-stepwise show` reads the run's rollouts, and `model export` turns its checkpoint into an HF folder
+    that transformers loads with the trained step's weights."""
+    import contextlib
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_stepwise.cli import main as cli
+
+    assert main_job.returncode == 0, main_job.console[-3000:]
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        assert cli(["show", str(main_job.out), "--step", "1"]) == 0
+    assert "--- step 1 train |" in shown.getvalue() and "[model]" in shown.getvalue()
+    assert cli(["model", "export", str(main_job.out), "--out", str(tmp_path / "export")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    dcp_to_torch_save(main_job.out / "ckpts" / "step_1" / "dcp", tmp_path / "step1.pt")
+    saved = torch.load(tmp_path / "step1.pt", weights_only=False)["model"]
+    for name, param in exported.state_dict().items():
+        if name in saved:
+            assert torch.equal(param, saved[name].float()), name

