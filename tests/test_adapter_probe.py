@@ -159,14 +159,20 @@ def _engine_rows(engine, prompt: list[int], samples: int = ADAPTER_PROBE_SAMPLES
     return [list(r.token_ids) for r in results], [lp for r in results for lp in r.logprobs]
 
 
-@pytest.mark.integration  # SmolLM2 in bfloat16 on a CPU without native bf16: minutes
+@pytest.mark.integration
 @pytest.mark.timeout(3000)
-def test_verdict_table_adapter_present_and_absent_in_bf16_and_fp32(model_path, tokenizer, tmp_path):
+@pytest.mark.parametrize("model", ["smollm2-tiny",
+                                   # SmolLM2 in bfloat16 on a CPU without native bf16: 30 min on a loaded 2-core box
+                                   pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_verdict_table_adapter_present_and_absent_in_bf16_and_fp32(model, request, tokenizer, tmp_path):
     """The table in docs/lora.md: SmolLM2 with a rank-8 adapter on every linear module, the HF engine in bfloat16
     (forced on this no-bf16 CPU) and float32, with the adapter loaded (present) or never loaded (absent). The
-    noise is the dtype's floor or the no-adapter probe's (version 0) RMS, whichever is larger, as in a run."""
+    noise is the dtype's floor or the no-adapter probe's (version 0) RMS, whichever is larger, as in a run.
+    `make test` runs the verdict on SmolLM2's tiny twin (both dtypes, both states, the same engines and probe); the
+    real model's table is `pytest -m slow tests/test_adapter_probe.py -s` (minutes of emulated bf16)."""
     from transformers import AutoModelForCausalLM
 
+    model_path = request.getfixturevalue("tiny_smollm2" if model == "smollm2-tiny" else "model_path")
     from skyrl_stepwise.inference import EngineConfig, HFEngine
     from skyrl_stepwise.policy.lora import adapter_disabled, adapter_state, save_adapter
 
