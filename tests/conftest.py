@@ -32,6 +32,17 @@ def tiny_smollm2(model_path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def embedded_retriever_url():
+    """One BM25 retrieval server over the embedded corpus for the session (a server start loads the corpus and its
+    index: seconds to minutes on a loaded 2-core box). Tests that kill or misconfigure a server start their own."""
+    from skyrl_stepwise.data.embedded import build_embedded_search_r1
+    from skyrl_stepwise.retrieval.launch import local_retriever
+
+    with local_retriever(str(build_embedded_search_r1().corpus)) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path):
     """The real SmolLM2 tokenizer (with its chat template), loaded once per session."""
     from transformers import AutoTokenizer

@@ -13,7 +13,6 @@ from skyrl_stepwise.envs.search import SearchEnvConfig, register_search_env
 from skyrl_stepwise.envs.toy import KeywordEnv
 from skyrl_stepwise.generator import (GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator, TrajectoryID,
                                       merge_stepwise_output)
-from skyrl_stepwise.retrieval.launch import local_retriever
 
 pytestmark = pytest.mark.integration
 
@@ -63,26 +62,25 @@ async def test_keyword_env_three_turns(vllm_engine, tokenizer):
     assert out.rollout_metrics["generate/engine_seconds"] > 0
 
 
-async def test_search_r1_rollouts_against_real_server(vllm_engine, tokenizer):
+async def test_search_r1_rollouts_against_real_server(vllm_engine, tokenizer, embedded_retriever_url):
     data = build_embedded_search_r1()
     rows = load_prompt_dataset(data.validation)[:4]
     cfg = GeneratorConfig(max_turns=3, max_input_length=1536, show_progress=False,
                           sampling=GeneratorSamplingConfig(max_generate_length=64, stop=["</search>", "</answer>"],
                                                            seed=3))
-    with local_retriever(str(data.corpus)) as url:
-        registry = EnvRegistry()
-        register_search_env(registry, SearchEnvConfig(search_url=url))
-        gen = StepwiseGenerator(tokenizer, vllm_engine, registry, cfg)
-        prompts = [r.prompt for r in rows for _ in range(2)]
-        extras = [r.env_extras() for r in rows for _ in range(2)]
-        ids = [TrajectoryID(r.instance_id, k) for r in rows for k in range(2)]
-        out = await gen.generate(prompts, ["search"] * 8, extras, ids)
+    registry = EnvRegistry()
+    register_search_env(registry, SearchEnvConfig(search_url=embedded_retriever_url))
+    gen = StepwiseGenerator(tokenizer, vllm_engine, registry, cfg)
+    prompts = [r.prompt for r in rows for _ in range(2)]
+    extras = [r.env_extras() for r in rows for _ in range(2)]
+    ids = [TrajectoryID(r.instance_id, k) for r in rows for k in range(2)]
+    out = await gen.generate(prompts, ["search"] * 8, extras, ids)
     check_invariants(out, cfg, tokenizer.eos_token_id, 8)
     assert all(r in (0.0, 1.0) for r in out.trajectory_rewards())
     assert out.rollout_metrics["generate/failed_trajectories"] == 0
 
 
-async def test_tool_env_rollouts_with_search_and_calculator(vllm_engine, tokenizer):
+async def test_tool_env_rollouts_with_search_and_calculator(vllm_engine, tokenizer, embedded_retriever_url):
     """Search-R1 as function calling: real engine, real retrieval server, search + calculator tools."""
     from skyrl_stepwise.envs.tool import ToolEnvConfig, register_tool_env
 
@@ -90,15 +88,14 @@ async def test_tool_env_rollouts_with_search_and_calculator(vllm_engine, tokeniz
     rows = load_prompt_dataset(data.validation)[:4]
     cfg = GeneratorConfig(max_turns=3, max_input_length=1536, show_progress=False,
                           sampling=GeneratorSamplingConfig(max_generate_length=64, seed=5))
-    with local_retriever(str(data.corpus)) as url:
-        registry = EnvRegistry()
-        register_tool_env(registry, ToolEnvConfig(question_only=True, system_prompt="Use the tools, then answer."),
-                          search_url=url)
-        gen = StepwiseGenerator(tokenizer, vllm_engine, registry, cfg)
-        prompts = [r.prompt for r in rows for _ in range(2)]
-        extras = [r.env_extras() for r in rows for _ in range(2)]
-        ids = [TrajectoryID(r.instance_id, k) for r in rows for k in range(2)]
-        out = await gen.generate(prompts, ["tool"] * 8, extras, ids)
+    registry = EnvRegistry()
+    register_tool_env(registry, ToolEnvConfig(question_only=True, system_prompt="Use the tools, then answer."),
+                      search_url=embedded_retriever_url)
+    gen = StepwiseGenerator(tokenizer, vllm_engine, registry, cfg)
+    prompts = [r.prompt for r in rows for _ in range(2)]
+    extras = [r.env_extras() for r in rows for _ in range(2)]
+    ids = [TrajectoryID(r.instance_id, k) for r in rows for k in range(2)]
+    out = await gen.generate(prompts, ["tool"] * 8, extras, ids)
     check_invariants(out, cfg, tokenizer.eos_token_id, 8)
     assert out.rollout_metrics["generate/failed_trajectories"] == 0
     assert all(r in (0.0, 1.0) for r in out.trajectory_rewards())
