@@ -194,11 +194,11 @@ def test_a_sigkilled_trainer_leaves_no_retriever_and_no_ray_process_behind(tmp_p
         children, port = _descendants_once_ray_and_the_retriever_run(trainer, console, timeout_s=400)
         identities = [i for i in (process_identity(c.pid) for c in children) if i is not None]
         tokens = {t for i in identities for t in lifeline_tokens(i.pid)} - set(os.environ.get(LIFELINE_ENV, "").split(":"))
-        assert len(tokens) == 1, tokens  # the trainer's own mark on what it started
         trainer.kill()
         trainer.wait()
         left = _wait_gone(identities, timeout_s=30)
         assert left == [], [(i.pid, Path(f"/proc/{i.pid}/cmdline").read_bytes()[:80]) for i in left]
+        assert len(tokens) == 1, tokens  # the trainer's own mark on what it started
         assert not marked_processes(tokens.pop())  # none started later either, whoever its parent is now
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # the retriever's port is free again
