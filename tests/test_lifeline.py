@@ -70,6 +70,7 @@ def test_every_child_of_a_sigkilled_trainer_dies_with_it_and_nothing_else_does()
     try:
         token = lifeline_tokens(children[0].pid)[-1]
         assert all(token in lifeline_tokens(c.pid) for c in children[:1] + children[2:])  # the marked ones
+        assert token not in lifeline_tokens(children[1].pid)  # forked without exec: it watches the pipe instead
         assert token not in lifeline_tokens(bystander.pid)
         trainer.kill()
         trainer.wait()

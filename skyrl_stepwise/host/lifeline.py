@@ -43,6 +43,7 @@ LIFELINE_ENV = "SKYRL_STEPWISE_LIFELINE"
 GRACE_S = 5.0  # SIGTERM first (Ray's raylet and vLLM clean their shared memory on it), SIGKILL what is left after it
 GIVE_UP_S = 30.0  # then a process that outlives SIGKILL (stuck in the kernel) is left, not scanned for forever
 _armed: dict[int, "_Lifeline"] = {}  # pid -> its lifeline: one a process (a forked child's copy names the parent)
+_arming = threading.Lock()  # two threads arming at once start one keeper
 
 
 @dataclass(frozen=True)
@@ -119,19 +120,20 @@ def marked_processes(token: str) -> list[int]:
 def arm() -> str:
     """Tie every process started from now on to this process's life; returns the token ("" off Linux, where there is
     no /proc to find marked processes in). Idempotent in a process."""
-    held = _armed.get(os.getpid())
-    if held is not None:
-        return held.token
-    if not Path("/proc/self/environ").exists():
-        return ""
-    token = uuid.uuid4().hex[:16]
-    read_end, write_end = os.pipe()  # both close-on-exec: no child program inherits either
-    keeper = subprocess.Popen([sys.executable, "-S", "-E", __file__, token, str(os.getpid())], stdin=read_end,
-                              start_new_session=True)  # a signal to the trainer's process group spares it
-    _armed[os.getpid()] = _Lifeline(token, read_end, write_end, keeper)
-    inherited = os.environ.get(LIFELINE_ENV)
-    os.environ[LIFELINE_ENV] = f"{inherited}:{token}" if inherited else token
-    return token
+    with _arming:
+        held = _armed.get(os.getpid())
+        if held is not None:
+            return held.token
+        if not Path("/proc/self/environ").exists():
+            return ""
+        token = uuid.uuid4().hex[:16]
+        read_end, write_end = os.pipe()  # both close-on-exec: no child program inherits either
+        keeper = subprocess.Popen([sys.executable, "-S", "-E", __file__, token, str(os.getpid())], stdin=read_end,
+                                  start_new_session=True)  # a signal to the trainer's process group spares it
+        _armed[os.getpid()] = _Lifeline(token, read_end, write_end, keeper)
+        inherited = os.environ.get(LIFELINE_ENV)
+        os.environ[LIFELINE_ENV] = f"{inherited}:{token}" if inherited else token
+        return token
 
 
 @dataclass
@@ -148,6 +150,8 @@ class _Lifeline:
 def _watch_parents_lifeline() -> None:
     """In a child forked without exec (its environment block, copied from the parent's, has no mark): close the
     parent's write end, so the parent's death still reads as EOF, and exit at that EOF."""
+    global _arming
+    _arming = threading.Lock()  # another thread of the parent may have held it at the fork
     for pid, line in list(_armed.items()):
         if pid == os.getpid():
             continue
