@@ -58,6 +58,15 @@ def _wait_gone(identities: list[ProcessIdentity], timeout_s: float) -> list[Proc
     return alive
 
 
+def _pids_whose_command_line_holds(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+    return found
+
+
 def _start_trainer(then: str) -> tuple[subprocess.Popen, list[ProcessIdentity]]:
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER.format(repo=str(REPO), then=then)],
                                stdout=subprocess.PIPE, text=True)
@@ -65,6 +74,8 @@ def _start_trainer(then: str) -> tuple[subprocess.Popen, list[ProcessIdentity]]:
 
 
 def test_every_child_of_a_sigkilled_trainer_dies_with_it_and_nothing_else_does():
+    import psutil
+
     bystander = subprocess.Popen(["sleep", "60"])  # started by the test, not by the trainer: must survive
     trainer, children = _start_trainer(then="time.sleep(60)")
     try:
@@ -72,9 +83,12 @@ def test_every_child_of_a_sigkilled_trainer_dies_with_it_and_nothing_else_does()
         assert all(token in lifeline_tokens(c.pid) for c in children[:1] + children[2:])  # the marked ones
         assert token not in lifeline_tokens(children[1].pid)  # forked without exec: it watches the pipe instead
         assert token not in lifeline_tokens(bystander.pid)
+        keepers = [process_identity(pid) for pid in _pids_whose_command_line_holds(token)]
+        assert len(keepers) == 1  # one keeper, detached: whoever waits for the trainer's descendants never waits on it
+        assert keepers[0].pid not in [c.pid for c in psutil.Process(trainer.pid).children(recursive=True)]
         trainer.kill()
         trainer.wait()
-        assert _wait_gone(children, timeout_s=4) == []
+        assert _wait_gone(children + keepers, timeout_s=4) == []  # the keeper too, once its sweep is done
         assert bystander.poll() is None
     finally:
         for child in children:  # only if the test failed: stop what it started
@@ -111,10 +125,9 @@ def test_tokens_accumulate_so_a_child_that_arms_keeps_its_parents_mark(monkeypat
         child.kill()
         child.wait()
     finally:
-        keeper = lifeline._armed.pop(os.getpid())
-        os.close(keeper.write_end)  # the keeper reads EOF and ends, as at this process's exit
-        os.close(keeper.read_end)
-        keeper.keeper.wait(10)
+        line = lifeline._armed.pop(os.getpid())
+        os.close(line.write_end)  # the keeper reads EOF and ends, as at this process's exit
+        os.close(line.read_end)
 
 
 def test_a_process_identity_tells_a_recycled_pid_apart():

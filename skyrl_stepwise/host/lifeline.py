@@ -15,7 +15,8 @@ So the tie is a lifeline, carried two ways:
   workers, vLLM's engine-core processes, and their children, however deep and whoever their parent is now. Tokens
   accumulate (`a:b`), so a child that arms its own lifeline keeps its parent's mark too.
 - **A pipe a keeper watches.** `arm()` also starts one small keeper process (this file run as a script: stdlib only,
-  a few MB) in a session of its own, holding the read end of a pipe whose only write end stays in this process.
+  ~13 MB) in a session of its own and detached (its first parent exits at once, so it is no descendant of the trainer:
+  whoever waits for the trainer's descendants to end does not wait for the keeper's sweep), holding the read end of a pipe whose only write end stays in this process.
   When this process ends, by any means, the kernel closes the write end and the keeper's read returns EOF at once;
   it then stops every process that carries the token (SIGTERM, then SIGKILL after a grace period), each through a
   pidfd opened and re-checked first, so a recycled pid is never hit, and exits.
@@ -128,9 +129,11 @@ def arm() -> str:
             return ""
         token = uuid.uuid4().hex[:16]
         read_end, write_end = os.pipe()  # both close-on-exec: no child program inherits either
-        keeper = subprocess.Popen([sys.executable, "-S", "-E", __file__, token, str(os.getpid())], stdin=read_end,
-                                  start_new_session=True)  # a signal to the trainer's process group spares it
-        _armed[os.getpid()] = _Lifeline(token, read_end, write_end, keeper)
+        # its own session: a signal to the trainer's process group spares it; its first process exits once the
+        # keeper proper is forked off
+        subprocess.run([sys.executable, "-S", "-E", __file__, token, str(os.getpid())], stdin=read_end,
+                       start_new_session=True, check=True)
+        _armed[os.getpid()] = _Lifeline(token, read_end, write_end)
         inherited = os.environ.get(LIFELINE_ENV)
         os.environ[LIFELINE_ENV] = f"{inherited}:{token}" if inherited else token
         return token
@@ -138,13 +141,12 @@ def arm() -> str:
 
 @dataclass
 class _Lifeline:
-    """What an armed process holds: its token, both ends of the keeper's pipe (the read end for forked children to
-    watch) and the keeper."""
+    """What an armed process holds: its token and both ends of the keeper's pipe (the read end for forked children to
+    watch)."""
 
     token: str
     read_end: int
     write_end: int
-    keeper: subprocess.Popen
 
 
 def _watch_parents_lifeline() -> None:
@@ -211,7 +213,9 @@ def stop_marked(token: str, grace_s: float = GRACE_S) -> list[int]:
 
 
 def keep(token: str, trainer_pid: int) -> None:
-    """The keeper's life: wait for EOF on stdin (the trainer is gone), then stop everything it marked."""
+    """The keeper's life: detach, wait for EOF on stdin (the trainer is gone), then stop everything it marked."""
+    if os.fork() > 0:
+        os._exit(0)  # the trainer reaps this first process; the keeper proper is re-parented, no descendant of it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the trainer must not end the keeper first
     while os.read(0, 4096):
         pass
