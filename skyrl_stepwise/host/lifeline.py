@@ -3,9 +3,9 @@
 A trainer killed outright runs no `finally`, no atexit and no Ray shutdown. Measured before this module: Ray's own
 fate sharing ended the GCS, the raylet and the dashboard with the driver, but its retrieval server (re-parented to
 PID 1, about 250 MB resident, its port held) and Ray's DashboardAgent and RuntimeEnvAgent (110 and 85 MB) were
-still up minutes later, and nothing would ever end them. A parent-death signal (prctl PR_SET_PDEATHSIG) does not serve: it fires when the parent
-*thread* exits (a child started from `asyncio.to_thread` would die with that worker thread), it reaches only direct
-children, and Ray's agents are the raylet's children, not ours.
+still up minutes later, and nothing would ever end them. A parent-death signal (prctl PR_SET_PDEATHSIG) does not
+serve: it fires when the parent *thread* exits (a child started from `asyncio.to_thread` would die with that worker
+thread), it reaches only direct children, and Ray's agents are the raylet's children, not ours.
 
 So the tie is a lifeline, carried two ways:
 
@@ -15,11 +15,13 @@ So the tie is a lifeline, carried two ways:
   workers, vLLM's engine-core processes, and their children, however deep and whoever their parent is now. Tokens
   accumulate (`a:b`), so a child that arms its own lifeline keeps its parent's mark too.
 - **A pipe a keeper watches.** `arm()` also starts one small keeper process (this file run as a script: stdlib only,
-  ~13 MB) in a session of its own and detached (its first parent exits at once, so it is no descendant of the trainer:
-  whoever waits for the trainer's descendants to end does not wait for the keeper's sweep), holding the read end of a pipe whose only write end stays in this process.
-  When this process ends, by any means, the kernel closes the write end and the keeper's read returns EOF at once;
-  it then stops every process that carries the token (SIGTERM, then SIGKILL after a grace period), each through a
-  pidfd opened and re-checked first, so a recycled pid is never hit, and exits.
+  ~13 MB) in a session of its own and detached (its first process exits at once, so it is no descendant of the
+  trainer: whoever waits for the trainer's descendants to end does not wait for the keeper's sweep). It holds the read
+  end of a pipe whose only write end stays in this process. When this process ends, by any means, the kernel closes
+  the write end and the keeper's read returns EOF at once; it then stops every process that carries the token
+  (SIGTERM, then SIGKILL after a grace period), each through a pidfd opened and re-checked first, so a recycled pid is
+  never hit, and exits. A child forked without exec (whose environment block is the parent's, unmarked) watches the
+  same pipe from a thread and exits at its EOF.
 
 A process that clears its environment (the bwrap sandbox, which has its own `--die-with-parent`) is not marked.
 Processes on other nodes of a Ray cluster are not ours to stop: Ray ends a dead driver's job there.
@@ -139,7 +141,7 @@ def arm() -> str:
         return token
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Lifeline:
     """What an armed process holds: its token and both ends of the keeper's pipe (the read end for forked children to
     watch)."""
