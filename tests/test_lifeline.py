@@ -58,13 +58,16 @@ def _wait_gone(identities: list[ProcessIdentity], timeout_s: float) -> list[Proc
     return alive
 
 
+def _command_line(pid: int) -> str:
+    """The process's command line ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _pids_whose_command_line_holds(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit() and text in _command_line(int(e.name))]
 
 
 def _start_trainer(then: str) -> tuple[subprocess.Popen, list[ProcessIdentity]]:
@@ -209,14 +212,18 @@ def test_a_sigkilled_trainer_leaves_no_retriever_and_no_ray_process_behind(tmp_p
     try:
         children, port = _descendants_once_ray_and_the_retriever_run(trainer, console, timeout_s=400)
         identities = [i for i in (process_identity(c.pid) for c in children) if i is not None]
+        session = re.search(rf"session_[0-9_-]+_{trainer.pid}\b", " ".join(
+            _command_line(i.pid) for i in identities))  # Ray's session, named after the driver's pid
+        assert session, "no Ray session of the trainer's among its children's command lines"
         inherited = set(os.environ.get(LIFELINE_ENV, "").split(":"))  # this test process's own, if it armed one
         tokens = {t for i in identities for t in lifeline_tokens(i.pid)} - inherited
         trainer.kill()
         trainer.wait()
         left = _wait_gone(identities, timeout_s=30)
-        assert left == [], [(i.pid, Path(f"/proc/{i.pid}/cmdline").read_bytes()[:80]) for i in left]
+        assert left == [], [(i.pid, _command_line(i.pid)[:80]) for i in left]
         assert len(tokens) == 1, tokens  # the trainer's own mark on what it started
         assert not marked_processes(tokens.pop())  # none started later either, whoever its parent is now
+        assert not _pids_whose_command_line_holds(session.group(0))  # nothing of its Ray session either
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # the retriever's port is free again
     finally:
