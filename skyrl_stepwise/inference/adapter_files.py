@@ -7,6 +7,10 @@ the policy wrote. Each engine writes the bytes into a folder of its own on its o
 one, else the temp dir), keeps it while that version is loaded (vLLM reads the path again if it evicts and reloads an
 adapter) and removes it when the version is unloaded, and every one left at shutdown. One path for local and remote
 engines.
+
+An engine killed outright (SIGKILL, the OOM killer, its trainer's lifeline) removes nothing, and /dev/shm is memory.
+So each folder's name carries its owner (pid namespace, pid and start time: host/lifeline.py's ProcessIdentity), and
+every engine that starts on a node removes the folders whose owner no longer runs there.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from skyrl_stepwise.host.lifeline import ProcessIdentity, process_identity
 from skyrl_stepwise.inference.weights import shared_memory_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_MODEL = "adapter_model.safetensors"
 ADAPTER_FILE_NAMES = (ADAPTER_CONFIG, ADAPTER_MODEL)  # what peft's save_pretrained writes and vLLM/peft read
+FOLDER_PREFIX = "skyrl_stepwise_adapter_"  # + <owner tag>_<8 hex>_v<version>
 
 
 @dataclass(frozen=True)
@@ -63,14 +69,18 @@ class AdapterFolders:
     the sync sends, removed when the version is unloaded, and all of them at shutdown."""
 
     def __init__(self, root: str | Path | None = None) -> None:
-        """`root`: where the folders go (default: this node's /dev/shm, else the temp dir)."""
+        """`root`: where the folders go (default: this node's /dev/shm, else the temp dir). Folders left there by
+        owners that died are removed first."""
         self.root = Path(root) if root is not None else shared_memory_dir()
-        self.tag = uuid.uuid4().hex[:8]  # several engines (or runs) on one node never share a folder
+        # the owner, and a name of its own: several engines (or runs) on one node never share a folder
+        owner = process_identity()  # None off Linux: then no folder names an owner, and none is ever swept
+        self.tag = f"{owner.tag if owner else 'unowned'}_{uuid.uuid4().hex[:8]}"
         self.folders: dict[int, Path] = {}
+        remove_orphaned_folders(self.root)
 
     def write(self, version: int, adapter: AdapterFiles) -> Path:
         """Version `version`'s folder with the adapter's files in it; returns its path."""
-        folder = self.root / f"skyrl_stepwise_adapter_{self.tag}_v{int(version)}"
+        folder = self.root / f"{FOLDER_PREFIX}{self.tag}_v{int(version)}"
         self.folders[int(version)] = adapter.write(folder)
         return folder
 
@@ -84,6 +94,18 @@ class AdapterFolders:
         """Every folder still held (the engine shuts down, or its adapters were dropped)."""
         for version in list(self.folders):
             self.remove(version)
+
+
+def remove_orphaned_folders(root: str | Path) -> list[Path]:
+    """Remove the adapter folders under `root` whose owning process no longer runs; returns them. A folder whose
+    name names no owner (written before owners were named) or an owner in another pid namespace is left alone."""
+    removed = []
+    for folder in Path(root).glob(f"{FOLDER_PREFIX}*"):
+        owner = ProcessIdentity.from_tag(folder.name[len(FOLDER_PREFIX):].split("_")[0])
+        if owner is not None and not owner.is_alive():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def as_adapter_files(adapter: "AdapterFiles | str | Path") -> AdapterFiles:

@@ -28,10 +28,13 @@ def ensure_ray() -> None:
 
     The local one has few prestarted workers and no dashboard, which is what a 2-core box can afford;
     a cluster brings its own resources, so nothing is capped there. Inside a run (host.logs.run_logging)
-    the workers' output goes to the run's run.log and only their warnings and errors reach the console.
+    the workers' output goes to the run's run.log and only their warnings and errors reach the console. The local
+    one is tied to this process's life (host/lifeline.py): Ray's own fate sharing ends the GCS and the raylet with
+    the driver, but the raylet's agents (DashboardAgent, RuntimeEnvAgent) outlived a SIGKILLed driver indefinitely.
     """
     import ray
 
+    from skyrl_stepwise.host.lifeline import arm
     from skyrl_stepwise.host.logs import adopt_library_loggers, ray_init_options
 
     if ray.is_initialized():
@@ -42,6 +45,7 @@ def ensure_ray() -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, **options)
     else:
+        arm()  # before Ray starts: every process of the local Ray carries this process's lifeline
         # address="local": a new Ray of our own even where one was started on this machine (`ray start`, a test's
         # Cluster), which a plain ray.init() would join and then refuse num_cpus for
         ray.init(address="local", num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,

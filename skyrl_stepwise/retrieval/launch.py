@@ -1,4 +1,5 @@
-"""Start the retrieval server as a child process for a run, wait until healthy, stop it on exit."""
+"""Start the retrieval server as a child process for a run, wait until healthy, stop it on exit; tied to the run's
+life (host/lifeline.py), so a run killed outright does not leave it holding its port and memory."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from typing import Iterator
 
 import httpx
+
+from skyrl_stepwise.host.lifeline import arm
 
 
 @contextlib.contextmanager
@@ -23,6 +26,7 @@ def local_retriever(corpus: str, kind: str = "bm25", port: int = 0,
             port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "skyrl_stepwise.retrieval.server", "--port", str(port), "--retriever", kind,
            "--corpus", str(corpus)]
+    arm()  # the server dies with this process, also when it is SIGKILLed
     proc = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     try:
