@@ -193,12 +193,11 @@ def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
     assert "## Rollout samples" in report and "tool call unit_convert(" in report and "3000 m" in report
 
 
-@pytest.mark.timeout(1800)  # a cold SFT warm start alone is ~10 min on a 2-core CPU without bf16
-def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path):
-    """The main job's shape at toy size: eval the base model, SFT (2 demonstrations), eval, 1 RL step, eval."""
-    from skyrl_stepwise.loop.evaluation import load_evals
-
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The main job's shape at toy size, run once for the tests below: eval the base model, SFT (2
+    demonstrations), eval, 1 RL step, eval. Returns its run dir and the finished process."""
+    out = tmp_path_factory.mktemp("main_job") / "run"
     # a seed of its own: the SFT cache key changes, so SFT really runs (and its folder is removed afterwards)
     command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", "total_steps=1",
                "sft.max_rows=2", "sft.batch_size=2", f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
@@ -208,6 +207,18 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
                "trainer.algorithm.use_kl_loss=true", "trainer.algorithm.dynamic_sampling=false"]
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                           timeout=1500)
+    match = re.search(r"model in (\S+)\n", done.stdout + done.stderr)
+    yield out, done
+    if match:
+        shutil.rmtree(match.group(1), ignore_errors=True)
+
+
+@pytest.mark.timeout(1800)  # a cold SFT warm start alone is ~10 min on a 2-core CPU without bf16
+def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(main_job):
+    """The main job's shape at toy size: eval the base model, SFT (2 demonstrations), eval, 1 RL step, eval."""
+    from skyrl_stepwise.loop.evaluation import load_evals
+
+    out, done = main_job
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     stages = load_evals(out)
     assert [s.stage for s in stages] == ["before SFT", "after SFT", "after RL (step 1)"]
@@ -231,3 +242,21 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(tmp_path
     # the reference is the SFT model the step started from: on the step's one (on-policy) mini-batch the policy
     # has not moved yet, so its KL to the reference is zero (a reference holding other weights would not be)
     assert "timing/ref_logprobs_s" in record and abs(record["policy/kl_loss"]) < 1e-4, record.get("policy/kl_loss")
+
+
+@pytest.mark.timeout(300)
+def test_main_job_page_shows_its_tokens_as_trained_in_a_real_browser(main_job, tmp_path):
+    """The run's viewer page (view/index.html, linked from report.md) in Chromium: trained tokens are the loss
+    masks, hover shows both logprobs, filters match the recorded flags, no console error (tests/view_browser.py)."""
+    from view_browser import check_page, chromium
+
+    browser = chromium()
+    out, done = main_job
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[view/index.html](view/index.html)" in (out / "report.md").read_text()
+    assert (out / "view" / "index.html").is_file()  # written by the run at its end
+    record = _records(out)[-1]
+    assert record["view/token_bytes"] > 0 and "timing/view_tokens_s" in record  # the per-token logging's cost
+    figures = check_page(out, tmp_path, browser)
+    assert (tmp_path / "viewer.png").stat().st_size > 10_000
+    assert figures["bytes"] < 10e6 and figures["load_s"] < 5.0, figures

@@ -13,7 +13,7 @@ from test_rollout_samples import _tool_output
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
 from skyrl_stepwise.loop.rollout_samples import RolloutLog, batch_rows, load_token_records
 from skyrl_stepwise.policy.batching import TrainBatch
-from skyrl_stepwise.view.page import page_data, render, token_roles, write_page
+from skyrl_stepwise.view.page import page_data, render, runs, write_page
 
 
 class Renderer:
@@ -111,14 +111,22 @@ def test_only_view_samples_trajectories_are_recorded_per_token_and_rewind_drops_
 def test_page_is_self_contained_and_text_cannot_close_its_script(tmp_path):
     out = output()
     recorded_run(tmp_path, out)
-    lines = (tmp_path / "rollouts.jsonl").read_text().replace("<1>", "</script><script>alert(1)</script>")
-    (tmp_path / "rollouts.jsonl").write_text(lines)
+    for name in ("rollouts.jsonl", "view_tokens.jsonl"):  # a token that decodes to a closing script tag
+        lines = (tmp_path / name).read_text().replace("<1>", "</script><script>alert(1)</script>")
+        (tmp_path / name).write_text(lines)
     html = write_page(tmp_path).read_text()
     assert html.count("</script>") == 2  # the data's and the code's: the trajectory's text stays data
     assert not re.search(r"(src|href)=\"?https?:", html)  # nothing from the network
-    blob = html.split('id="data">', 1)[1].split("</script>", 1)[0]
-    assert "alert(1)" in json.loads(blob)["trajectories"][0]["segments"][0]["text"]
+    blob = json.loads(html.split('id="data">', 1)[1].split("</script>", 1)[0])
+    assert blob["texts"]["1"] == "</script><script>alert(1)</script>"
+    samples = json.loads(blob["trajectories"][1]["samples"])  # g_1, in its wire form: advantages as runs
+    assert samples[0]["advantages"] == [[-1.0, 3]] and samples[0]["response_ids"] == [20, 21, 22]
     assert "/*CSS*/" not in render(page_data(tmp_path)) and "/*JS*/" not in html
+
+
+def test_runs_store_an_advantage_once_per_turn():
+    assert runs([1.0, 1.0, 0.5, 1.0]) == [[1.0, 2], [0.5, 1], [1.0, 1]]
+    assert runs([]) == [] and runs(None) is None
 
 
 def test_batch_rows_follow_a_dynamic_sampling_selection():

@@ -12,9 +12,10 @@ Trajectory bodies are drawn only when opened, so a page of 1,000 trajectories op
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -150,15 +151,17 @@ def token_texts(run_dir: Path) -> dict[str, str]:
 def worst_agreement(trajs: list[ViewTrajectory], n: int = WORST_TOKENS) -> dict[str, list[list]]:
     """Per "step|stage", the n sampled tokens whose engine and trainer logprobs differ most:
     [trajectory index, sample index, response position, |difference|]."""
-    found: dict[str, list[list]] = {}
+    found: dict[str, list[tuple]] = {}
     for t, traj in enumerate(trajs):
         for k, s in enumerate(traj.samples or []):
             if s.engine_logprobs is None or s.trainer_logprobs is None:
                 continue
-            for i, (e, tr, role) in enumerate(zip(s.engine_logprobs, s.trainer_logprobs, s.response_roles)):
-                if role in "tm" and e is not None and tr is not None and e != 0.0:  # 0.0: appended, never sampled
-                    found.setdefault(f"{traj.step}|{traj.stage}", []).append([t, k, i, round(abs(e - tr), DIGITS)])
-    return {key: sorted(v, key=lambda x: -x[3])[:n] for key, v in found.items()}
+            diffs = ((abs(e - tr), i) for i, (e, tr, role) in enumerate(zip(s.engine_logprobs, s.trainer_logprobs,
+                                                                            s.response_roles))
+                     if role in "tm" and e is not None and tr is not None and e != 0.0)  # 0.0: appended, not sampled
+            top = found.setdefault(f"{traj.step}|{traj.stage}", [])
+            top.extend((d, t, k, i) for d, i in heapq.nlargest(n, diffs))
+    return {key: [[t, k, i, round(d, DIGITS)] for d, t, k, i in heapq.nlargest(n, v)] for key, v in found.items()}
 
 
 def steps_timeline(history: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -191,7 +194,15 @@ def page_data(run_dir: str | Path, live: bool = False) -> dict[str, Any]:
             "steps": steps_timeline(load_history(run_dir / "metrics.jsonl")), "timeline": TIMELINE,
             "evals": [{k: e[k] for k in ("stage", "mean", "ci_low", "ci_high", "scores")} for e in evals],
             "paired": paired_changes(evals), "texts": token_texts(run_dir),
-            "trajectories": [asdict(t) for t in trajs], "worst": worst_agreement(trajs)}
+            "trajectories": [_plain(t) for t in trajs], "worst": worst_agreement(trajs)}
+
+
+def _plain(traj: ViewTrajectory) -> dict[str, Any]:
+    """A trajectory as a dict, sharing its lists (dataclasses.asdict deep-copies every token list: 40 s at 1,000)."""
+    out = {f.name: getattr(traj, f.name) for f in fields(traj)}
+    if traj.samples is not None:
+        out["samples"] = [{f.name: getattr(s, f.name) for f in fields(s)} for s in traj.samples]
+    return out
 
 
 INPUTS = ("metrics.jsonl", "evals.json", "rollouts.jsonl", "view_tokens.jsonl")
@@ -206,9 +217,37 @@ def input_stamp(run_dir: Path) -> str:
     return "|".join(parts)
 
 
+def runs(values: list[float] | None) -> list[list[float]] | None:
+    """[[value, count], ...] of equal neighbours: an advantage is constant over a turn, so it is stored once."""
+    if values is None:
+        return None
+    out: list[list[float]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return out
+
+
+def _wire(traj: dict[str, Any]) -> dict[str, Any]:
+    """A trajectory as the page carries it: its samples as one string of JSON (parsed when opened), advantages as
+    runs, and, where its tokens are recorded, its decoded segments only for their tool calls (the tokens are the
+    text). The page expands them back (page.js samplesOf)."""
+    if traj["samples"] is None:
+        return traj
+    compact = dict(separators=(",", ":"), allow_nan=False)
+    samples = [dict(s, advantages=runs(s["advantages"])) for s in traj["samples"]]
+    segments = [{"role": g["role"], "text": "", "tool_calls": g["tool_calls"]} for g in traj["segments"]
+                if g.get("tool_calls")]
+    return dict(traj, samples=json.dumps(samples, **compact), segments=segments)
+
+
 def render(data: dict[str, Any]) -> str:
     """The page: assets/page.html with the CSS, the JS and the data inlined (a `</` in the data is escaped, so no
-    text of a trajectory can close the script element)."""
+    text of a trajectory can close the script element); trajectories in their wire form (`_wire`), so the page's
+    load parses strings, not a million numbers (1,000 trajectories: benchmarks/view_page.py)."""
+    data = dict(data, trajectories=[_wire(t) for t in data["trajectories"]])
     blob = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     html = (ASSETS / "page.html").read_text()
     return (html.replace("/*CSS*/", (ASSETS / "page.css").read_text())

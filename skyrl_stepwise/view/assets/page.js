@@ -14,6 +14,14 @@ function el(tag, attrs, ...children) {
   for (const c of children) if (c != null) node.append(c);
   return node;
 }
+// a trajectory's samples arrive as a string of JSON, parsed the first time the trajectory is drawn
+// (advantages as [value, count] runs, expanded here to one per token)
+function samplesOf(t) {
+  if (typeof t.samples !== "string") return t.samples;
+  t.samples = JSON.parse(t.samples);
+  for (const s of t.samples) if (s.advantages) s.advantages = s.advantages.flatMap(([v, n]) => Array(n).fill(v));
+  return t.samples;
+}
 const fmt = (v, d = 3) => (v == null ? "n/a" : Number(v).toFixed(d));
 const stageKey = (t) => t.step + "|" + t.stage;
 
@@ -159,9 +167,10 @@ function drawSample(t, s, k) {
   return box;
 }
 function drawSegments(t) {
-  const box = el("div", {}, el("h3", {text: "Decoded turns and tool calls"}));
+  const box = el("div", {}, el("h3", {text: t.samples ? "Tool calls" : "Decoded turns and tool calls"}));
   for (const seg of t.segments) {
-    const node = el("div", {class: "segment"}, el("b", {text: "[" + seg.role + "] "}), seg.text);
+    const node = el("div", {class: "segment"}, el("b", {text: "[" + seg.role + "] "}),
+                    seg.text || (t.samples ? "(its text: the tokens above)" : ""));
     for (const call of seg.tool_calls || []) {
       node.append(el("div", {class: "call" + (call.error ? " bad" : ""),
         text: "tool call " + call.name + "(" + JSON.stringify(call.arguments) + ")  parser: " + (call.error ? "error: " + call.error : "ok")}));
@@ -186,7 +195,7 @@ function openTrajectory(i, hit) {
   for (const e of t.context_events) {
     d.append(el("div", {class: "meta", text: "context " + e.kind + " by " + e.policy + " before model turn " + (e.before_step + 1) + ": " + e.tokens_dropped + " tokens dropped; " + e.note}));
   }
-  if (t.samples) t.samples.forEach((s, k) => d.append(drawSample(t, s, k)));
+  if (t.samples) samplesOf(t).forEach((s, k) => d.append(drawSample(t, s, k)));
   else d.append(el("p", {class: "hint", text: "No per-token record for this trajectory (logging.view_samples): its decoded text only."}));
   d.append(drawSegments(t));
   if (hit) {
@@ -197,7 +206,7 @@ function openTrajectory(i, hit) {
 
 // ---- hover: the token's id, text, both logprobs, their difference and its advantage ----
 function tipText(el_) {
-  const t = D.trajectories[state.open], s = t.samples[Number(el_.dataset.k)], pos = Number(el_.dataset.pos);
+  const t = D.trajectories[state.open], s = samplesOf(t)[Number(el_.dataset.k)], pos = Number(el_.dataset.pos);
   const response = el_.dataset.part === "r";
   const id = response ? s.response_ids[pos] : s.prompt_ids[pos];
   const role = response ? s.response_roles[pos] : s.prompt_roles[pos];
@@ -236,7 +245,7 @@ function drawWorst() {
   for (const [ti, k, pos, diff] of worst) {
     const t = D.trajectories[ti];
     const row = el("tr", {}, el("td", {text: fmt(diff, 4)}), el("td", {text: t.key}), el("td", {text: String(k + 1)}),
-                   el("td", {text: JSON.stringify(D.texts[t.samples[k].response_ids[pos]] || "")}));
+                   el("td", {text: JSON.stringify(D.texts[samplesOf(t)[k].response_ids[pos]] || "")}));
     row.addEventListener("click", () => openTrajectory(ti, [k, pos]));
     table.append(row);
   }
@@ -260,3 +269,4 @@ live();
 $("stage").addEventListener("change", () => { state.stage = $("stage").value; drawList(); });
 $("sort").addEventListener("change", () => { state.sort = $("sort").value; drawList(); });
 $("worst-button").addEventListener("click", drawWorst);
+window.viewerReady = performance.now();  // benchmarks/view_page.py: the page's own work is done
