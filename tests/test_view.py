@@ -147,3 +147,34 @@ async def test_a_real_generators_tool_turns_get_their_roles_from_its_masks(token
     roles = "".join(s["prompt_roles"] + s["response_roles"] for s in best["samples"])
     assert "o" in roles and "t" in roles  # the calculator's answer is an observation, merged or not
     assert "calculator" in json.dumps(best["segments"])  # the parsed tool call rides along from rollouts.jsonl
+
+
+def test_a_run_that_recorded_nothing_still_gets_a_page(tmp_path):
+    data = page_data(tmp_path)
+    assert data["trajectories"] == [] and data["steps"] == [] and data["worst"] == {}
+    assert write_page(tmp_path).is_file()
+
+
+def test_cli_writes_the_page_and_serve_rebuilds_it_when_a_step_lands(tmp_path, capsys):
+    import threading
+    import urllib.request
+
+    from skyrl_stepwise.cli.view import main, serve
+
+    assert main([str(tmp_path / "missing")]) == 1
+    recorded_run(tmp_path)
+    assert main([str(tmp_path)]) == 0 and "index.html" in capsys.readouterr().out
+    server = serve(tmp_path, 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        first = urllib.request.urlopen(f"{url}/stamp").read().decode()
+        page = urllib.request.urlopen(f"{url}/").read().decode()
+        assert '"live":true' in page and first in page
+        with open(tmp_path / "metrics.jsonl", "a") as f:  # the run logs step 2
+            f.write(json.dumps({"step": 2, "reward/mean": 1.0}) + "\n")
+        second = urllib.request.urlopen(f"{url}/stamp").read().decode()
+        assert second != first and '"step":2' in (tmp_path / "view" / "index.html").read_text()
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -238,7 +238,7 @@ function drawWorst() {
   const worst = D.worst[state.stage] || [];
   const d = $("detail");
   d.textContent = "";
-  d.append(el("h2", {text: "Worst engine-vs-trainer agreement, " + state.stage.replace("|", " ")}));
+  d.append(el("h2", {text: "Worst engine-vs-trainer agreement, " + (state.stage || "no step recorded").replace("|", " ")}));
   if (!worst.length) { d.append(el("p", {class: "hint", text: "No token of this step has both logprobs recorded."})); return; }
   const table = el("table", {class: "worst"}, el("tr", {}, el("th", {text: "|trainer - engine|"}), el("th", {text: "trajectory"}),
                                                    el("th", {text: "sample"}), el("th", {text: "token"})));
