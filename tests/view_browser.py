@@ -58,7 +58,7 @@ def _trained_positions(page) -> list[list[int]]:
 
 def _open(page, step: int, stage: str, trajectory: str) -> None:
     page.select_option("#stage", f"{step}|{stage}")
-    page.locator("#list .row", has_text=trajectory + " ").first.click()
+    page.locator(f'#list .row[data-key="{trajectory}"]').click()
 
 
 def check_page(run_dir: Path, out_dir: Path, browser_path: str) -> dict[str, float]:
@@ -104,7 +104,7 @@ def check_page(run_dir: Path, out_dir: Path, browser_path: str) -> dict[str, flo
             for flag, want in expected.items():
                 box = page.locator(f'input[data-flag="{flag}"]')
                 box.check()
-                shown = {t.split("  ")[0] for t in page.locator("#list .row").all_inner_texts()}
+                shown = set(page.eval_on_selector_all("#list .row", "rows => rows.map((r) => r.dataset.key)"))
                 assert shown == want, (stage, flag, shown, want)
                 box.uncheck()
             assert page.locator("#list .row").count() == len(stage_samples)

@@ -132,7 +132,7 @@ function drawList() {
   let group = null;
   for (const [t, i] of rows) {
     if (state.sort === "group" && t.group !== group) { group = t.group; list.append(el("h3", {text: "group " + group})); }
-    const row = el("div", {class: "row", "data-index": i, "data-flags": t.flags},
+    const row = el("div", {class: "row", "data-index": i, "data-key": t.key, "data-flags": t.flags},
       t.key + "  r=" + fmt(t.reward, 2) + "  adv=" + fmt(t.advantage, 2) + "  " + (t.stop_reason || ""),
       t.flags ? el("span", {class: "flag", text: " " + t.flags}) : null, t.samples ? null : " (text only)");
     row.addEventListener("click", () => openTrajectory(i));
@@ -148,11 +148,15 @@ function tokenSpan(id, role, k, part, pos) {
   return span;
 }
 function drawSample(t, s, k) {
-  const box = el("div", {class: "sample", "data-k": k});
+  // advantages are recorded for the samples that went into the step's batch, and only those were trained
+  const untrained = !s.advantages;
+  const box = el("div", {class: "sample" + (untrained ? " untrained" : ""), "data-k": k});
   const trained = [...s.response_roles].filter((r) => r === "t").length;
   box.append(el("h4", {text: "sample " + (k + 1) + ": " + (s.prefix + s.prompt_ids.length) + " prompt tokens, " +
-                               s.response_ids.length + " response tokens, " + trained + " trained" +
-                               (s.boundaries.length ? ", merged: " + (s.boundaries.length + 1) + " steps" : "")}));
+                               s.response_ids.length + " response tokens, " + trained + " in the loss mask" +
+                               (s.boundaries.length ? ", merged: " + (s.boundaries.length + 1) + " steps" : "") +
+                               (untrained ? " (NOT trained: an eval, or a sample outside the step's batch; " +
+                                            "the colours show its loss mask)" : "")}));
   const tokens = el("div", {class: "tokens"});
   if (s.prefix) tokens.append(el("span", {class: "history r-h", text: "[" + s.prefix + " tokens of history, as above]\n"}));
   const frag = document.createDocumentFragment();
@@ -167,6 +171,7 @@ function drawSample(t, s, k) {
   return box;
 }
 function drawSegments(t) {
+  if (!t.segments.length) return null;
   const box = el("div", {}, el("h3", {text: t.samples ? "Tool calls" : "Decoded turns and tool calls"}));
   for (const seg of t.segments) {
     const node = el("div", {class: "segment"}, el("b", {text: "[" + seg.role + "] "}),
@@ -197,7 +202,8 @@ function openTrajectory(i, hit) {
   }
   if (t.samples) samplesOf(t).forEach((s, k) => d.append(drawSample(t, s, k)));
   else d.append(el("p", {class: "hint", text: "No per-token record for this trajectory (logging.view_samples): its decoded text only."}));
-  d.append(drawSegments(t));
+  const segments = drawSegments(t);
+  if (segments) d.append(segments);
   if (hit) {
     const span = d.querySelector('.tok[data-k="' + hit[0] + '"][data-part="r"][data-pos="' + hit[1] + '"]');
     if (span) { span.classList.add("hit"); span.scrollIntoView({block: "center"}); }
@@ -213,9 +219,9 @@ function tipText(el_) {
   const lines = ["token id   " + id, "text       " + JSON.stringify(D.texts[id] == null ? "" : D.texts[id]), "role       " + D.roles[role]];
   if (response) {
     const e = s.engine_logprobs ? s.engine_logprobs[pos] : null, tr = s.trainer_logprobs ? s.trainer_logprobs[pos] : null;
-    lines.push("engine lp  " + (e == null ? "not recorded" : fmt(e, 4)), "trainer lp " + (tr == null ? "not recorded" : fmt(tr, 4)),
-               "difference " + (e == null || tr == null ? "n/a" : fmt(tr - e, 4)),
-               "advantage  " + (s.advantages ? fmt(s.advantages[pos], 4) : "not recorded"));
+    lines.push("engine lp  " + (e == null ? "not recorded" : fmt(e, 5)), "trainer lp " + (tr == null ? "not recorded" : fmt(tr, 5)),
+               "difference " + (e == null || tr == null ? "n/a" : fmt(tr - e, 5)),
+               "advantage  " + (s.advantages ? fmt(s.advantages[pos], 4) : "not recorded (not trained)"));
   }
   return lines.join("\n");
 }
