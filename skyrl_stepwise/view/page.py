@@ -33,7 +33,7 @@ ROLES = {"p": "prompt (not trained)", "h": "history: shared with the previous sa
 TIMELINE = {"reward/mean": "reward", "reward/pass_at_n": "pass@n", "advantages/groups_with_signal": "signal groups",
             "eval/reward/mean": "eval reward"}
 WORST_TOKENS = 20  # the engine-vs-trainer disagreements listed per step
-DIGITS = 5  # logprobs and advantages are rounded to this many decimals (the page's size; float32 engine-vs-trainer diffs are ~1e-5)
+DIGITS = 5  # logprobs and advantages are rounded to this many decimals (float32 engine-vs-trainer diffs are ~1e-5)
 
 
 @dataclass
