@@ -244,7 +244,7 @@ def test_main_job_warm_starts_then_evaluates_every_stage_with_intervals(main_job
     assert "timing/ref_logprobs_s" in record and abs(record["policy/kl_loss"]) < 1e-4, record.get("policy/kl_loss")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1800)  # run alone, it starts the main job itself (the fixture's setup counts)
 def test_main_job_page_shows_its_tokens_as_trained_in_a_real_browser(main_job, tmp_path):
     """The run's viewer page (view/index.html, linked from report.md) in Chromium: trained tokens are the loss
     masks, hover shows both logprobs, filters match the recorded flags, no console error (tests/view_browser.py)."""
