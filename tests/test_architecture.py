@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "skyrl_stepwise"
 # bottom to top: a room may import the rooms before it, never one after it
 ROOMS = ("host", "models", "chat", "sandbox", "retrieval", "tools", "envs", "data", "inference", "generator",
-         "gateway", "algorithms", "checkpoint", "policy", "ablation", "loop", "run", "cli")
+         "gateway", "algorithms", "checkpoint", "policy", "ablation", "loop", "view", "run", "cli")
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:

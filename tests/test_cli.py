@@ -254,6 +254,9 @@ def test_run_report_from_a_metrics_history(tmp_path):
     assert table[0].startswith("| step | reward | pass@n | EM | groups w/ signal | eval reward | eval 95% low")
     assert [line.split("|")[1].strip() for line in table[1:]] == ["1", "2", "3", "4"]
     assert "`metrics.jsonl`" in text and "![curves](curves.png)" in text and "- model:" in text
+    # the trajectory viewer page is written with the report and linked from it (its timeline has every step)
+    assert "[view/index.html](view/index.html)" in text and "`view/index.html`" in text
+    assert '"reward/mean"' in (tmp_path / "view" / "index.html").read_text()
     image = matplotlib.image.imread(tmp_path / "curves.png")
     assert image.shape[0] > 600 and image.shape[1] > 1200 and image.std() > 0.05
     assert (tmp_path / "curves.png").stat().st_size > 40_000

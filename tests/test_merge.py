@@ -227,6 +227,7 @@ def test_two_step_chain():
     assert m.rollout_logprobs == [[-0.5, -0.5, 0.0, 0.0, -0.5, -0.5, -0.5]]
     assert m.rewards == [[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]
     assert m.stop_reasons == ["s1"] and m.is_last_step == [True]
+    assert m.observation_spans == [[[2, 4]]]  # the delta 5, 6: not sampled (the appended 99 is, though masked)
     assert m.rollout_metrics["generate/merge_tokens_saved"] == 4  # (4 + 9) - 9
     assert m.rollout_metrics["generate/merge_rate"] == 0.5
 
@@ -240,6 +241,11 @@ def test_break_in_the_middle_starts_a_new_group():
     assert m.response_ids == [[2, 3, 4], [6, 7, 8]]
     assert m.loss_masks == [[1, 0, 1], [1, 0, 1]]
     assert m.stop_reasons == ["s1", "s3"] and m.is_last_step == [False, True]
+    assert m.observation_spans == [[[1, 2]], [[1, 2]]]
+    assert out.observation_spans is None  # not merged: every mask-0 response token was sampled or appended
+    m.observation_spans[0] = [[1, 5]]
+    with pytest.raises(ValueError, match="sample 0: observation_spans"):
+        m.validate()
 
 
 def test_turn_indices_follow_their_tokens_and_observations_belong_to_the_step_before():

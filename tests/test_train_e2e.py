@@ -307,3 +307,21 @@ def test_main_job_is_shown_and_exported(main_job, tmp_path):
     for name, param in exported.state_dict().items():
         if name in saved:
             assert torch.equal(param, saved[name].float()), name
+
+
+@pytest.mark.timeout(1800)  # run alone, it starts the main job itself (the fixture's setup counts)
+def test_main_job_page_shows_its_tokens_as_trained_in_a_real_browser(main_job, tmp_path):
+    """The run's viewer page (view/index.html, linked from report.md) in Chromium: trained tokens are the loss
+    masks, hover shows both logprobs, filters match the recorded flags, no console error (tests/view_browser.py)."""
+    from view_browser import check_page, chromium
+
+    browser = chromium()
+    assert main_job.returncode == 0, main_job.console[-3000:]
+    out = main_job.out
+    assert "[view/index.html](view/index.html)" in (out / "report.md").read_text()
+    assert (out / "view" / "index.html").is_file()  # written by the run at its end
+    record = _records(out)[-1]
+    assert record["view/token_bytes"] > 0 and "timing/view_tokens_s" in record  # the per-token logging's cost
+    figures = check_page(out, tmp_path, browser)
+    assert (tmp_path / "viewer.png").stat().st_size > 10_000
+    assert figures["bytes"] < 10e6 and figures["load_s"] < 5.0, figures

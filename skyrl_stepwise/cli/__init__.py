@@ -24,6 +24,8 @@ COMMANDS = {
     ("data", "agent-demos"): ("skyrl_stepwise.cli.agent_demos",
                               "SFT demonstrations of agent programs, recorded through the endpoint with a teacher"),
     ("show",): ("skyrl_stepwise.cli.show", "print a run's decoded rollout samples (`show <run dir> [--step N]`)"),
+    ("view",): ("skyrl_stepwise.cli.view",
+                "the run's trajectory viewer page, view/index.html (`view <run dir> [--serve]`)"),
     ("ablate",): ("skyrl_stepwise.cli.ablate", "step-wise vs merged vs whole-trajectory ablation (a Hydra app)"),
 }
 

@@ -71,7 +71,8 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
         logger.info(describe_chat_adaptation(eval_generator.loop.renderer))
         rollout_log = RolloutLog(cfg.logging.output_dir, eval_generator.loop.renderer, cfg.logging.num_rollout_samples,
-                                 tools=configured_tool_schemas(cfg.environment.tool.tools_path))
+                                 tools=configured_tool_schemas(cfg.environment.tool.tools_path),
+                                 view_samples=cfg.logging.view_samples)
         if cfg.gateway.enabled:  # rows name agent programs: training and every eval run them through the endpoint
             from skyrl_stepwise.gateway.programs import AgentPrograms
 

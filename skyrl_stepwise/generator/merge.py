@@ -36,6 +36,7 @@ class _Group:
     logprobs: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
+    observations: list[list[int]] = field(default_factory=list)  # [start, end) of each delta in the response
     last: int = 0  # index of the group's last step in the input
 
 
@@ -75,6 +76,11 @@ def trajectory_ranges(output: GeneratorOutput) -> list[tuple[int, int]]:
 def _add_step(group: _Group, output: GeneratorOutput, i: int, delta: list[int]) -> None:
     """Append step i (after its observation delta) to the group, keeping every per-token list aligned."""
     resp, reward = output.response_ids[i], output.rewards[i]
+    if delta:
+        group.observations.append([len(group.response), len(group.response) + len(delta)])
+    if output.observation_spans is not None:  # an already merged input keeps its own observations
+        start = len(group.response) + len(delta)
+        group.observations += [[start + a, start + b] for a, b in output.observation_spans[i]]
     group.response += delta + resp
     group.full += delta + resp
     group.loss_mask += [0] * len(delta) + output.loss_masks[i]
@@ -143,6 +149,7 @@ def merge_stepwise_output(output: GeneratorOutput) -> GeneratorOutput:
         failed_trajectory_ids=list(output.failed_trajectory_ids),
         failed_trajectories=list(output.failed_trajectories),
         context_events=list(output.context_events),
+        observation_spans=[g.observations for g in groups],
     )
     merged.validate()
     return merged

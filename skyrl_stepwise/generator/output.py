@@ -42,6 +42,11 @@ class GeneratorOutput:
     # Where a context policy edited a trajectory's context and what it dropped or summarised (generator/context.py):
     # {"trajectory": key, "before_step": i, "policy", "kind", "tokens_dropped", "note"}; for `show` and rollouts.jsonl.
     context_events: list[dict] = field(default_factory=list)
+    # Merged samples only (generator/merge.py): per sample, the [start, end) of each observation delta the merge put
+    # into the response between two steps (untrained, never sampled); each `end` is where the next step's sampled
+    # tokens begin. None: the samples were not merged. Read by the trajectory viewer to tell an observation from a
+    # sampled-but-masked token (both have loss_mask 0).
+    observation_spans: list[list[list[int]]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids)
@@ -50,7 +55,7 @@ class GeneratorOutput:
         """Fail early, naming the field, when the parallel lists disagree."""
         n = len(self.prompt_token_ids)
         for name in ("response_ids", "rewards", "loss_masks", "stop_reasons", "rollout_logprobs",
-                     "trajectory_ids", "is_last_step", "turn_indices"):
+                     "trajectory_ids", "is_last_step", "turn_indices", "observation_spans"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(f"GeneratorOutput.{name} has {len(value)} entries, prompt_token_ids has {n}")
@@ -62,6 +67,10 @@ class GeneratorOutput:
                                  f"{len(self.rollout_logprobs[i])} rollout_logprobs")
             if self.rewards and isinstance(self.rewards[i], list) and len(self.rewards[i]) != len(resp):
                 raise ValueError(f"sample {i}: {len(resp)} response ids but {len(self.rewards[i])} rewards")
+            if self.observation_spans is not None and any(
+                    not 0 <= a <= b <= len(resp) for a, b in self.observation_spans[i]):
+                raise ValueError(f"sample {i}: observation_spans {self.observation_spans[i]} fall outside its "
+                                 f"{len(resp)} response ids")
             if self.turn_indices is not None:
                 turns = self.turn_indices[i]
                 if len(turns) != len(resp):

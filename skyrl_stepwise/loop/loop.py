@@ -35,7 +35,12 @@ from skyrl_stepwise.loop.engine_recovery import recover_engines
 from skyrl_stepwise.loop.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.algorithms.losses import no_gradient
 from skyrl_stepwise.loop.rollout_ahead import RolloutAhead
+<<<<<<< HEAD
 from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SAMPLES, ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
+=======
+from skyrl_stepwise.loop.rollout_samples import batch_rows
+from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
+>>>>>>> viewer
 
 
 @dataclass
@@ -365,6 +370,8 @@ class RLTrainer:
         if offload:
             metrics["memory/trainer_offloaded_gib"] = offloaded_bytes / 2**30
         if batch is None:  # e.g. every prompt too long: nothing to train on, and nothing made up instead
+            if self.rollout_log is not None:
+                self.rollout_log.record_tokens(output, self.step + 1, "train")
             if offload:
                 self.policy.call("load_to_device")
             if self.ahead is not None:  # the weights version counts steps: the engines' weights are this step's
@@ -390,6 +397,9 @@ class RLTrainer:
         if len(mini_batches) > 1 and not no_gradient(batch, cfg.trainer.algorithm):
             with timer.phase("old_logprobs"), bar.phase("old logprobs"):
                 batch.old_logprobs = await self._call(self.policy, "compute_logprobs", batch)
+        if self.rollout_log is not None:  # the trainer's view of a few trajectories, before the update changes it
+            with timer.phase("view_tokens"):
+                metrics["view/token_bytes"] = float(await self._record_tokens(output, batch))
         with timer.phase("train"):
             per_mini_batch = []
             for k, indices in enumerate(mini_batches):
@@ -431,6 +441,21 @@ class RLTrainer:
                         "throughput/train_tokens_per_s": train.get("train/real_tokens", 0.0)
                         / max(timer.get("timing/train_s", 0.0), 1e-9)})
         return metrics
+
+    async def _record_tokens(self, output: GeneratorOutput, batch: TrainBatch) -> int:
+        """This step's per-token view samples (loop/rollout_samples.py) with the advantages the loss uses and the
+        trainer's logprobs under the weights that sampled them: the old-logprob pass's when it ran, else one
+        scoring pass over just these samples (its cost: timing/view_tokens_s); returns the bytes written."""
+        where = batch_rows(output, batch)
+        rows = [r for traj in self.rollout_log.view_rows(output) for r in traj if r in where]
+        if not rows:
+            return self.rollout_log.record_tokens(output, self.step + 1, "train")
+        if batch.old_logprobs is not None:
+            scored = [batch.old_logprobs[where[r]] for r in rows]
+        else:
+            scored = await self._call(self.policy, "compute_logprobs", batch.select([where[r] for r in rows]))
+        advantages = {} if batch.advantages is None else {r: batch.advantages[where[r]] for r in rows}
+        return self.rollout_log.record_tokens(output, self.step + 1, "train", dict(zip(rows, scored)), advantages)
 
     async def _recover_engines(self) -> bool:
         """Restart dead engines with the current weights, verified by the probe (loop/engine_recovery.py);
@@ -500,6 +525,7 @@ async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptR
     output = await eval_generator.generate(*expand(rows, 1, f"eval/{stage}"))
     if rollout_log is not None:
         rollout_log.record(output, step, f"eval {stage}")
+        rollout_log.record_tokens(output, step, f"eval {stage}")
     scores = trajectory_scores(output) if output.trajectory_ids is not None else {}
     by_row = {int(t.instance_id.rsplit("/", 1)[1]): score for t, score in scores.items()}  # expand(): ids end with the row
     sources = [row.data_source or "unknown" for row in rows]

@@ -6,6 +6,11 @@ the first prompt, then each turn as the model sampled it (`model`) and what came
 stop reason. Per step, the best and the worst trajectory of each group are picked first, so a group that learned
 something shows both sides. Written to <run dir>/rollouts.jsonl (one line per trajectory), read back by
 `skyrl-stepwise show` and the run report, and logged as a wandb table.
+
+For the trajectory viewer (`skyrl-stepwise view`), the first `logging.view_samples` of those picks also go to
+<run dir>/view_tokens.jsonl per token, exactly as the trainer received them: ids, loss mask, the engine's and the
+trainer's logprob, the advantage and where a merge put observations (TokenRecord). The page colours tokens from
+these masks, never from re-tokenised text.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
 
 logger = logging.getLogger("skyrl_stepwise")
 FILE = "rollouts.jsonl"
+TOKENS_FILE = "view_tokens.jsonl"
 
 
 @dataclass
@@ -127,6 +133,15 @@ def pick_trajectories(scores: dict[TrajectoryID, float], n: int) -> list[tuple[T
     return picked[:n]
 
 
+def trajectories(output: GeneratorOutput) -> tuple[dict[TrajectoryID, list[int]], dict[TrajectoryID, float]]:
+    """Each trajectory's output rows (in order) and its total reward."""
+    by_traj: dict[TrajectoryID, list[int]] = defaultdict(list)
+    for i, tid in enumerate(output.trajectory_ids or []):
+        by_traj[tid].append(i)
+    rewards = output.trajectory_rewards()
+    return by_traj, {tid: sum(rewards[i] for i in idx) for tid, idx in by_traj.items()}
+
+
 def failed_samples(output: GeneratorOutput, renderer, step: int, stage: str, n: int,
                    tools: list[dict] | None = None) -> list[RolloutSample]:
     """Up to n failed trajectories, decoded up to their failure (the turn the env failed on included): what the
@@ -148,11 +163,7 @@ def rollout_samples(output: GeneratorOutput, renderer, step: int, stage: str, n:
     failed = failed_samples(output, renderer, step, stage, n, tools)
     if n <= 0 or len(output) == 0 or output.trajectory_ids is None:
         return failed
-    by_traj: dict[TrajectoryID, list[int]] = defaultdict(list)
-    for i, tid in enumerate(output.trajectory_ids):
-        by_traj[tid].append(i)
-    rewards = output.trajectory_rewards()
-    scores = {tid: sum(rewards[i] for i in idx) for tid, idx in by_traj.items()}
+    by_traj, scores = trajectories(output)
     out = []
     for tid, pick in pick_trajectories(scores, n):
         idx = by_traj[tid]
@@ -166,14 +177,108 @@ def rollout_samples(output: GeneratorOutput, renderer, step: int, stage: str, n:
     return out + failed
 
 
+@dataclass
+class TokenSample:
+    """One training sample of a trajectory as the trainer received it; every list is parallel to response_ids.
+
+    The prompt is stored as `prefix` tokens shared with the previous sample's prompt + response, then `prompt_ids`
+    (the rest): a step-wise chain stores each token once. `prefix` == the previous sequence's length: the new
+    prompt tokens are observations; shorter: the context was rewritten (a context edit or a re-render)."""
+
+    prefix: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    engine_logprobs: list[float] | None  # what the engine sampled with (None: not returned)
+    trainer_logprobs: list[float] | None  # the trainer's, before this step's update (None: not scored, e.g. evals)
+    advantages: list[float] | None  # the advantage the loss used per token (None: not trained, e.g. evals)
+    observation_spans: list[list[int]] | None  # merged samples: [start, end) of observations inside the response
+
+
+@dataclass
+class TokenRecord:
+    """One trajectory per token: a line of view_tokens.jsonl; `texts` decodes each token id it uses."""
+
+    step: int
+    stage: str
+    trajectory: str
+    samples: list[TokenSample]
+    texts: dict[str, str]
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def token_record(output: GeneratorOutput, rows: list[int], renderer, step: int, stage: str,
+                 trainer: dict[int, list[float]], advantages: dict[int, list[float]]) -> TokenRecord:
+    """The TokenRecord of the trajectory made of output rows `rows` (in order); `trainer` / `advantages`: per
+    output row, where the trainer recorded them."""
+    samples, context = [], []
+    for i in rows:
+        prompt = output.prompt_token_ids[i]
+        prefix = _shared_prefix(context, prompt)
+        lists = (output.rollout_logprobs, output.observation_spans)
+        engine, spans = (None if v is None else list(v[i]) for v in lists)
+        samples.append(TokenSample(prefix, list(prompt[prefix:]), list(output.response_ids[i]),
+                                   list(output.loss_masks[i]), engine, trainer.get(i), advantages.get(i), spans))
+        context = list(prompt) + list(output.response_ids[i])
+    ids = sorted({t for s in samples for t in s.prompt_ids + s.response_ids})
+    return TokenRecord(step, stage, output.trajectory_ids[rows[0]].key(), samples,
+                       {str(t): renderer.decode([t]) for t in ids})
+
+
+def batch_rows(output: GeneratorOutput, batch) -> dict[int, int]:
+    """Output row -> its row in the TrainBatch built from it (dynamic sampling keeps only some groups).
+    TrainBatch.from_output, select and concat carry the generator's token lists as they are, never copies, so a
+    row is found by the identity of its response list: no second matching rule that could pick another sample."""
+    where = {id(r): j for j, r in enumerate(batch.response_ids)}
+    return {i: where[id(r)] for i, r in enumerate(output.response_ids) if id(r) in where}
+
+
 class RolloutLog:
-    """Appends the picked samples of every step and eval to <run dir>/rollouts.jsonl (and a wandb table)."""
+    """Appends the picked samples of every step and eval to <run dir>/rollouts.jsonl (and a wandb table), and the
+    first `view_samples` of them per token to view_tokens.jsonl."""
 
     def __init__(self, output_dir: str | Path, renderer, num_samples: int, tracker=None,
-                 tools: list[dict] | None = None) -> None:
+                 tools: list[dict] | None = None, view_samples: int = 0) -> None:
         """`tools`: the run's tool schemas, for parsing calls out of the sampled turns (None: any call)."""
         self.path = Path(output_dir) / FILE
+        self.tokens_path = Path(output_dir) / TOKENS_FILE
         self.renderer, self.num_samples, self.tracker, self.tools = renderer, num_samples, tracker, tools
+        self.view_samples = view_samples
+
+    def view_rows(self, output: GeneratorOutput) -> list[list[int]]:
+        """The output rows of each trajectory recorded per token (the first view_samples picks, as in
+        rollouts.jsonl), each trajectory's rows in order."""
+        if self.view_samples <= 0 or len(output) == 0 or output.trajectory_ids is None:
+            return []
+        by_traj, scores = trajectories(output)
+        return [by_traj[tid] for tid, _ in pick_trajectories(scores, self.view_samples)]
+
+    def record_tokens(self, output: GeneratorOutput, step: int, stage: str,
+                      trainer: dict[int, list[float]] | None = None,
+                      advantages: dict[int, list[float]] | None = None) -> int:
+        """Append the view_rows trajectories per token; returns the bytes written. Logged, never raised."""
+        try:
+            lines = [json.dumps(asdict(token_record(output, rows, self.renderer, step, stage, trainer or {},
+                                                    advantages or {})), separators=(",", ":"))
+                     for rows in self.view_rows(output)]
+            if not lines:
+                return 0
+            self.tokens_path.parent.mkdir(parents=True, exist_ok=True)
+            text = "".join(line + "\n" for line in lines)
+            with open(self.tokens_path, "a") as f:
+                f.write(text)
+            return len(text)
+        except Exception:
+            logger.exception(f"per-token view samples of {stage} (step {step}) could not be written")
+            return 0
 
     def record(self, output: GeneratorOutput, step: int, stage: str) -> list[RolloutSample]:
         """Decode, append and table this output's samples; a failure here is logged, never raised (the step's
@@ -194,11 +299,11 @@ class RolloutLog:
             return []
 
     def rewind(self, step: int) -> None:
-        """Drop training samples after `step` (a resumed run redoes those steps)."""
-        if not self.path.is_file():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if _keep(line, step)]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        """Drop training samples after `step` (a resumed run redoes those steps), per token too."""
+        for path in (self.path, self.tokens_path):
+            if path.is_file():
+                kept = [line for line in path.read_text().splitlines() if _keep(line, step)]
+                path.write_text("".join(line + "\n" for line in kept))
 
 
 def _keep(line: str, step: int) -> bool:
@@ -208,9 +313,9 @@ def _keep(line: str, step: int) -> bool:
         return False
 
 
-def load_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
+def load_rollouts(run_dir: str | Path, name: str = FILE) -> list[dict[str, Any]]:
     """Every sample a run wrote (a line cut short by a kill is skipped)."""
-    path = Path(run_dir) / FILE
+    path = Path(run_dir) / name
     if not path.is_file():
         return []
     out = []
@@ -220,6 +325,11 @@ def load_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def load_token_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every per-token trajectory a run wrote to view_tokens.jsonl (a line cut short by a kill is skipped)."""
+    return load_rollouts(run_dir, TOKENS_FILE)
 
 
 def format_sample(sample: dict[str, Any], max_chars: int = 2000) -> str:

@@ -82,6 +82,21 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
+def load_history(metrics_path: Path, fallback: list[dict] | None = None) -> list[dict]:
+    """Every step once, in order: metrics.jsonl when it exists (a line cut short by a kill is skipped, a step
+    logged twice keeps its last record), else `fallback`. Read by the run report and the trajectory viewer."""
+    records = []
+    if metrics_path.is_file():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    records = [r for r in records or list(fallback or []) if isinstance(r, dict) and "step" in r]
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def scrub(config: dict) -> dict:
     """Drop anything named like a credential before it is written anywhere."""
     return {k: scrub(v) if isinstance(v, dict) else v for k, v in config.items() if not _SECRET.search(str(k))}

@@ -81,6 +81,10 @@ class LoggingConfig:
     # decoded trajectories per step and per eval (best and worst of a group first) into <output_dir>/rollouts.jsonl,
     # the report and a wandb table; `skyrl-stepwise show <run dir>` prints them. 0 turns it off.
     num_rollout_samples: int = 4
+    # of those, trajectories per step/eval recorded per token (ids, loss mask, engine and trainer logprob, advantage)
+    # into <output_dir>/view_tokens.jsonl for the trajectory viewer (view/index.html, `skyrl-stepwise view`); each
+    # costs the trainer one extra scoring pass over its samples when no old-logprob pass runs. 0 turns it off.
+    view_samples: int = 4
 
 
 @dataclass
@@ -142,6 +146,8 @@ class RunConfig:
         if self.data.max_base_eval_prompts is not None and self.data.max_base_eval_prompts < 0:
             raise ValueError(f"data.max_base_eval_prompts must be >= 0 (or null: all of data.max_eval_prompts), "
                              f"got {self.data.max_base_eval_prompts}")
+        if self.logging.view_samples < 0:
+            raise ValueError(f"logging.view_samples must be >= 0 (0: none), got {self.logging.view_samples}")
         if self.logging.num_rollout_samples < 0:
             raise ValueError(f"logging.num_rollout_samples must be >= 0 (0: none), got {self.logging.num_rollout_samples}")
         if self.logging.wandb_mode not in ("offline", "online", "disabled"):

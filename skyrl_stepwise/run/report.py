@@ -7,7 +7,7 @@ a researcher can look at reward, cost and time per step without opening wandb or
 
 from __future__ import annotations
 
-import json
+import logging
 import math
 from pathlib import Path
 
@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from skyrl_stepwise.loop.tracking import load_history  # noqa: E402,F401  (read here, and by cli/train.py from here)
 
 # (title, y label, kind, [(metric, legend label)]); eval series are drawn dashed. kind "fraction": the y axis
 # shows 0..1 whenever the values lie in it (a flat 0.5 is not drawn as a wild swing); "count": integer y ticks
@@ -61,21 +63,6 @@ TABLE_COLUMNS = [("reward/mean", "reward"), ("reward/pass_at_n", "pass@n"),
                  ("timing/train_s", "update s"), ("timing/weight_sync_s", "sync s"), ("timing/step_s", "step s")]
 SHOWN_WHEN_NONZERO = {"train/skipped_step", "reward/tamper_suspected"}  # columns left out unless some step has a non-zero value
 STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"), ("X", ":")]
-
-
-def load_history(metrics_path: Path, fallback: list[dict] | None = None) -> list[dict]:
-    """Every step once, in order: metrics.jsonl when it exists (a line cut short by a kill is skipped, a step
-    logged twice keeps its last record), else `fallback`."""
-    records = []
-    if metrics_path.is_file():
-        for line in metrics_path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    records = [r for r in records or list(fallback or []) if isinstance(r, dict) and "step" in r]
-    by_step = {r["step"]: r for r in records}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def _numeric(history: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -387,6 +374,8 @@ def _files(cfg, run_dir: Path) -> list[str]:
                (run_dir / "sft_metrics.jsonl", "every SFT warm-start step's metrics, written as they happened"),
                (run_dir / "curves.png", "the plots above"),
                (run_dir / "rollouts.jsonl", "decoded trajectories of every step and eval (`skyrl-stepwise show`)"),
+               (run_dir / "view_tokens.jsonl", "a few trajectories per step and eval, per token (the viewer's data)"),
+               (run_dir / "view" / "index.html", "the trajectory viewer page (`skyrl-stepwise view`)"),
                (run_dir / "run.log", "vLLM, Ray, transformers and retrieval-server output, our own log lines"),
                (run_dir / ".hydra" / "config.yaml", "the composed config (`overrides.yaml`: the command line)")]
     for path, what in entries:
@@ -479,6 +468,27 @@ def rollouts_section(run_dir: Path, max_chars: int = 1200) -> list[str]:
     return lines
 
 
+def viewer_page(run_dir: Path) -> Path | None:
+    """Write the trajectory viewer page (view/page.py) next to the report; None when it could not be (logged: the
+    report, and the run's own error, come first)."""
+    from skyrl_stepwise.view.page import write_page
+
+    try:
+        return write_page(run_dir)
+    except Exception:
+        logging.getLogger(__name__).exception("the trajectory viewer page could not be written")
+        return None
+
+
+def viewer_section(page: Path | None) -> list[str]:
+    """The link to the viewer page, first thing after the evaluation: where to see what each step trained on."""
+    if page is None:
+        return []
+    return ["## Trajectory viewer", "", f"[view/index.html](view/index.html) ({page.stat().st_size / 1e6:.1f} MB, "
+            "opens from disk): every step on a timeline, and per step its recorded trajectories token by token, "
+            "coloured by what the loss did with each token, with both logprobs and the advantage on hover.", ""]
+
+
 def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None,
                      failure: BaseException | None = None) -> Path:
     """report.md + curves.png in `run_dir` from metrics.jsonl (else `history`); returns report.md's path."""
@@ -487,6 +497,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
     steps = load_history(run_dir / "metrics.jsonl", history)
     title = f"{cfg.logging.run_name}: {Path(str(cfg.model_path)).name}, {len(steps)} of {cfg.total_steps} steps"
     plot_curves(steps, run_dir / "curves.png", title)
+    page = viewer_page(run_dir)
     from skyrl_stepwise.checkpoint.store import complete_checkpoints
 
     ckpt_dir = Path(cfg.trainer.ckpt_dir)
@@ -499,6 +510,7 @@ def write_run_report(cfg, run_dir: str | Path, history: list[dict] | None = None
              *context_section(cfg, steps),
              *sft_zero_section(cfg, run_dir),
              *evaluation_section(run_dir, steps),
+             *viewer_section(page),
              "## Config", "", *config_summary(cfg), "", "## Curves", "", "![curves](curves.png)", "",
              "## Steps", "", step_table(steps) if steps else "No step was logged.", "",
              *rollouts_section(run_dir),

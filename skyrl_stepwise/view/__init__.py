@@ -1,0 +1,1 @@
+"""The trajectory viewer: a static page per run (view/index.html) built only from what the run recorded."""
