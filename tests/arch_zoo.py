@@ -66,6 +66,9 @@ ARCHITECTURES: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_experts": 4, "moe_intermediate_size": 32,
                  "num_dense_layers": 1, **MOE},
     "minimax": {"layer_types": ["linear_attention", "full_attention"], "num_local_experts": 4, **MOE},  # lightning
+    # issue 59's held-out templates: Falcon-H1 runs Mamba-2 heads beside attention in every layer
+    "falcon_h1": {"mamba_d_ssm": 128, "mamba_d_state": 16, "mamba_n_heads": 8, "mamba_d_head": 16,
+                  "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 16},
 }
 
 # Each chat-template family in tests/templates -> the architecture its models ship with.
@@ -80,7 +83,7 @@ TEMPLATE_ARCHITECTURE = {
     "firefunction-v2": "llama", "functionary-v3.1": "llama", "kimi-k2": "deepseek_v3", "lfm2": "lfm2",
     "nemotron-nano-v2": "nemotron_h", "qwq-32b": "qwen2", "smollm3": "smollm3",
     "apriel-1.6": "mistral", "cohere2moe": "cohere2_moe", "gigachat3.1": "deepseek_v3", "lfm2.5-8b": "lfm2_moe",
-    "minimax-m1": "minimax",
+    "minimax-m1": "minimax", "falcon-h1": "falcon_h1", "llama-4": "llama4_text", "xlam-2-llama": "llama",
 }
 
 # Attention implementations the trainer would pick on CPU (flex_attention is the GPU path; gpt-oss has no sdpa, and

@@ -23,7 +23,7 @@ from skyrl_stepwise.policy.packing.selfcheck import check_packing, refusal
 
 # one sample per row: state along the row, a layer kind we cannot mask (chunked), or longrope with rows of unknown size
 STATE_CARRYING = {"granitemoehybrid", "nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lfm2",
-                  "phi3[longrope]", "llama4_text", "recurrent_gemma", "mamba", "lfm2_moe", "minimax"}
+                  "phi3[longrope]", "llama4_text", "recurrent_gemma", "mamba", "lfm2_moe", "minimax", "falcon_h1"}
 WINDOWED = {"mistral", "phi3", "gemma2", "gemma3_text", "gemma4_text", "cohere2", "olmo3", "exaone4", "gpt_oss",
             "qwen2[swa]", "phi3[longrope]", "recurrent_gemma", "cohere2_moe"}
 

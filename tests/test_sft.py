@@ -217,9 +217,9 @@ def test_tool_call_demonstrations_train_the_calls_the_parser_reads_under_the_rl_
     assert "42" in observation
 
 
-# Granite 3.3's and LFM2's templates render no `tool_calls` (it only instructs the model to write `<|tool_call|>`), so there is
-# no rendering of the call to train: refused, naming the renderer
-CALLS_NOT_WRITABLE = {"granite-3.3", "lfm2"}
+# Granite 3.3's, LFM2's and Falcon-H1's templates render no `tool_calls` (they only instruct the model how to write a
+# call), so there is no rendering of the call to train: refused, naming the renderer
+CALLS_NOT_WRITABLE = {"granite-3.3", "lfm2", "falcon-h1"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
