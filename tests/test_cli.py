@@ -124,7 +124,7 @@ def test_help_quotes_the_main_recipes_figures_and_names_the_lora_keys(train_help
 
 def test_a_recipe_figure_the_recipe_does_not_set_is_an_error():
     """The help's `${skyrl_recipe:...}` refuses a key its recipe does not set rather than print a blank."""
-    from skyrl_stepwise.run.config import recipe_value
+    from skyrl_stepwise.run.app_config import recipe_value
 
     assert recipe_value("search_r1_tiny", "generator.max_turns") == yaml.safe_load(
         (REPO / "conf" / "experiment" / "search_r1_tiny.yaml").read_text())["generator"]["max_turns"]

@@ -307,24 +307,7 @@ def register_configs() -> None:
     # `${skyrl_is_set:${sft.data}}`: true when a recipe's optional input is given (the task-neutral recipe turns
     # SFT on exactly when sft.data is set)
     OmegaConf.register_new_resolver("skyrl_is_set", lambda value: value not in (None, ""), replace=True)
-    # `${skyrl_recipe:search_r1_tiny,total_steps}`: `--help` quotes a recipe's figures from the recipe itself
-    OmegaConf.register_new_resolver("skyrl_recipe", recipe_value, replace=True)
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
-
-
-def recipe_value(recipe: str, key: str):
-    """The value recipe conf/experiment/<recipe>.yaml gives `key` (a dotted path), read from the file: the help
-    once said the main recipe ran 3 steps after it had gone to 6, so the help reads the figure rather than repeats
-    it. A recipe that does not set the key is an error, not a silent blank."""
-    from omegaconf import OmegaConf
-
-    from skyrl_stepwise.run.app_config import CONF_DIR
-
-    path = f"{CONF_DIR}/experiment/{recipe}.yaml"
-    value = OmegaConf.select(OmegaConf.load(path), key)
-    if value is None:
-        raise KeyError(f"{path} sets no {key}")
-    return value
 
 
 def check_lora_targets(model_path: str, targets: list[str]) -> None:
