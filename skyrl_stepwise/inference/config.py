@@ -22,7 +22,7 @@ class EngineConfig:
     backend: str = "vllm"  # vllm | transformers
     model_path: str | None = None  # None / "smollm2" -> the embedded SmolLM2, else a folder or hub id
     num_engines: int = 1  # engine replicas: a trajectory stays on one, a new one goes to the least loaded
-    # float32 | bfloat16 | float16 (the trainer computes in the same); a CPU host without native bf16 runs float32
+    # float32 | bfloat16 | float16; on a CPU host without native bf16, bfloat16 runs as float32 (the log says so)
     dtype: str = "bfloat16"
     max_model_len: int = 4096  # tokens one sequence may hold (prompt + generation): the engine's context
     # the engines' sampling seed (engine i: seed + i) for requests without generator.sampling.seed
