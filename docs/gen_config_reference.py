@@ -69,6 +69,17 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
+def inherited_comments(cls: type) -> dict[str, str]:
+    """`field_comments` of `cls` and of every dataclass it inherits fields from, the nearest class winning: a field is
+    documented where it is declared (SearchEnvConfig's retriever keys are RetrieverEndpointConfig's), and
+    `inspect.getsource(cls)` shows only the class's own body."""
+    comments: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if base is not object and dataclasses.is_dataclass(base):
+            comments.update({name: text for name, text in field_comments(base).items() if text})
+    return comments
+
+
 def type_name(hint) -> str:
     """A readable type: `int | None`, `list[str]`, not `typing.Optional[int]`."""
     if isinstance(hint, type) and not typing.get_args(hint):
@@ -104,7 +115,7 @@ def _code(value) -> str:
 def sections(cls: type, prefix: str = "", base: dict | None = None):
     """(key path of a section, its class, rows of its own leaf fields), depth first: the tree as a run reads it."""
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
+    comments = inherited_comments(cls)
     rows, nested = [], []
     for f in dataclasses.fields(cls):
         path = f"{prefix}{f.name}"

@@ -6,6 +6,8 @@ one directory per job, the RunConfig each job gets) is exercised without trainin
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -84,17 +86,50 @@ def test_the_trainer_scores_the_truncation_the_engines_sample_with():
         train.load_config(["experiment=search_r1_tiny", "generator.sampling.top_p=0.9", "trainer.top_p=1.0"])
 
 
-def test_help_lists_the_recipes_and_main_keys(capsys):
-    with pytest.raises(SystemExit) as exit_:
+@pytest.fixture(scope="module")
+def train_help() -> str:
+    """`train --help`'s text, composed once for the tests that read it (Hydra composes the config for it: seconds)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
         train.main(["--help"])
     assert exit_.value.code == 0
-    text = capsys.readouterr().out
+    return out.getvalue()
+
+
+def test_help_lists_the_recipes_and_main_keys(train_help):
+    text = train_help
     assert "skyrl-stepwise train" in text and "experiment=search_r1_tiny" in text
     for recipe in (REPO / "conf" / "experiment").glob("*.yaml"):  # a new recipe must be listed too
         assert f"experiment={recipe.stem}" in text, recipe.stem
     for key in ("total_steps", "generator.step_wise_trajectories", "logging.output_dir", "logging.console_level"):
         assert key in text
     assert "--multirun" in text and "--cfg" in text
+
+
+def test_help_quotes_the_main_recipes_figures_and_names_the_lora_keys(train_help):
+    """`train --help` said the main recipe (`make run`: experiment=search_r1_tiny) ran 3 steps after it had gone to 6,
+    and named no LoRA key: its figures are now read from the recipe, so this compares them with the file."""
+    assert "experiment=search_r1_tiny" in (REPO / "Makefile").read_text()  # the recipe `make run` runs
+    recipe = yaml.safe_load((REPO / "conf" / "experiment" / "search_r1_tiny.yaml").read_text())
+    text = train_help
+    recipes = text.index("== Recipes")
+    entry = text[text.index("experiment=search_r1_tiny ", recipes):text.index("experiment=search_r1_tools_tiny")]
+    assert f"{recipe['total_steps']} RL steps" in entry, entry
+    assert f"evals on {recipe['data']['max_eval_prompts']} prompts" in entry, entry
+    for key in ("trainer.lora.enabled", "trainer.lora.sync", "trainer.lora.lr", "trainer.lora.rank",
+                "trainer.lora.alpha", "trainer.lora.target_modules", "sft.lora"):
+        assert f"\n  {key}" in text or f", {key}" in text, key
+    assert "${" not in text  # every figure resolved
+
+
+def test_a_recipe_figure_the_recipe_does_not_set_is_an_error():
+    """The help's `${skyrl_recipe:...}` refuses a key its recipe does not set rather than print a blank."""
+    from skyrl_stepwise.run.app_config import recipe_value
+
+    assert recipe_value("search_r1_tiny", "generator.max_turns") == yaml.safe_load(
+        (REPO / "conf" / "experiment" / "search_r1_tiny.yaml").read_text())["generator"]["max_turns"]
+    with pytest.raises(KeyError, match="sets no trainer.no_such_key"):
+        recipe_value("search_r1_tiny", "trainer.no_such_key")
 
 
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)

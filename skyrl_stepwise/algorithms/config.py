@@ -18,8 +18,9 @@ STEP_ADVANTAGES = ("outcome", "discounted", "gigpo")
 class AlgorithmConfig:
     """What is optimised: per-step advantages (outcome by default), PPO clip, truncated IS, KL."""
 
+    # grpo: score - the group's mean (/ its std, see norm_adv_by_std); rloo: score - the mean of the group's others
     advantage_estimator: str = "grpo"
-    norm_adv_by_std: bool = True
+    norm_adv_by_std: bool = True  # grpo: divide by the group's score std (+1e-6); false: Dr. GRPO's unscaled advantage
     # How a trajectory's credit reaches its steps (algorithms/credit.py), always grouped by prompt:
     # outcome: the trajectory's advantage on every step; discounted: each step's return (its reward + gamma-
     # discounted later rewards) minus the group's mean trajectory return (a trajectory-level baseline: stopping
@@ -28,16 +29,16 @@ class AlgorithmConfig:
     step_advantage: str = "outcome"
     gamma: float = 1.0  # discount over turns (discounted, gigpo)
     step_advantage_weight: float = 1.0  # GiGPO's omega
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.28
+    eps_clip_low: float = 0.2  # PPO clips the ratio new/old policy below at 1 - eps_clip_low
+    eps_clip_high: float = 0.28  # ... and above at 1 + eps_clip_high (higher than low: DAPO's clip-higher)
     # Dual-clip PPO: caps the loss of negative-advantage tokens at dual_clip_c * |A|; None disables it.
     dual_clip_c: float | None = None
     # Token-level truncated importance sampling against the inference engine's logprobs: the weight
     # exp(old - rollout) is clipped at this value and detached. None or 0 disables it.
     tis_ratio_clip_high: float | None = 2.0
-    use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    use_kl_loss: bool = True  # add a KL-to-reference term to the loss (a frozen copy of the starting policy)
+    kl_loss_coef: float = 0.001  # the KL term's weight in the loss
+    kl_loss_type: str = "low_var_kl"  # the per-token KL estimator: low_var_kl (k3: >= 0, low variance) | k1 | k2
     # token_mean: sum of per-token losses / number of loss-masked tokens in the whole mini-batch (all ranks).
     # trajectory_mean: each trajectory's token mean, averaged over the mini-batch's trajectories, so a long
     # trajectory counts as much as a short one (rLLM's seq-mean-token-mean, per trajectory, not per sample).
@@ -50,7 +51,7 @@ class AlgorithmConfig:
     # data.train_batch_size groups with different scores, and trains on those only (generation is cheap next
     # to the update on small models; the data position stays a pure function of the step).
     dynamic_sampling: bool = False
-    max_sample_batches: int = 3
+    max_sample_batches: int = 3  # dynamic sampling: prompt batches a step draws at most (1: no redraw)
 
     def validate(self, prefix: str = "trainer.algorithm") -> None:
         """Reject settings that would silently optimise something else than intended."""

@@ -47,9 +47,11 @@ class SearchEnvConfig(RetrieverEndpointConfig):
     """Retriever endpoint, retry policy and observation text; defaults reproduce Search-R1's format."""
 
     max_turns: int = 4  # used only when the generator does not pass extras["max_turns"]
-    observation_template: str = "\n\n<information>{results}</information>\n\n"
-    doc_template: str = "Doc {index}(Title: {title}) {text}\n"
+    observation_template: str = "\n\n<information>{results}</information>\n\n"  # a search's observation
+    doc_template: str = "Doc {index}(Title: {title}) {text}\n"  # each document in {results}
+    # the observation when a search fails (retriever_down=observe, or an error the retries do not cover)
     failure_template: str = "\n\n<information>Search failed: {error}</information>\n\n"
+    # the observation for a turn with neither <search> nor <answer>
     invalid_action_message: str = INVALID_ACTION
     # Per-step credit: a search whose documents contain a golden answer (normalised substring) earns this reward on
     # its own step, once per episode (repeating the search earns nothing more). 0 = off, the Search-R1 recipe.

@@ -28,8 +28,8 @@ class ToolEnvConfig:
     """Which tools, how long each call may take, and the system prompt that tells the model it has tools."""
 
     tools_path: str | None = None  # a verl-style tools YAML; None: the built-in search + calculator
-    timeout_s: float = 30.0
-    max_calls_per_turn: int = 8
+    timeout_s: float = 30.0  # seconds one tool call may take; past it the model reads a timeout error
+    max_calls_per_turn: int = 8  # calls run per turn; the model reads an error for each one past it
     # Replaces the row's system message (or is added): e.g. how to answer; None keeps the row's prompt.
     system_prompt: str | None = None
     # Replaces the row's first user message's instructions by just the question (extra_info.question), for rows

@@ -10,12 +10,15 @@ from typing import Any
 class GeneratorSamplingConfig:
     """Per-turn sampling; `max_generate_length` is per turn, not per trajectory."""
 
-    max_generate_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: list[str] = field(default_factory=list)
+    max_generate_length: int = 256  # tokens sampled per turn at most (finish reason `length` past it)
+    temperature: float = 1.0  # trainer.temperature must equal it (checked at start-up)
+    top_p: float = 1.0  # nucleus sampling; 1.0: off (trainer.top_p follows it)
+    top_k: int = -1  # sample from the k most likely tokens; -1: off (trainer.top_k follows it)
+    stop: list[str] = field(default_factory=list)  # strings that end a turn, kept in the action (e.g. </search>)
+    # record the engine's logprob of each sampled token (truncated IS, the agreement check, the endpoint's logprobs)
     logprobs: bool = True
+    # null: unseeded sampling; a number: each (trajectory, turn) samples with a seed derived from it, so a rerun
+    # samples the same ids
     seed: int | None = None
 
 
@@ -38,12 +41,12 @@ class ContextConfig:
     truncate_head_fraction: float = 0.5  # share of the cap kept from the start of the observation
     # sliding_window: the observations of the last `window` turns are kept; older ones become `placeholder`
     window: int = 2
-    placeholder: str = "[older observation removed: {tokens} tokens]"
+    placeholder: str = "[older observation removed: {tokens} tokens]"  # sliding_window: replaces a dropped observation
     # summarize: when the next prompt would exceed `summarize_threshold` tokens (null: 3/4 of max_input_length),
     # the policy model writes a summary turn and the context restarts from the first messages and that summary
     summarize_threshold: int | None = None
-    summary_instruction: str = DEFAULT_SUMMARY_INSTRUCTION
-    resume_message: str = DEFAULT_RESUME_MESSAGE
+    summary_instruction: str = DEFAULT_SUMMARY_INSTRUCTION  # summarize: the user message that asks for the summary
+    resume_message: str = DEFAULT_RESUME_MESSAGE  # summarize: the user message after the summary, in the new context
     train_summaries: bool = True  # summary turns are actions trained with the trajectory's credit; false: masked
     max_summaries: int = 8  # per trajectory
     # per trajectory, sampled + observed tokens; past it the trajectory stops with `budget_exhausted` (null: none)
@@ -88,12 +91,19 @@ class ContextConfig:
 class GeneratorConfig:
     """How trajectories are rolled out and turned into samples."""
 
-    max_turns: int = 4
+    max_turns: int = 4  # model turns per trajectory at most; the last one ends it whatever the env says
+    # tokens a turn's prompt may have; a longer one stops the trajectory (context_exhausted)
     max_input_length: int = 2048
     sampling: GeneratorSamplingConfig = field(default_factory=GeneratorSamplingConfig)
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: int = 1  # trajectories per prompt: the group GRPO/RLOO baseline against each other
+    # true: each turn's observations are a new chat message and the next turn a new assistant message; false: one
+    # growing assistant message with observations spliced in (Search-R1's original format)
     use_conversation_multi_turn: bool = True
+    # true: every turn is a training sample of its own (its prompt: the context at that turn); false: a trajectory's
+    # turns are merged into one sample per exact token chain (the whole-trajectory sample, observations masked)
     step_wise_trajectories: bool = True
+    # step-wise only: merge a trajectory's turns back into the fewest exact token chains (a turn joins the previous
+    # one when that one's prompt + response is a prefix of its prompt), so a shared prefix is computed once
     merge_stepwise_output: bool = False
     # "exact": next prompt = prompt + sampled ids (+ appended EOS) + template bridge ids.
     # "retokenize": apply the chat template to the text history every turn (the common behaviour).
@@ -108,11 +118,13 @@ class GeneratorConfig:
     # template: follow the chat template (Qwen3 drops past reasoning: a new chain at each user turn, counted);
     # all: keep everything sampled in the history, so a trajectory stays one chain.
     thinking_retention: str = "template"
+    # a chat turn that ended on a stop string gets the template's end-of-message token appended (loss-masked, never a
+    # target), as the turn the template renders would have it; false: the turn stays open
     append_eos_after_stop_str: bool = True
     # Zero the loss mask of trajectories that ended by length (generation or context) instead of by the
     # model's own EOS or the env (SkyRL's apply_overlong_filtering); counted in generate/overlong_filtered_*.
     apply_overlong_filtering: bool = False
-    show_progress: bool = True
+    show_progress: bool = True  # a tqdm bar over each step's rollouts on stderr
     context: ContextConfig = field(default_factory=ContextConfig)
     # Seconds one env call (reset, step / step_turn, on_context_exhausted, aclose) may take. Past it the trajectory
     # fails (env_reset / env_step, "timed out": contained, counted, never trained) and a close is abandoned and

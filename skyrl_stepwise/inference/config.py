@@ -21,9 +21,11 @@ class EngineConfig:
 
     backend: str = "vllm"  # vllm | transformers
     model_path: str | None = None  # None / "smollm2" -> the embedded SmolLM2, else a folder or hub id
-    num_engines: int = 1
+    num_engines: int = 1  # engine replicas: a trajectory stays on one, a new one goes to the least loaded
+    # float32 | bfloat16 | float16; on a CPU host without native bf16, bfloat16 runs as float32 (the log says so)
     dtype: str = "bfloat16"
-    max_model_len: int = 4096
+    max_model_len: int = 4096  # tokens one sequence may hold (prompt + generation): the engine's context
+    # the engines' sampling seed (engine i: seed + i) for requests without generator.sampling.seed
     seed: int = 0
     # vLLM knobs
     gpu_memory_utilization: float = 0.5  # GPU only: leaves room for the trainer on the same device
@@ -46,7 +48,7 @@ class EngineConfig:
     # LoRA served by version (trainer.lora.sync=adapter sets both): the largest adapter rank the engine accepts
     # (None: no LoRA in the engine) and how many adapters it keeps loaded at once (the staleness window + probe)
     max_lora_rank: int | None = None
-    max_loras: int = 1
+    max_loras: int = 1  # adapters the engine keeps loaded at once (trainer.lora.sync=adapter)
     # transformers knobs
     max_batch_size: int = 32  # requests decoded together by one HFEngine forward
     batch_wait_s: float = 0.005  # how long the first request of a batch waits for company

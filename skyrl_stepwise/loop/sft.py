@@ -59,10 +59,10 @@ class SFTConfig:
     # renders); "agent_demos": recorded now through the agent endpoint (sft.agent_demos); null: none (the
     # task-neutral recipe turns SFT on when it is set)
     data: str | None = "embedded"
-    max_rows: int = 64
-    epochs: int = 2
+    max_rows: int = 64  # demonstration conversations trained on: the first N
+    epochs: int = 2  # passes over them, each in a fresh seeded order
     batch_size: int = 16  # conversations per optimizer step
-    lr: float = 5.0e-5
+    lr: float = 5.0e-5  # the full-weight SFT's peak learning rate (a LoRA SFT's: sft.lora_lr)
     # Linear warm-up to sft.lr over this many optimizer steps (null: a quarter of the run's steps, 1 to 50).
     # AdamW's first updates move every weight by about lr whatever its gradient (m/sqrt(v) is +-1 after one
     # step): at lr 5e-5 without warm-up that wrecked Gemma 3 270M in one step (entropy 2.9 -> 7.1 nats, grad norm
@@ -77,9 +77,9 @@ class SFTConfig:
     # `unseen_terminator_lr` (when lower than lr) with at least `unseen_terminator_warmup_steps` warm-up steps
     # (at most the run's steps), and says so. SmolLM2-135M-Instruct pays 1.0 nat. null: always lr / num_warmup_steps.
     unseen_terminator_nats: float | None = 10.0
-    unseen_terminator_lr: float = 1.0e-5
-    unseen_terminator_warmup_steps: int = 8
-    seed: int = 0
+    unseen_terminator_lr: float = 1.0e-5  # the lr SFT uses when the terminator is unseen (see above)
+    unseen_terminator_warmup_steps: int = 8  # the fewest warm-up steps then (see above)
+    seed: int = 0  # the conversations' order in each epoch
     # Whether SFT trains a LoRA adapter (trainer.lora's rank, alpha and modules; the warm start is the merged
     # model) or every weight. null: as RL does (trainer.lora.enabled). false with trainer.lora.enabled=true: full
     # SFT, then LoRA RL on the fully fine-tuned model (the same warm start a full RL run uses: one cached SFT

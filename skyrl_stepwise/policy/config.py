@@ -21,7 +21,7 @@ PACKINGS = ("auto", "rows", "tree")
 class DivergenceConfig:
     """When a step counts as diverged (`null` turns one check off; `enabled=false` all of them)."""
 
-    enabled: bool = True
+    enabled: bool = True  # a diverged step stops the run, naming the check; false: no check at all
     # Steps whose median is the start value. 3: one noisy first batch does not define "normal"; small enough that
     # the 6-step tiny SFT recipe is judged on most of its steps.
     baseline_steps: int = 3
@@ -67,13 +67,13 @@ class DivergenceConfig:
 class OptimConfig:
     """AdamW + a transformers LR schedule; defaults are the Search-R1 GRPO recipe's."""
 
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    num_warmup_steps: int = 0
-    scheduler: str = "constant_with_warmup"
+    lr: float = 1e-6  # the RL update's peak learning rate (full weights; the LoRA adapter's: trainer.lora.lr)
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's moment decays
+    eps: float = 1e-8  # AdamW's epsilon
+    max_grad_norm: float = 1.0  # the gradient's global norm is clipped to this before each optimizer step
+    num_warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to lr
+    scheduler: str = "constant_with_warmup"  # constant | constant_with_warmup | linear | cosine
     # Only schedules that decay need it (linear, cosine); -1 = unknown.
     num_training_steps: int = -1
 
@@ -98,11 +98,12 @@ class OptimConfig:
 class FSDPConfig:
     """FSDP2 sharding; the backend follows the hardware (nccl on GPU, gloo on CPU) unless forced."""
 
-    world_size: int = 1
+    world_size: int = 1  # policy ranks (processes) the weights are sharded over
     backend: str = "auto"  # auto | nccl | gloo
     # bf16 compute with fp32 master weights and fp32 gradient reduction, where the hardware has bf16.
     mixed_precision: bool = True
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory, one more forward
+    # free the gathered full layer after its forward (gathered again for the backward): less memory, more traffic
     reshard_after_forward: bool = True
     # CPU threads of each rank (torch and OpenMP). None -> the node's cores shared evenly by its ranks; Ray
     # would otherwise give a rank that reserves no CPU a single OpenMP thread.
@@ -143,6 +144,7 @@ class LoRAConfig:
     reference is the base with the adapter disabled. `sync`: what the engines receive at every sync, the merged full
     weights (merged) or the adapter alone, loaded by version (adapter; docs/lora.md)."""
 
+    # train a LoRA adapter instead of every weight (trainer.lora.*; sft.lora: the warm start; docs/lora.md)
     enabled: bool = False
     rank: int = 8  # r
     alpha: float = 16.0  # the update is scaled by alpha / rank
@@ -230,8 +232,8 @@ class TrainerConfig:
     # The sampling temperature, top-k and top-p (conf/config.yaml copies them from generator.sampling): the
     # trainer scores the truncated distribution the engines drew from, so on-policy TIS weights are exactly 1.
     temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0  # 1.0: off
     # Dropout is off in the trainer's forwards (RL and SFT alike; policy/dropout.py): the engines sample without
     # it, so logprobs computed with it would make every ratio and TIS weight wrong. true keeps the model's dropout.
     keep_dropout: bool = False
@@ -239,8 +241,8 @@ class TrainerConfig:
     # scored with the RoPE factors vLLM uses at that context for every token (policy/models/rope.py). null: the
     # trainer picks them per forward, as transformers does (a worker used without engines).
     engine_max_model_len: int | None = None
-    seed: int = 42
-    ckpt_dir: str = "ckpts"
+    seed: int = 42  # torch's seed before the model loads (random inits: LoRA's A) and the packing check
+    ckpt_dir: str = "ckpts"  # where checkpoints (step_N/) are written and resumed from; the run dir's ckpts/ in a run
     ckpt_interval: int = 10  # optimizer steps between checkpoints; 0 disables
     max_ckpts_to_keep: int = 2  # -1 keeps all
     resume: str = "auto"  # auto (latest complete checkpoint, if any) | none | a step_N folder

@@ -53,7 +53,7 @@ class WeightSyncConfig:
     engines that can do neither). auto: file when every engine is on rank 0's node, else broadcast.
     """
 
-    method: str = "auto"
+    method: str = "auto"  # auto | file | broadcast | driver (see above)
     bucket_mb: float = 256  # broadcast: bytes per collective (many small tensors travel in one)
     timeout_s: float = 600  # broadcast: how long a member waits for the others (group setup and each bucket)
 

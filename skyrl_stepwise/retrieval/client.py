@@ -50,11 +50,12 @@ class RetrieverEndpointConfig:
     """The retriever keys the Search-R1 env and the search tool share: both inherit them, so a config spells
     them the same for tag-based and function-calling runs, and one place turns them into a client config."""
 
+    # the retrieval server's endpoint (filled in with the run's own server when environment.retriever.start_local)
     search_url: str = "http://127.0.0.1:8000/retrieve"
-    topk: int = 3
-    timeout_s: float = 30.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
+    topk: int = 3  # documents returned per search
+    timeout_s: float = 30.0  # seconds one retrieval request may take
+    max_retries: int = 3  # retries after a failed request (so max_retries + 1 tries)
+    backoff_s: float = 0.5  # wait before retry k: backoff_s * 2**(k-1) s (a 429's Retry-After instead, when given)
     # When the retriever stays down through every retry: fail (the trajectory fails: dropped and counted, never
     # trained on) or observe (the model reads "Search failed: ..." and the episode goes on, as before).
     retriever_down: str = "fail"

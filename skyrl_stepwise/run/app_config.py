@@ -27,6 +27,19 @@ def default_output_dir(run_name: str) -> str:
     return time.strftime(f"outputs/%Y-%m-%d/%H-%M-%S_{run_name}")
 
 
+def recipe_value(recipe: str, key: str):
+    """The value recipe conf/experiment/<recipe>.yaml gives `key` (a dotted path), read from the file: the help
+    once said the main recipe ran 3 steps after it had gone to 6, so the help reads the figure rather than repeats
+    it. A recipe that does not set the key is an error, not a silent blank."""
+    from omegaconf import OmegaConf
+
+    path = f"{CONF_DIR}/experiment/{recipe}.yaml"
+    value = OmegaConf.select(OmegaConf.load(path), key)
+    if value is None:
+        raise KeyError(f"{path} sets no {key}")
+    return value
+
+
 def validated_config(composed, in_hydra_job: bool = True):
     """A composed DictConfig as a RunConfig, checked as every run checks it (unknown keys, values, combinations,
     log levels) and otherwise untouched: what `--cfg job` may print.
@@ -144,10 +157,13 @@ def hydra_entry(task: Callable, argv: list[str] | None = None, help_config: str 
     """
     import hydra
     from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
 
     from skyrl_stepwise.run.config import register_configs
 
     register_configs()
+    # `${skyrl_recipe:search_r1_tiny,total_steps}` in conf/hydra/help: --help quotes a recipe's figures from the recipe
+    OmegaConf.register_new_resolver("skyrl_recipe", recipe_value, replace=True)
 
     @functools.wraps(task)  # Hydra names the job after the task's module: train, ablate
     def job(composed):

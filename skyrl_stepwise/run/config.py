@@ -25,17 +25,20 @@ from skyrl_stepwise.policy.weight_sync import WeightSyncConfig
 class DataConfig:
     """Prompt datasets; "embedded" means the offline Wikipedia Search-R1 set built on first use."""
 
+    # a prompt dataset file (parquet/JSONL rows: prompt, env_class, reward_spec, ...), "embedded", or
+    # reasoning_gym:NAME[:SIZE[:SEED]] (generated once, cached)
     train_path: str = "embedded"
-    val_path: str = "embedded"
+    val_path: str = "embedded"  # the same forms; the evals' prompts (empty: none)
     train_batch_size: int = 4  # prompts per RL step (each sampled generator.n_samples_per_prompt times)
+    # read by nothing: an eval rolls out all its prompts at once (kept so SkyRL-style recipes such as search_r1 compose)
     eval_batch_size: int = 8
-    max_eval_prompts: int = 16
+    max_eval_prompts: int = 16  # validation prompts every eval scores: a fixed sample of data.val_path (data.seed)
     # The base model's eval before SFT uses only the first N of those prompts (None: all): it shows the warm start is
     # needed (SmolLM2 scores 0 there) while the paired RL - SFT comparison gets every prompt, and the base model, which
     # rarely stops early, is the slowest to evaluate.
     max_base_eval_prompts: int | None = None
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = True  # train prompts in a fresh seeded order each epoch; false: file order
+    seed: int = 0  # the train prompts' order and the eval's prompt sample (trainer.seed: weights, sampling: engine)
     env_class: str | None = None  # overrides every row's env_class (e.g. `tool`: Search-R1 rows as function calls)
 
 
@@ -43,9 +46,10 @@ class DataConfig:
 class RetrieverConfig:
     """A local retrieval server started for the run (the embedded corpus by default)."""
 
+    # start a retrieval server for the run when its data searches (false: use environment.search.search_url as set)
     start_local: bool = True
     corpus: str = "embedded"  # or a corpus JSONL {"id", "contents"}
-    kind: str = "bm25"
+    kind: str = "bm25"  # bm25 | dense (faiss); the index is built once per corpus and cached
     port: int = 0  # 0: any free port on 127.0.0.1 (search_url is then filled in)
 
 
@@ -70,8 +74,8 @@ class LoggingConfig:
     """Where a run writes: the run dir (metrics.jsonl, run.log, report.md, curves.png, ckpts/, wandb/, .hydra/),
     what the console shows, and wandb (offline unless WANDB_API_KEY is set and mode is online)."""
 
-    project: str = "skyrl_stepwise"
-    run_name: str = "run"
+    project: str = "skyrl_stepwise"  # the wandb project
+    run_name: str = "run"  # the wandb run's name and the tail of the default run dir
     # Hydra's run dir (outputs/<date>/<time>_<run_name>, a sweep's multirun/.../<job>) unless set; outside a
     # Hydra app (train.load_config) the same layout is filled in at compose time.
     output_dir: str = "${hydra:runtime.output_dir}"
@@ -91,15 +95,17 @@ class LoggingConfig:
 class AblationConfig:
     """`skyrl-stepwise ablate`: replay the same rollouts through every mode, then optional short runs."""
 
+    # the sample layouts compared: trajectory (one sample per trajectory), step_wise (one per turn),
+    # step_wise_merged (turns merged where they share a token prefix), tree (step-wise, each shared prefix run once)
     modes: list[str] = field(default_factory=lambda: ["trajectory", "step_wise", "step_wise_merged"])
-    histories: list[str] = field(default_factory=lambda: ["exact", "retokenize"])
-    num_prompts: int = 4
+    histories: list[str] = field(default_factory=lambda: ["exact", "retokenize"])  # generator.history values replayed
+    num_prompts: int = 4  # the first N train prompts rolled out (each generator.n_samples_per_prompt times)
     train_steps: int = 2  # RL steps per mode for reward curves (exact history); 0: costs only
     # Timed updates per mode, each from the same snapshot: the report gives their median and spread (max - min).
     # One update of the tiny recipe on 2 shared CPU cores varies by ~10-20% run to run; 3 is the fewest that has a
     # median and shows that spread, so a mode difference smaller than it reads as noise, not as a finding.
     timing_repeats: int = 3
-    output_dir: str = "${logging.output_dir}/ablation"
+    output_dir: str = "${logging.output_dir}/ablation"  # the ablation's report, rollouts and per-mode runs
 
 
 @dataclass
@@ -109,7 +115,7 @@ class RunConfig:
 
     model_path: str = "smollm2"  # "smollm2" (embedded), a local HF folder, or a hub id
     seed: int = 42  # the run's seed: trainer.seed follows it (conf/config.yaml), so `-m seed=1,2,3` sweeps seeds
-    total_steps: int = 4
+    total_steps: int = 4  # RL steps (rollouts -> update -> weight sync); the SFT warm start is not counted
     eval_interval: int = 0  # RL steps between evals; 0: only at the end
     engine: EngineConfig = field(default_factory=EngineConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)

@@ -39,14 +39,14 @@ class PlacementConfig:
     gpus_per_node: int | None = None  # None: read from the cluster
     # colocated: the shares of one GPU (must sum to <= 1; the policy's covers its reference shard); split: whole
     policy_gpu_fraction: float = 0.5
-    engine_gpu_fraction: float = 0.4
+    engine_gpu_fraction: float = 0.4  # colocated: each engine's share of its GPU
     cpus_per_bundle: float = 0  # CPUs reserved with each GPU bundle (0: none, the actors ask for no CPU)
     ready_timeout_s: float = 8.0  # how long to wait for the placement group before failing
     # Custom Ray resources each policy rank / engine asks for, pinning the roles to nodes of a real cluster: start
     # the nodes meant for them with `ray start --resources='{"engine_node": 1}'` and set
     # +placement.engine_resources.engine_node=0.01 (a dict: `+` adds its key). CPU layouts (mode none) only.
     policy_resources: dict[str, float] = field(default_factory=dict)
-    engine_resources: dict[str, float] = field(default_factory=dict)
+    engine_resources: dict[str, float] = field(default_factory=dict)  # the same for each engine
 
     def validate(self, prefix: str = "placement") -> None:
         """Bad values here surface as a hang or a Ray error far from the config; name the key instead."""
