@@ -35,12 +35,8 @@ from skyrl_stepwise.loop.engine_recovery import recover_engines
 from skyrl_stepwise.loop.evaluation import EvalResult, eval_result, eval_subset
 from skyrl_stepwise.algorithms.losses import no_gradient
 from skyrl_stepwise.loop.rollout_ahead import RolloutAhead
-<<<<<<< HEAD
-from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SAMPLES, ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
-=======
 from skyrl_stepwise.loop.rollout_samples import batch_rows
-from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
->>>>>>> viewer
+from skyrl_stepwise.policy.weight_sync import ADAPTER_PROBE_SAMPLES, ADAPTER_PROBE_SEED, WeightSync, probe_logprobs
 
 
 @dataclass
