@@ -32,8 +32,8 @@ from skyrl_stepwise.policy.batching import (PackedMicroBatch, TrainBatch, forwar
 from skyrl_stepwise.policy.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
 from skyrl_stepwise.policy.dropout import disable_dropout, dropout_note
 from skyrl_stepwise.policy.lora import (adapted_layers, adapter_disabled, adapter_recipe, adapter_state, apply_lora,
-                                        base_weights_checksum, is_adapter_key, merged_items, merged_shapes,
-                                        save_adapter)
+                                        base_weights_checksum, check_adapter_recipe, is_adapter_key, merged_items,
+                                        merged_shapes, save_adapter)
 from skyrl_stepwise.algorithms.losses import no_gradient, policy_loss
 from skyrl_stepwise.policy.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.models.rope import pin_longrope
@@ -754,15 +754,16 @@ class PolicyWorker:
         return identity
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore a complete checkpoint in place; returns its trainer_state (with `step`). An adapter-only
-        checkpoint (LoRA) is refused, naming trainer.model_path, when the base weights here are not the ones it
-        was trained on (its recorded checksum), or when this run has no adapter to load it into."""
+        """Restore a complete checkpoint in place; returns its trainer_state (with `step`). Before any tensor
+        loads, a checkpoint whose adapter recipe (trainer.lora.enabled, rank, alpha, target_modules) differs from
+        this run's is refused naming the key and both values (AdapterRecipeMismatch, a configuration error, never
+        CorruptCheckpoint), and an adapter-only checkpoint, naming trainer.model_path, when the base weights here are
+        not the ones it was trained on (its recorded checksum)."""
         saved = _saved_identity(Path(path))  # None: unreadable, left to checkpoint.load_checkpoint to name
         adapter_only = bool(saved and saved.get("adapter_only"))
-        if saved and (saved.get("lora") is not None) != bool(self.lora_layers):
-            raise ValueError(f"checkpoint {path} holds {'a LoRA adapter' if saved.get('lora') else 'a full model'} "
-                             f"but trainer.lora.enabled={bool(self.lora_layers)}: resume with the setting it was "
-                             "saved with")
+        if saved:  # {}: written before checkpoints recorded the model
+            check_adapter_recipe(saved.get("lora"), adapter_recipe(self.model, self.cfg.lora) if self.lora_layers
+                                 else None, str(path))
         if adapter_only:
             here = self.checkpoint_identity()
             if here["base_weights"] != saved.get("base_weights"):
