@@ -4,6 +4,7 @@ Two parts, one command each:
 
     python benchmarks/lora_vs_full.py                     # the update step: 4 trajectories x 3 turns, 3 timed steps
     python benchmarks/lora_vs_full.py --learning          # the main job twice: full RL and LoRA RL
+    python benchmarks/lora_vs_full.py --export-only       # the weight export for the engines alone, 3 turns each
 
 The update step (default): both arms are built in one process from the same weights (SmolLM2-135M, one FSDP2 gloo
 rank) and take their train_steps alternately (full, LoRA, full, ...) on the same batch, shaped like the tiny
@@ -36,6 +37,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fsdp_throughput import merged, search_r1_rollouts  # noqa: E402
 
 MIB = 2**20
+
+
+def export_times(arms: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each arm's export_weights (the fp32 file the engines load; LoRA merges W + scaling * B @ A first),
+    the arms taking turns `repeats` times, so the host's load falls on both alike."""
+    from skyrl_stepwise.inference.weights import weights_file
+
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, worker in arms.items():
+            with weights_file() as path:
+                start = time.perf_counter()
+                worker.export_weights(str(path), "float32")
+                times[name].append(time.perf_counter() - start)
+    return times
 
 
 def held_bytes(worker) -> tuple[int, int, int]:
@@ -149,6 +165,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=None,
                         help="LoRA rank (default: 16 for the update step, trainer.lora's 8 for --learning)")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
+    parser.add_argument("--export-only", action="store_true",
+                        help="time only the weight export for the engines (no train_step): `--export-repeats` turns")
+    parser.add_argument("--export-repeats", type=int, default=3, help="export_weights timings per arm (median)")
     args = parser.parse_args()
     if args.learning:
         learning(args)
@@ -156,7 +175,6 @@ def main() -> None:
     args.rank = args.rank or 16
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    from skyrl_stepwise.inference.weights import weights_file
     from skyrl_stepwise.models import resolve_model_path
     from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
     from skyrl_stepwise.policy.config import TrainerConfig
@@ -175,22 +193,24 @@ def main() -> None:
         vocab = arms["full"].model.config.vocab_size
         batch = merged(search_r1_rollouts(args.trajectories, args.turns, 330, 96, 300, vocab), args.turns)
         times: dict[str, list[float]] = {name: [] for name in arms}
-        for step in range(args.steps + 1):
+        for step in range(0 if args.export_only else args.steps + 1):
             for name, worker in arms.items():
                 start = time.perf_counter()
                 worker.train_step(batch)
                 if step:  # the first step of each arm is a warm-up
                     times[name].append(time.perf_counter() - start)
-        export = {}
-        for name, worker in arms.items():
-            with weights_file() as path:
-                start = time.perf_counter()
-                worker.export_weights(str(path), "float32")
-                export[name] = time.perf_counter() - start
+        exports = export_times(arms, args.export_repeats)
+        export = {name: statistics.median(t) for name, t in exports.items()}
         held = {name: held_bytes(worker) for name, worker in arms.items()}
         for worker in arms.values():
             worker.shutdown()
 
+    if args.export_only:
+        print(f"SmolLM2-135M, 1 FSDP2 gloo rank, torch threads {torch.get_num_threads()}, LoRA rank {args.rank} "
+              f"(all-linear): export_weights (fp32 file) s, median of {args.export_repeats}: full "
+              f"{export['full']:.2f}, LoRA {export['lora']:.2f} (LoRA / full {export['lora'] / export['full']:.2f}); "
+              "each: " + "; ".join(f"{n} {', '.join(f'{t:.2f}' for t in ts)}" for n, ts in exports.items()))
+        return
     step = {name: statistics.median(t) for name, t in times.items()}
     print(f"SmolLM2-135M, 1 FSDP2 gloo rank, torch threads {torch.get_num_threads()}, LoRA rank {args.rank} "
           f"(all-linear), {len(batch)} samples, {batch.num_loss_tokens()} loss tokens, "

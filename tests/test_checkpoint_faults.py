@@ -215,13 +215,14 @@ def test_a_checkpoint_saved_before_content_hashes_still_loads_and_says_so(tmp_pa
     import json
     import logging
 
-    from skyrl_stepwise.checkpoint.store import MANIFEST, read_manifest
+    from skyrl_stepwise.checkpoint.store import COMPLETE, MANIFEST, read_manifest
 
     weights = _two_checkpoints(tmp_path)
     folder = step_dir(tmp_path, 2)
     files, hashed = read_manifest(folder)
     assert hashed and all(len(digest) == 64 for _, digest in files.values())
     (folder / MANIFEST).write_text(json.dumps({name: size for name, (size, _) in files.items()}))
+    (folder / COMPLETE).write_text("ok\n")  # the marker those saves wrote: it recorded no manifest
     with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.checkpoint.verify"):
         assert verify_checkpoint(folder)["step"] == 2
     assert f"{MANIFEST} of sizes only" in caplog.text and "without checking its bytes" in caplog.text
@@ -237,3 +238,62 @@ def test_a_checkpoint_saved_before_content_hashes_still_loads_and_says_so(tmp_pa
         with pytest.raises(CorruptCheckpoint):
             verify_checkpoint(folder)
     assert f"no {MANIFEST}" in caplog.text
+
+
+def _one_checkpoint(root):
+    """step_1 of a tiny model (no optimizer: the fastest save that has a manifest)."""
+    model, _, _ = _setup()
+    return save_checkpoint(root, 1, model), model
+
+
+@pytest.mark.parametrize("damage, cause", [
+    ("deleted", "MANIFEST.json is missing, but this checkpoint was written with one"),
+    ("emptied", "MANIFEST.json is not the one the save wrote"),
+    ("one entry dropped", "MANIFEST.json is not the one the save wrote"),
+])
+def test_a_checkpoint_written_with_a_manifest_must_keep_it(tmp_path, damage, cause):
+    """Deleting (or rewriting) the manifest must not turn a checkpoint into one 'saved before content hashes' that
+    loads unchecked: the COMPLETE marker records the manifest's hash, so its loss is damage, found by the driver's
+    check and by the ranks' own load alike."""
+    import json
+
+    from skyrl_stepwise.checkpoint.store import MANIFEST
+
+    path, model = _one_checkpoint(tmp_path)
+    manifest = path / MANIFEST
+    if damage == "deleted":
+        manifest.unlink()
+    elif damage == "emptied":
+        manifest.write_text("")
+    else:
+        data = json.loads(manifest.read_text())
+        data["files"].pop(next(name for name in data["files"] if name.endswith(".distcp")))
+        manifest.write_text(json.dumps(data))
+    with pytest.raises(CorruptCheckpoint, match=f"{path}/{MANIFEST} cannot be read.*{cause}"):
+        verify_checkpoint(path)
+    with pytest.raises(CorruptCheckpoint, match=cause):
+        load_checkpoint(path, model)
+
+
+def test_a_checkpoint_of_another_model_shape_is_a_config_error_and_never_set_aside(tmp_path):
+    """A checkpoint that reads back but holds tensors of another shape (a changed model or LoRA rank) is
+    CheckpointMismatch naming the tensor, before any tensor loads; resume=auto stops on it and leaves step_N where it
+    is (it used to be CorruptCheckpoint, and every good checkpoint was renamed .corrupt)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from skyrl_stepwise.checkpoint.store import CheckpointMismatch
+
+    path, _ = _one_checkpoint(tmp_path)
+    torch.manual_seed(3)
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(CheckpointMismatch, match=r"model.layers.0.mlp.gate_proj.weight: \[64, 32\] saved, "
+                                                 r"\[48, 32\] here"):
+        resume_checkpoint("auto", tmp_path, lambda p: load_checkpoint(p, wider), lambda msg: None)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_1"]  # not renamed step_1.corrupt
+    assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())  # nothing loaded
+    deeper = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    with pytest.raises(CheckpointMismatch, match=r"the model here has and the checkpoint lacks \(9\)"):
+        load_checkpoint(path, deeper)

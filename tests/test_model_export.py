@@ -14,6 +14,9 @@ from test_lora import _batch, _cfg, _save_tiny, _worker
 from skyrl_stepwise.cli import main as cli_main
 from skyrl_stepwise.policy.config import LoRAConfig
 
+# single-process DCP warns that it assumes a single process, which is exactly the case here
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
@@ -105,3 +108,114 @@ def test_export_of_a_folder_without_checkpoints_says_so(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out")
+
+
+# ------------------------------------------- what export checks before it writes (issue 59: hashes, base, travel)
+
+def _lora_checkpoint(base_dir, root):
+    """A LoRA checkpoint as the worker saves one (adapter tensors alone, the recipe and the base's checksum in
+    trainer_state's `model`), written directly from a tiny peft-injected model: no worker, so it is fast."""
+    from transformers import AutoModelForCausalLM
+
+    from skyrl_stepwise.checkpoint.store import save_checkpoint
+    from skyrl_stepwise.policy.fsdp_worker import weights_checksum
+    from skyrl_stepwise.policy.lora import adapter_recipe, apply_lora, base_weights_checksum, is_adapter_key
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=8.0)
+    apply_lora(model, cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a trained adapter: B moved away from its zero start
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, 0.1)
+    identity = {"model_path": str(base_dir), "adapter_only": True, "lora": adapter_recipe(model, cfg),
+                "base_weights": base_weights_checksum(model.named_parameters(), weights_checksum)}
+    return save_checkpoint(root, 2, model, trainer_state={"model": identity}, model_keys=is_adapter_key)
+
+
+@pytest.fixture
+def lora_ckpt(tiny_model_dir, tmp_path):
+    """(a private copy of the tiny base, a LoRA checkpoint trained on it)."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    return base, _lora_checkpoint(base, tmp_path / "ckpts")
+
+
+@pytest.mark.parametrize("adapter_only", [False, True])
+def test_export_refuses_a_base_whose_weights_changed_since_training(lora_ckpt, tmp_path, capsys, adapter_only):
+    """It used to merge the adapter into whatever the recorded folder held by then, without a word."""
+    from safetensors.torch import load_file, save_file
+
+    base, ckpt = lora_ckpt
+    weights = load_file(base / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][0, 0] += 0.5
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    args = ["model", "export", str(ckpt), "--out", str(tmp_path / "out")] + (["--adapter-only"] if adapter_only else [])
+    assert cli_main(args) == 1
+    err = capsys.readouterr().err
+    assert f"the base {base} is not the model the LoRA adapter of {ckpt} was trained on" in err
+    assert "when the checkpoint was saved" in err and "--model-path" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage, named", [("flip", "dcp/__0_0.distcp"), ("drop manifest", "MANIFEST.json")])
+def test_export_refuses_a_checkpoint_whose_bytes_are_not_the_saved_ones(lora_ckpt, tmp_path, capsys, damage, named):
+    """A flipped exponent bit in the adapter's shard (it used to be exported as is) or a deleted manifest: the
+    export checks the content hashes as a resume does, and writes nothing."""
+    import struct
+
+    _, ckpt = lora_ckpt
+    if damage == "flip":
+        shard = ckpt / "dcp" / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        value = next(t for n, t in _saved_adapter(ckpt).items() if ".lora_B." in n).flatten()[:2]
+        at = data.find(struct.pack("<ff", *value.tolist()))
+        assert at >= 0
+        data[at + 3] ^= 0x40  # an exponent bit of the first float
+        shard.write_bytes(bytes(data))
+    else:
+        (ckpt / "MANIFEST.json").unlink()
+    assert cli_main(["model", "export", str(ckpt), "--out", str(tmp_path / "out"), "--adapter-only"]) == 1
+    err = capsys.readouterr().err
+    assert f"{ckpt / named} cannot be read" in err
+    assert not (tmp_path / "out").exists()
+
+
+def _saved_adapter(ckpt) -> dict[str, torch.Tensor]:
+    """The adapter tensors a checkpoint holds, read with DCP in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    from skyrl_stepwise.checkpoint.store import saved_model_shapes
+
+    state = {"model": {name: torch.empty(shape) for name, shape in saved_model_shapes(ckpt).items()}}
+    dcp.load(state, checkpoint_id=ckpt / "dcp", no_dist=True)
+    return state["model"]
+
+
+def test_an_adapter_export_says_which_base_must_travel_with_it(lora_ckpt, tmp_path, capsys):
+    """The adapter's base_model_name_or_path is a folder of this machine (here a supervised warm start, like the
+    main job's 651 MB SFT model): README.md, EXPORT.json and the console say it must travel with the adapter."""
+    import json
+
+    base, ckpt = lora_ckpt
+    (base / "sft_metrics.json").write_text("[]")  # what marks a warm start of this library
+    assert cli_main(["model", "export", str(ckpt), "--out", str(tmp_path / "out"), "--adapter-only"]) == 0
+    out = capsys.readouterr().out
+    assert f"its base model: {base}: a supervised warm start trained by skyrl-stepwise (published nowhere)" in out
+    readme = (tmp_path / "out" / "README.md").read_text()
+    assert "its base must travel with it" in readme and str(base) in readme
+    record = json.loads((tmp_path / "out" / "EXPORT.json").read_text())["base"]
+    assert record["name"] == str(base) and record["portable"] is False and record["weight_bytes"] > 0
+    assert record["base_weights"] == json.loads((ckpt / "trainer_state.json").read_text())["model"]["base_weights"]
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base)
+
+
+def test_a_hub_base_is_named_as_portable():
+    from skyrl_stepwise.cli.export import describe_base
+
+    base = describe_base("HuggingFaceTB/SmolLM2-135M-Instruct", "abc")
+    assert base.portable and "loads anywhere" in base.where and base.weight_bytes == 0

@@ -77,3 +77,35 @@ def test_resume_through_the_cli_refuses_a_changed_config_and_keeps_hydras_record
     assert (out / ".hydra" / "overrides.yaml").read_text() == first
     launches = sorted((out / ".hydra").glob("launch-*/overrides.yaml"))
     assert launches and "generator.max_turns=2" in yaml.safe_load(launches[-1].read_text())
+
+
+def test_allowed_changes_never_include_the_adapter_recipe_of_the_checkpoints_resumed(tmp_path):
+    """trainer.resume_allow_changes=true lets a resume change the lr, not trainer.lora.alpha / rank / target_modules /
+    enabled of the adapter its checkpoints hold: refused at launch naming the key and both values, before the
+    start-up; with no checkpoint to resume (or resume=none) the change is the user's to make."""
+    import copy
+
+    ckpts = tmp_path / "ckpts"
+    saved = _tree(f"trainer.ckpt_dir={ckpts}", "trainer.lora.enabled=true")
+    save_record(saved, tmp_path)
+
+    def launch(resume="auto", **lora):
+        tree = copy.deepcopy(saved)
+        tree["trainer"]["optim"]["lr"] = 1e-4
+        tree["trainer"]["resume"] = resume
+        tree["trainer"]["lora"].update(lora)
+        return tree
+
+    changed = launch(alpha=32.0, target_modules=["q_proj"])
+    logged = []
+    check_launch(changed, tmp_path, allow_changes=True, log=logged.append)  # nothing to resume yet
+    assert "trainer.lora.alpha: 16.0 -> 32.0" in logged[-1]
+    (ckpts / "step_2").mkdir(parents=True)
+    (ckpts / "step_2" / "COMPLETE").write_text("ok\n")
+    with pytest.raises(ConfigMismatchError, match=r"trainer.lora.alpha: saved 16.0, now 32.0; "
+                                                  r"trainer.lora.target_modules: saved \['all-linear'\], now "
+                                                  r"\['q_proj'\]") as info:
+        check_launch(changed, tmp_path, allow_changes=True, log=logged.append)
+    assert "trainer.optim.lr" not in str(info.value)
+    check_launch(launch(), tmp_path, allow_changes=True, log=logged.append)  # the lr alone: allowed
+    check_launch(launch("none", alpha=32.0), tmp_path, allow_changes=True, log=logged.append)

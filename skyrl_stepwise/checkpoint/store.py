@@ -8,7 +8,9 @@ Layout of `<ckpt_dir>/step_<N>/`:
   driver_state.pkl     the driver's own state (its RNG, rollouts generated ahead): what a bitwise resume needs
   MANIFEST.json        every other file's size and sha256, so a truncated, emptied or damaged file (one flipped
                        byte inside a shard) is found before anything loads (checkpoint/verify.py)
-  COMPLETE             written last
+  COMPLETE             written last; it records the manifest's own sha256, so a checkpoint written with a manifest
+                       must keep it: one deleted or replaced afterwards is damage (CorruptCheckpoint), not an
+                       old checkpoint (the markers of saves before manifests say `ok`)
 
 Everything is written into `step_<N>.tmp`, renamed to `step_<N>` and only then marked COMPLETE, so a save
 killed at any point leaves either a `.tmp` folder or a folder without the marker: neither is ever picked by
@@ -61,6 +63,12 @@ _READ_ERRORS = (Exception, dcp.api.CheckpointException)
 
 class CorruptCheckpoint(RuntimeError):
     """A complete checkpoint (COMPLETE marker present) that cannot be read back: the message names the file."""
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that reads back but holds tensors of another model or adapter than the one here (a changed
+    trainer.model_path or trainer.lora): a configuration error naming the tensor, never CorruptCheckpoint, so
+    resume=auto never sets a good checkpoint aside for it."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -319,10 +327,39 @@ def read_manifest(folder: Path) -> tuple[dict[str, tuple[int, str | None]], bool
     return {name: (int(size), None) for name, size in data.items()}, False
 
 
+def recorded_manifest(folder: Path) -> str | None:
+    """The sha256 of the manifest the checkpoint's COMPLETE marker records, or None for a marker of a save before
+    markers recorded one (`ok`). Raises ValueError when the marker is garbled."""
+    text = (folder / COMPLETE).read_text().strip()
+    if not text.startswith("{"):
+        return None
+    record = json.loads(text)
+    digest = record.get(CONTENT_HASH) if isinstance(record, dict) else None
+    if not isinstance(digest, str) or record.get("manifest") != MANIFEST:
+        raise ValueError(f"the marker records no {MANIFEST} hash: {text[:80]!r}")
+    return digest
+
+
+def check_manifest_kept(folder: Path) -> None:
+    """Refuse (ValueError) a checkpoint whose marker records a manifest that is gone or replaced: its files could
+    then be damaged or swapped without a trace. Reads two small files; checkpoint/verify.py checks the rest."""
+    digest = recorded_manifest(folder)
+    if digest is None:
+        return
+    if not (folder / MANIFEST).is_file():
+        raise FileNotFoundError(f"{MANIFEST} is missing, but this checkpoint was written with one (its {COMPLETE} "
+                                "marker records its hash): it was deleted after the save")
+    if (found := file_digest(folder / MANIFEST)) != digest:
+        raise ValueError(f"{MANIFEST} is not the one the save wrote ({CONTENT_HASH} {found[:16]}..., "
+                         f"{digest[:16]}... in its {COMPLETE} marker)")
+
+
 def _mark_complete(path: Path) -> None:
-    """The marker is the commit point: written and synced after everything else is on disk."""
+    """The marker is the commit point: written and synced after everything else is on disk. It records the
+    manifest's own hash (`recorded_manifest`): the proof that this checkpoint was written with one."""
+    record = {"manifest": MANIFEST, "format": MANIFEST_FORMAT, CONTENT_HASH: file_digest(path / MANIFEST)}
     with open(path / COMPLETE, "w") as f:
-        f.write("ok\n")
+        f.write(json.dumps(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(path)
@@ -334,36 +371,82 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     """Restore in place on every rank (collective) and return the saved trainer_state (with `step`).
     `model_keys`: the model entries the checkpoint holds (as saved); the others keep their current values.
 
-    DCP reshards on load, so the world size may differ from the save; then the per-rank RNG states of
-    ranks that did not exist are simply not restored.
+    Before any tensor loads, the checkpoint's model entries (names and shapes, from DCP's metadata) are compared
+    with the model's: one saved from another model or adapter raises CheckpointMismatch naming the tensor, a
+    configuration error, never CorruptCheckpoint. DCP reshards on load, so the world size may differ from the
+    save; then the per-rank RNG states of ranks that did not exist are simply not restored.
     """
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"checkpoint {path} is incomplete or missing (no {COMPLETE} marker)")
-    part = "trainer_state.json"
-    try:  # the small files first: a garbled one is found before anything in place has changed
-        trainer_state = json.loads((path / part).read_text())
-        saved_world = int(trainer_state["world_size"])
-        part = f"rng_rank{_rank()}.pt"
-        rng = torch.load(path / part, weights_only=False) if _rank() < saved_world else None  # our own file
-        part = "scheduler.pt"
-        scheduler_state = torch.load(path / part, weights_only=True) if scheduler is not None else None
-        part = "dcp/"
+    trainer_state, rng, scheduler_state, saved_shapes = _read_small_files(path, scheduler is not None)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": _kept(model_sd, model_keys), "optim": optim_sd}
+    else:
+        state = {"model": _kept(get_model_state_dict(model), model_keys)}
+    check_fits(path, saved_shapes, {name: tuple(t.shape) for name, t in state["model"].items()})
+    try:
+        dcp.load(state, checkpoint_id=path / "dcp")
+        options = StateDictOptions(strict=model_keys is None)
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": _kept(model_sd, model_keys), "optim": optim_sd}
-            dcp.load(state, checkpoint_id=path / "dcp")
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=StateDictOptions(strict=model_keys is None))
+                           options=options)
         else:
-            state = {"model": _kept(get_model_state_dict(model), model_keys)}
-            dcp.load(state, checkpoint_id=path / "dcp")
-            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=model_keys is None))
+            set_model_state_dict(model, state["model"], options=options)
     except _READ_ERRORS as e:
-        raise CorruptCheckpoint(f"checkpoint {path} is marked {COMPLETE} but {path / part} cannot be read "
+        raise CorruptCheckpoint(f"checkpoint {path} is marked {COMPLETE} but {path / 'dcp/'} cannot be read "
                                 f"({describe_error(e)})") from e
     if scheduler_state is not None:
         scheduler.load_state_dict(scheduler_state)
     if rng is not None:  # ranks beyond the saved world size had no RNG state to restore
         _set_rng_state(rng)
     return trainer_state
+
+
+def _read_small_files(path: Path, with_scheduler: bool) -> tuple[dict, dict | None, dict | None, dict]:
+    """(trainer_state, this rank's RNG state, the scheduler's state, the saved model entries' shapes): the small
+    files first, so a garbled one is found (CorruptCheckpoint naming it) before anything in place has changed."""
+    part = MANIFEST
+    try:
+        check_manifest_kept(path)
+        part = "trainer_state.json"
+        trainer_state = json.loads((path / part).read_text())
+        saved_world = int(trainer_state["world_size"])
+        part = f"rng_rank{_rank()}.pt"
+        rng = torch.load(path / part, weights_only=False) if _rank() < saved_world else None  # our own file
+        part = "scheduler.pt"
+        scheduler_state = torch.load(path / part, weights_only=True) if with_scheduler else None
+        part = "dcp/.metadata"
+        shapes = saved_model_shapes(path)
+    except _READ_ERRORS as e:
+        raise CorruptCheckpoint(f"checkpoint {path} is marked {COMPLETE} but {path / part} cannot be read "
+                                f"({describe_error(e)})") from e
+    return trainer_state, rng, scheduler_state, shapes
+
+
+def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every model tensor a checkpoint holds (DCP's metadata, no tensor read)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path / "dcp")).read_metadata()
+    return {key.removeprefix("model."): tuple(entry.size) for key, entry in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+
+
+def check_fits(path: Path, saved: dict[str, tuple[int, ...]], here: dict[str, tuple[int, ...]]) -> None:
+    """Refuse (CheckpointMismatch) loading a checkpoint whose model tensors are not the ones to load here: a
+    tensor missing from it, one it holds that the model lacks, or one of another shape. The checkpoint is
+    intact (its files read back); the config that built the model differs from the one that saved it."""
+    missing = [n for n in here if n not in saved]
+    extra = [n for n in saved if n not in here]
+    shapes = [f"{n}: {list(saved[n])} saved, {list(here[n])} here" for n in here
+              if n in saved and tuple(saved[n]) != tuple(here[n])]
+    if not (missing or extra or shapes):
+        return
+    found = "; ".join(part for part in (
+        f"tensors of another shape ({len(shapes)}): {', '.join(shapes[:3])}" if shapes else "",
+        f"tensors the model here has and the checkpoint lacks ({len(missing)}): {missing[:3]}" if missing else "",
+        f"tensors the checkpoint holds and the model here lacks ({len(extra)}): {extra[:3]}" if extra else "") if part)
+    raise CheckpointMismatch(f"checkpoint {path} was saved from another model than the one built here ({found}): "
+                             "resume with the trainer.model_path and trainer.lora settings it was saved with")

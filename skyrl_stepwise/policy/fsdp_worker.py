@@ -32,8 +32,8 @@ from skyrl_stepwise.policy.batching import (PackedMicroBatch, TrainBatch, forwar
 from skyrl_stepwise.policy.config import AlgorithmConfig, FSDPConfig, OptimConfig, TrainerConfig
 from skyrl_stepwise.policy.dropout import disable_dropout, dropout_note
 from skyrl_stepwise.policy.lora import (adapted_layers, adapter_disabled, adapter_recipe, adapter_state, apply_lora,
-                                        base_weights_checksum, is_adapter_key, merged_items, merged_shapes,
-                                        save_adapter)
+                                        base_weights_checksum, check_adapter_recipe, is_adapter_key, merged_items,
+                                        merged_shapes, save_adapter)
 from skyrl_stepwise.algorithms.losses import no_gradient, policy_loss
 from skyrl_stepwise.policy.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.models.rope import pin_longrope
@@ -144,8 +144,14 @@ def weights_checksum(named_parameters) -> str:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a parameter (a collective all-gather when it is sharded)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """The full tensor of a parameter (a collective all-gather when it is sharded). On a one-rank mesh the local
+    shard is the whole tensor: returned as is, without DTensor's redistribute (milliseconds per tensor, which a
+    LoRA model's 2 x 210 adapter factors multiply into seconds)."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.device_mesh.size() == 1 and tuple(tensor.to_local().shape) == tuple(tensor.shape):
+        return tensor.to_local()
+    return tensor.full_tensor()
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -494,10 +500,20 @@ class PolicyWorker:
         `base_only` (LoRA): the frozen base alone under those names, never the adapter: what an engine serving
         adapters by version (trainer.lora.sync=adapter) holds under them, e.g. the SFT warm start.
         """
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.lora_layers or not state:
-            return state
-        return dict(merged_items(state, {} if base_only else self.lora_layers))
+        if self.lora_layers:
+            return self._merged_state_dict(base_only)
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _merged_state_dict(self, base_only: bool) -> dict[str, torch.Tensor]:
+        """full_state_dict with LoRA: each base weight and the factors of its adapter gathered once (`_full`, every
+        rank in the same order) and merged as they arrive (merge_factors); rank 0 keeps them on CPU. Not through
+        get_model_state_dict: its per-entry work over the adapter's 2 x 210 extra entries cost seconds (docs/lora.md)."""
+        merged: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in merged_items(self.model.state_dict(), {} if base_only else self.lora_layers, _full):
+                if self.rank == 0:
+                    merged[name] = tensor.to("cpu")
+        return merged
 
     def export_adapter(self) -> dict:
         """trainer.lora.sync=adapter: the adapter alone, as the bytes of peft's folder (policy/lora.py save_adapter,
@@ -764,15 +780,16 @@ class PolicyWorker:
         return identity
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore a complete checkpoint in place; returns its trainer_state (with `step`). An adapter-only
-        checkpoint (LoRA) is refused, naming trainer.model_path, when the base weights here are not the ones it
-        was trained on (its recorded checksum), or when this run has no adapter to load it into."""
+        """Restore a complete checkpoint in place; returns its trainer_state (with `step`). Before any tensor
+        loads, a checkpoint whose adapter recipe (trainer.lora.enabled, rank, alpha, target_modules) differs from
+        this run's is refused naming the key and both values (AdapterRecipeMismatch, a configuration error, never
+        CorruptCheckpoint), and an adapter-only checkpoint, naming trainer.model_path, when the base weights here are
+        not the ones it was trained on (its recorded checksum)."""
         saved = _saved_identity(Path(path))  # None: unreadable, left to checkpoint.load_checkpoint to name
         adapter_only = bool(saved and saved.get("adapter_only"))
-        if saved and (saved.get("lora") is not None) != bool(self.lora_layers):
-            raise ValueError(f"checkpoint {path} holds {'a LoRA adapter' if saved.get('lora') else 'a full model'} "
-                             f"but trainer.lora.enabled={bool(self.lora_layers)}: resume with the setting it was "
-                             "saved with")
+        if saved:  # {}: written before checkpoints recorded the model
+            check_adapter_recipe(saved.get("lora"), adapter_recipe(self.model, self.cfg.lora) if self.lora_layers
+                                 else None, str(path))
         if adapter_only:
             here = self.checkpoint_identity()
             if here["base_weights"] != saved.get("base_weights"):

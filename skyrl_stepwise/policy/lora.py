@@ -146,12 +146,20 @@ def merged_items(state: dict[str, torch.Tensor], layers: dict[str, AdaptedLayer]
         value = full(tensor)
         layer = layers.get(module)
         if leaf == "weight" and layer is not None:
-            a = full(state[f"{module}.lora_A.{ADAPTER}.weight"])
-            b = full(state[f"{module}.lora_B.{ADAPTER}.weight"])
-            with torch.no_grad():
-                delta = (b.to(value.dtype) @ a.to(value.dtype)) * layer.scaling
-                value = value + (delta.T if layer.fan_in_fan_out else delta)
+            a = full(state[f"{module}.lora_A.{ADAPTER}.weight"]).to(value.dtype)
+            b = full(state[f"{module}.lora_B.{ADAPTER}.weight"]).to(value.dtype)
+            value = merge_factors(value, a, b, layer)
         yield f"{module}.{leaf}", value
+
+
+def merge_factors(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: AdaptedLayer) -> torch.Tensor:
+    """W + scaling * B @ A ((B @ A)^T for a transposed Conv1D weight) as one fused addmm into one new tensor: no
+    rank-sized delta the size of W is materialised and added in a second pass (that temporary, one more W-sized
+    allocation per layer, is what made LoRA's export for the engines slower than full's; docs/lora.md)."""
+    with torch.no_grad():
+        if layer.fan_in_fan_out:
+            return torch.addmm(weight, a.T, b.T, alpha=layer.scaling)
+        return torch.addmm(weight, b, a, alpha=layer.scaling)
 
 
 def merged_shapes(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -176,10 +184,61 @@ def base_weights_checksum(named_parameters: Iterable[tuple[str, torch.Tensor]],
     return checksum((n, p) for n, p in named_parameters if not is_adapter_key(n))
 
 
+class AdapterRecipeMismatch(ValueError):
+    """A resume whose trainer.lora would build another adapter than the checkpoint holds: a configuration error
+    naming `trainer.lora.<key>` and both values, never CorruptCheckpoint (the checkpoint itself is intact)."""
+
+
+# the recipe keys that make the saved A and B another policy (or unloadable) when they differ at resume; dropout is
+# recorded too but is a training setting like the learning rate (the run dir's config check covers it)
+RECIPE_KEYS = ("rank", "alpha", "target_modules")
+
+
 def adapter_recipe(model: torch.nn.Module, cfg: LoRAConfig) -> dict:
-    """What rebuilding this adapter on the base needs (rank, alpha, the resolved full module names): recorded
-    in the checkpoint so `model export` needs nothing but the checkpoint and the base folder."""
-    return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": sorted(adapted_layers(model))}
+    """What rebuilding this adapter on the base needs (rank, alpha, the resolved full module names), with the
+    configured target_modules and dropout: recorded in the checkpoint so a resume is checked against it before any
+    tensor loads (`check_adapter_recipe`) and `model export` needs nothing but the checkpoint and the base folder."""
+    return {"rank": cfg.rank, "alpha": cfg.alpha, "target_modules": sorted(adapted_layers(model)),
+            "configured_target_modules": list(cfg.target_modules), "dropout": cfg.dropout}
+
+
+def check_adapter_recipe(saved: dict | None, here: dict | None, checkpoint: str) -> None:
+    """Refuse (AdapterRecipeMismatch) resuming the checkpoint's adapter `saved` (its recorded recipe; None: a full
+    model) into the adapter `here` (this run's recipe; None: LoRA off) when they differ in trainer.lora.enabled,
+    rank, alpha or the modules adapted (compared as resolved, so "all-linear" and the full list agree)."""
+    if (saved is None) != (here is None):
+        raise AdapterRecipeMismatch(
+            f"checkpoint {checkpoint} holds {'a LoRA adapter' if saved else 'a full model'} but trainer.lora.enabled="
+            f"{here is not None} (saved with {saved is not None}): resume with the setting it was saved with")
+    if saved is None:
+        return
+    found = [_recipe_difference(key, saved, here) for key in RECIPE_KEYS if key in saved]
+    found = [line for line in found if line]
+    if found:
+        raise AdapterRecipeMismatch(
+            f"checkpoint {checkpoint} holds a LoRA adapter of another recipe than trainer.lora builds here, so its "
+            "tensors would load into another policy (or not at all): " + "; ".join(found) +
+            ". Resume with the saved values, or start a new run (trainer.resume=none and a new trainer.ckpt_dir)")
+
+
+def _recipe_difference(key: str, saved: dict, here: dict) -> str | None:
+    """`trainer.lora.<key>: saved X, now Y` when the recipes differ in `key`, else None."""
+    if key == "target_modules":
+        return _modules_difference(saved, here)
+    cast = int if key == "rank" else float
+    if cast(saved[key]) == cast(here[key]):
+        return None
+    return f"trainer.lora.{key}: saved {saved[key]!r}, now {here[key]!r}"
+
+
+def _modules_difference(saved: dict, here: dict) -> str | None:
+    """The target_modules line: the configured values (saved, now), and a few modules adapted on one side only."""
+    old, new = set(saved["target_modules"]), set(here["target_modules"])
+    if old == new:
+        return None
+    return (f"trainer.lora.target_modules: saved {saved.get('configured_target_modules', '?')} ({len(old)} modules), "
+            f"now {here.get('configured_target_modules', '?')} ({len(new)} modules); adapted only in the checkpoint "
+            f"{sorted(old - new)[:3]}, only here {sorted(new - old)[:3]}")
 
 
 def peft_lora_config(model: torch.nn.Module, recipe: dict, base_model_name_or_path: str | None = None):

@@ -23,6 +23,11 @@ LAUNCH_KEYS = ("trainer.resume", "trainer.resume_allow_changes", "trainer.overwr
                "logging.console_level", "logging.file_level", "logging.wandb_mode")
 
 
+# keys that shape the LoRA adapter a run's checkpoints hold: a resume cannot change them, allowed or not (the saved
+# A and B would load into another policy; policy/lora.py check_adapter_recipe refuses them again at the load)
+ADAPTER_KEYS = ("trainer.lora.enabled", "trainer.lora.rank", "trainer.lora.alpha", "trainer.lora.target_modules")
+
+
 class ConfigMismatchError(ValueError):
     """A launch into a run dir whose saved config differs; the message lists the keys."""
 
@@ -78,6 +83,8 @@ def check_launch(tree: dict[str, Any], run_dir: str | Path, allow_changes: bool,
     if not diff:
         return
     lines = [f"  {k}: {old!r} -> {new!r}" for k, (old, new) in diff.items()]
+    if allow_changes:
+        _refuse_adapter_changes(diff, tree)
     if not allow_changes:
         raise ConfigMismatchError(
             f"{run_dir} holds a run started with a different config ({path}); this launch differs in "
@@ -89,6 +96,24 @@ def check_launch(tree: dict[str, Any], run_dir: str | Path, allow_changes: bool,
     with open(Path(run_dir) / LAUNCHES, "a") as f:
         f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                             "changes": {k: [old, new] for k, (old, new) in diff.items()}}, default=str) + "\n")
+
+
+def _refuse_adapter_changes(diff: dict[str, tuple[Any, Any]], tree: dict[str, Any]) -> None:
+    """trainer.resume_allow_changes=true still refuses (ConfigMismatchError) a changed adapter recipe when this
+    launch resumes checkpoints: said here, before minutes of start-up, instead of at the checkpoint's load."""
+    from skyrl_stepwise.checkpoint.store import complete_checkpoints
+
+    changed = {k: v for k, v in diff.items() if k in ADAPTER_KEYS}
+    flat = flatten(tree)
+    resume, ckpt_dir = flat.get("trainer.resume"), flat.get("trainer.ckpt_dir")
+    if not changed or resume in ("none", "", None) or (resume == "auto" and not complete_checkpoints(ckpt_dir)):
+        return
+    raise ConfigMismatchError(
+        f"trainer.resume={resume} continues the checkpoints in {ckpt_dir}, whose LoRA adapter was trained with other "
+        "settings; trainer.resume_allow_changes=true cannot change the adapter's recipe (its saved tensors would "
+        "load into another policy): " + "; ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in
+                                                   changed.items()) +
+        ". Resume with the saved values, or start a new run in a new logging.output_dir")
 
 
 def save_record(tree: dict[str, Any], run_dir: str | Path) -> None:
