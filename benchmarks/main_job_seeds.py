@@ -82,6 +82,14 @@ class SeedRow:
     rl_steps: list[RLStep] = dataclasses.field(default_factory=list)
 
     @property
+    def other_s(self) -> float:
+        """The wall time outside the phases above: start-up (retriever, engines, workers), the first weight sync,
+        the final checkpoint and the report."""
+        phases = [self.eval_before_s, self.sft_s, self.eval_after_sft_s, self.eval_final_s,
+                  *(s.step_s for s in self.rl_steps)]
+        return self.wall_s - sum(p for p in phases if p is not None)
+
+    @property
     def resolved(self) -> bool:
         """A gain RL can claim: the paired interval's low end above 0."""
         return self.gain_low is not None and self.gain_low > 0
@@ -171,8 +179,8 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
 def table(rows: list[SeedRow]) -> str:
     """One arm's markdown (rows of the same overrides): one row per seed, then the summary line and the host(s)."""
     lines = ["| seed | status | EM before SFT | EM after SFT | EM after RL | RL - SFT [95% paired] | fixed / broken | "
-             "eval before SFT s | SFT s | RL generate / update s per step | final eval s | total min |",
-             "|---:|---|---:|---:|---:|---|---|---:|---:|---|---:|---:|"]
+             "eval before SFT s | SFT s | eval after SFT s | RL generate / update s per step | final eval s | "
+             "other s | total min |", "|---:|---|---:|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r.seed):
         gain = "-" if r.gain is None else f"{r.gain:+.3f} [{r.gain_low:+.3f}, {r.gain_high:+.3f}]" + \
             (" resolved" if r.resolved else "")
@@ -180,8 +188,8 @@ def table(rows: list[SeedRow]) -> str:
                                            else f"{r.sft_s:.0f}")
         steps = ", ".join(f"{s.generate_s:.0f} / {s.update_s:.0f}" for s in r.rl_steps) or "-"
         lines.append(f"| {r.seed} | {r.status} | {_f(r.before_sft)} | {_f(r.after_sft)} | {_f(r.after_rl)} | {gain} | "
-                     f"{r.fixed} / {r.broken} | {_f(r.eval_before_s, '.0f')} | {sft} | {steps} | "
-                     f"{_f(r.eval_final_s, '.0f')} | {r.wall_s / 60:.1f} |")
+                     f"{r.fixed} / {r.broken} | {_f(r.eval_before_s, '.0f')} | {sft} | {_f(r.eval_after_sft_s, '.0f')} | "
+                     f"{steps} | {_f(r.eval_final_s, '.0f')} | {r.other_s:.0f} | {r.wall_s / 60:.1f} |")
     prompts = sorted({r.prompts for r in rows if r.prompts})
     return "\n".join([f"Overrides: `{' '.join(rows[0].overrides) or '(none)'}`; seed = data.seed per row; "
                       f"{'/'.join(map(str, prompts)) or '?'} eval prompts.", "", *lines, "", summary(rows), "",

@@ -55,6 +55,8 @@ def test_a_row_holds_the_paired_gain_and_the_time_per_phase(tmp_path):
     assert (row.sft_cached, row.sft_s, row.sft_trained_s) == (False, 60.0, 60.0)
     assert [(s.step, s.generate_s, s.update_s, s.sync_s) for s in row.rl_steps] == [(1, 21.0, 65.0, 3.0),
                                                                                       (2, 22.0, 65.0, 3.0)]
+    assert row.other_s == 600.0 - (50 + 60 + 40 + 91 + 92 + 45)  # start-up, first sync, save: outside the phases
+    assert "| 50 | 60 | 40 | 21 / 65, 22 / 65 | 45 | 222 | 10.0 |" in seeds.table([row])
 
 
 def test_a_reused_warm_start_is_marked_cached_with_the_time_it_took_when_trained(tmp_path):
@@ -81,7 +83,7 @@ def test_summary_counts_resolved_seeds_and_the_median_gain_and_keeps_failures_ap
     assert [r.resolved for r in rows] == [True, True, False, False]
     assert seeds.summary(rows) == ("RL - SFT resolved (paired 95% low end > 0) in 2 of 3 seeds; median gain +0.250 "
                                    "EM; 1 seed(s) failed")
-    assert "| 4 | failed (exit 1) | 0.000 | - | - | - | 0 / 0 | 0 | - | - | - | 0.5 |" in seeds.table(rows)
+    assert "| 4 | failed (exit 1) | 0.000 | - | - | - | 0 / 0 | 0 | - | - | - | - | 30 | 0.5 |" in seeds.table(rows)
 
 
 def test_an_exit_0_without_both_stages_is_a_failed_row(tmp_path):
