@@ -39,7 +39,7 @@ from skyrl_stepwise.loop.evaluation import load_evals, paired_bootstrap, transit
 RESULTS = "main_job_seeds"  # <out>/main_job_seeds.{json,md}
 CONSOLE = "console.log"  # the main job's stdout and stderr, in its run dir
 UPDATE_PHASES = ("timing/train_s", "timing/old_logprobs_s", "timing/ref_logprobs_s")  # what an RL step's update is
-SFT_PATH = re.compile(r"sft: (?:cached warm start (\S+)|done in .*model in (\S+))")
+SFT_LINE = re.compile(r"sft: (?:cached warm start (\S+)|done in (\d+) s.*model in (\S+))")  # warm_start.sft_model
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ class SeedRow:
     eval_before_s: float | None = None
     eval_after_sft_s: float | None = None
     eval_final_s: float | None = None
-    sft_s: float | None = None  # SFT steps trained by this run (0: the cached warm start was reused)
+    sft_s: float | None = None  # the SFT phase of this run, start-up and probe included (0: the cached one reused)
     sft_cached: bool | None = None
     sft_trained_s: float | None = None  # what the warm start's own steps took when it was trained
     rl_steps: list[RLStep] = dataclasses.field(default_factory=list)
@@ -114,27 +114,30 @@ def rl_steps(run_dir: Path) -> list[RLStep]:
     return steps
 
 
-def sft_folder(run_dir: Path) -> Path | None:
-    """The warm-start folder the run used, as its log names it (trained now, or the cached one)."""
+def sft_line(run_dir: Path) -> tuple[Path | None, float | None]:
+    """The warm-start folder the run used and, when it trained it, the SFT phase's seconds, as its log says them
+    (the run dir records the SFT steps' own times only, not the policy's start-up and the terminator probe)."""
     for name in ("run.log", CONSOLE):
         path = run_dir / name
         if path.is_file():
             for line in path.read_text(errors="replace").splitlines():
-                m = SFT_PATH.search(line)
+                m = SFT_LINE.search(line)
                 if m:
-                    return Path(m.group(1) or m.group(2))
-    return None
+                    return (Path(m.group(1)), None) if m.group(1) else (Path(m.group(3)), float(m.group(2)))
+    return None, None
 
 
 def fill_sft(row: SeedRow, run_dir: Path) -> None:
-    """SFT seconds this run spent (its sft_metrics.jsonl, written only when it trains) and what the warm start took
-    when it was trained (its folder's sft_metrics.json); all None when the run never reached SFT."""
+    """SFT seconds this run spent (the phase as logged; else its steps, sft_metrics.jsonl, written only when it
+    trains) and what the warm start's steps took when it was trained (its folder's sft_metrics.json); all None when
+    the run never reached SFT."""
     trained_now = _records(run_dir / "sft_metrics.jsonl")
-    folder = sft_folder(run_dir)
+    folder, phase_s = sft_line(run_dir)
     if not trained_now and folder is None:
         return
     row.sft_cached = not trained_now
-    row.sft_s = sum(r.get("train/step_time_s", 0.0) for r in trained_now)
+    row.sft_s = 0.0 if row.sft_cached else phase_s if phase_s is not None else \
+        sum(r.get("train/step_time_s", 0.0) for r in trained_now)
     history = json.loads((folder / "sft_metrics.json").read_text()) \
         if folder is not None and (folder / "sft_metrics.json").is_file() else trained_now
     row.sft_trained_s = sum(r.get("train/step_time_s", 0.0) for r in history) if history else None
