@@ -267,12 +267,19 @@ def host() -> str:
     return f"{model}, {os.cpu_count()} cores, {bf16}, load {os.getloadavg()[0]:.1f}"
 
 
+def main_job_overrides(seed: int, overrides: list[str]) -> list[str]:
+    """What the main job of one seed is given (the run dir apart): the recipe, the seed for training and data, then
+    the arm's own overrides (last: they win). None of it but the seed and the overrides is in the SFT cache key."""
+    return ["experiment=search_r1_tiny", f"seed={seed}", f"data.seed={seed}", "logging.wandb_mode=disabled",
+            *overrides]
+
+
 def run_seed(seed: int, overrides: list[str], run_dir: Path, keep_ckpts: bool) -> tuple[int, float]:
     """The main job for one seed in a fresh run dir; (exit code, wall seconds). Its console goes to console.log."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", f"seed={seed}",
-           f"data.seed={seed}", "logging.wandb_mode=disabled", f"hydra.run.dir={run_dir}", *overrides]
+    cmd = [sys.executable, "-m", "skyrl_stepwise.cli.train", f"hydra.run.dir={run_dir}",
+           *main_job_overrides(seed, overrides)]
     print(f"seed {seed}: {' '.join(cmd[2:])} (console: {run_dir / CONSOLE})", flush=True)
     start = time.perf_counter()
     with open(run_dir / CONSOLE, "w") as console:

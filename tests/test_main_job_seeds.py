@@ -132,3 +132,19 @@ def test_the_table_is_written_per_seed_and_a_rerun_skips_the_seeds_already_done(
     calls.clear()
     assert seeds.main(["--seeds", "1", "--rerun", *common]) == 0
     assert calls == [(1, ())] and len(seeds.load_rows(out / "main_job_seeds.json")) == 4  # replaced, not added
+
+
+def test_each_seed_has_its_own_cached_warm_start_and_a_rerun_finds_it():
+    """trainer.seed (= seed) is in the SFT cache key and the run dir is not: a rerun of a seed, in a fresh run dir,
+    reuses the warm start that seed trained; another seed trains its own."""
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.loop.warm_start import cache_key
+
+    seeds = _module()
+
+    def key(seed: int, run_dir: str) -> str:
+        cfg = load_config([*seeds.main_job_overrides(seed, ["sft.max_rows=4"]), f"logging.output_dir={run_dir}"])
+        assert (cfg.seed, cfg.trainer.seed, cfg.data.seed, cfg.sft.max_rows) == (seed, seed, seed, 4)
+        return cache_key(cfg, "same demonstrations")
+
+    assert key(1, "/runs/a/seed_1") == key(1, "/runs/b/seed_1") != key(2, "/runs/a/seed_2")
