@@ -96,10 +96,16 @@ class SeedRow:
 
 
 def _records(path: Path) -> list[dict]:
-    """A .jsonl file's records ([] when absent)."""
+    """A .jsonl file's records ([] when absent); a torn last line (the job was killed mid-write) is left out, so a
+    killed seed still gets its row."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    try:
+        return records + [json.loads(lines[-1])] if lines else records
+    except json.JSONDecodeError:
+        return records
 
 
 def rl_steps(run_dir: Path) -> list[RLStep]:

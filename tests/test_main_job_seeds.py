@@ -86,6 +86,15 @@ def test_summary_counts_resolved_seeds_and_the_median_gain_and_keeps_failures_ap
     assert "| 4 | failed (exit 1) | 0.000 | - | - | - | 0 / 0 | 0 | - | - | - | - | 30 | 0.5 |" in seeds.table(rows)
 
 
+def test_a_seed_killed_mid_write_still_gets_its_row(tmp_path):
+    seeds = _module()
+    run = _run_dir(tmp_path / "s1", [0, 1], [1, 1])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "timing/generate_s": 2')  # the job was killed while logging step 3
+    row = seeds.seed_row(run, 1, [], 60.0, -9, HOST)
+    assert row.status == "failed (exit -9)" and [s.step for s in row.rl_steps] == [1, 2] and row.gain == 0.5
+
+
 def test_an_exit_0_without_both_stages_is_a_failed_row(tmp_path):
     seeds = _module()
     run = tmp_path / "s1"
