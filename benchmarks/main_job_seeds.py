@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.keep_going:
                 print(f"stopping: seed {seed} failed (its console: {run_dir / CONSOLE}); --keep-going goes on")
                 break
+    if rows:  # also when every seed was skipped: the file then renders with this version of the table
+        save(out, rows)
     mine = [r for r in rows if sorted(r.overrides) == sorted(overrides)]
     if mine:
         print(table(mine))
