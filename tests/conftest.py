@@ -89,6 +89,37 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, model_path):
+    """A random 1-layer Llama over SmolLM2's tokenizer and chat template: real rollouts in well under a second
+    (tests/resume_run.py's deterministic runs)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_chat")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                                         eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def straight_resume_run(tmp_path_factory, tiny_chat_model):
+    """4 uninterrupted steps of tests/resume_run.py, started in the background when first asked for: the bitwise
+    resume and the corrupt-checkpoint tests both compare their interrupted runs with it, and each starts its own
+    run to kill beside it (one core each). Read it with `.result()`; its folder is `.out` (read-only to tests)."""
+    from resume_run import Launched
+
+    out = tmp_path_factory.mktemp("straight_resume_run")
+    run = Launched(out, tiny_chat_model, 4)
+    yield run
+    run.kill()
+
+
 FIRST_MODULES = ("test_train_e2e", "test_two_nodes")
 
 

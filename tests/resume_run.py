@@ -13,8 +13,38 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Launched:
+    """One run of this script in the background: tests start two (a straight run and one to kill) at once, on the 2
+    cores of CI, and read each result when they need it. Deterministic under load: the engine decodes one request
+    per forward and each run has one thread."""
+
+    def __init__(self, out: Path, model_dir: Path, total_steps: int, kill_in_step: int = 0) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1")
+        self.out = out
+        self._proc = subprocess.Popen([sys.executable, __file__, str(out), str(model_dir), str(total_steps), "1",
+                                       str(kill_in_step)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env)
+        self._result: subprocess.CompletedProcess | None = None
+
+    def result(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Wait for the run (once) and return its exit code and output."""
+        if self._result is None:
+            stdout, stderr = self._proc.communicate(timeout=timeout)
+            self._result = subprocess.CompletedProcess(self._proc.args, self._proc.returncode, stdout, stderr)
+        return self._result
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
 
 
 class OneTurn:

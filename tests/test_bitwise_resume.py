@@ -16,45 +16,22 @@ per forward."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from resume_run import Launched
 
 pytestmark = pytest.mark.integration  # three launches of a tiny model (~40 s on 2 cores): not the fast subset
 
-SCRIPT = Path(__file__).with_name("resume_run.py")
-REPO = Path(__file__).resolve().parents[1]
 # wall-clock numbers differ between any two runs; everything else must not
 VOLATILE = ("timing/", "throughput/", "memory/", "sync/seconds", "train/step_time_s", "generate/engine_seconds",
             "generate/env_seconds", "_runtime", "_timestamp")
 
 
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory, model_path):
-    """A random 1-layer Llama over SmolLM2's tokenizer and chat template: real rollouts in well under a second."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_chat")
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                                         eos_token_id=tokenizer.eos_token_id))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _run(out: Path, model: Path, steps: int, kill_in_step: int = 0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), str(model), str(steps), "1", str(kill_in_step)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return Launched(out, model, steps, kill_in_step).result()
 
 
 def _steps(path: Path) -> dict[int, dict]:
@@ -66,14 +43,14 @@ def _steps(path: Path) -> dict[int, dict]:
     return out
 
 
-def test_resume_after_sigkill_is_bitwise_the_uninterrupted_run(tmp_path, tiny_chat_model):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    for d in (straight, killed):
-        d.mkdir()
-    done = _run(straight, tiny_chat_model, 4)
+def test_resume_after_sigkill_is_bitwise_the_uninterrupted_run(tmp_path, tiny_chat_model, straight_resume_run):
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    crashing = Launched(killed, tiny_chat_model, 4, kill_in_step=3)  # beside the straight run: one core each
+    done, straight = straight_resume_run.result(), straight_resume_run.out
     assert done.returncode == 0, done.stderr[-3000:]
 
-    crash = _run(killed, tiny_chat_model, 4, kill_in_step=3)
+    crash = crashing.result()
     assert crash.returncode == -9, (crash.returncode, crash.stderr[-3000:])  # SIGKILL: no clean stop ran
     assert not (killed / "final_weights.pt").exists()
     assert sorted(p.name for p in (killed / "ckpts").iterdir()) == ["step_1", "step_2"]

@@ -20,7 +20,6 @@ from skyrl_stepwise.checkpoint.store import (CheckpointSaveError, CorruptCheckpo
 from skyrl_stepwise.checkpoint.verify import corrupt_cause, resume_checkpoint, verify_checkpoint
 from skyrl_stepwise.checkpoint.driver_state import DRIVER_STATE, dump
 
-from test_bitwise_resume import tiny_chat_model  # noqa: F401 (a fixture)
 from test_checkpoint import _setup, _step
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -156,17 +155,18 @@ def test_a_resave_of_an_existing_step_keeps_the_old_one_until_the_new_one_is_wri
     verify_checkpoint(step_dir(tmp_path, 2))
 
 
-@pytest.mark.integration  # three launches of a tiny model (~60 s on 2 cores)
-def test_a_run_whose_newest_checkpoint_is_corrupt_resumes_bitwise_from_the_previous_one(tmp_path, tiny_chat_model):
+@pytest.mark.integration  # two launches of a tiny model, and the session's straight run (~40 s on 2 cores)
+def test_a_run_whose_newest_checkpoint_is_corrupt_resumes_bitwise_from_the_previous_one(tmp_path, tiny_chat_model,
+                                                                                         straight_resume_run):
     """SIGKILL in step 4, step_3's shard truncated on disk: the relaunch (resume=auto) says so, continues from step_2
     and ends bit for bit where the uninterrupted run does (metrics, trained batches, final weights)."""
     from test_bitwise_resume import _run, _steps
 
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    for d in (straight, killed):
-        d.mkdir()
-    assert _run(straight, tiny_chat_model, 4).returncode == 0
+    killed = tmp_path / "killed"
+    killed.mkdir()
     assert _run(killed, tiny_chat_model, 4, kill_in_step=4).returncode == -9
+    straight = straight_resume_run.out  # the same 4 uninterrupted steps the bitwise-resume test compares with
+    assert straight_resume_run.result().returncode == 0
     _truncate(next((killed / "ckpts" / "step_3" / "dcp").glob("*.distcp")))
     resumed = _run(killed, tiny_chat_model, 4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
