@@ -309,3 +309,21 @@ def test_query_with_no_tokens_first_in_batch(tmp_path, backend):
     hits = retriever.search(["the a of", "capital city on a river"], 3)
     assert [len(h) for h in hits] == [3, 3]
     assert all(h.score == 0.0 for h in hits[0]) and hits[1][0].score > 0
+
+
+def test_the_numba_backend_turns_on_numbas_disk_cache_for_bm25s_kernels():
+    """bm25s compiles its kernels without numba's cache: every server start paid the JIT again (10-90 s on 2 cores).
+    Resolving the numba backend turns the cache on for each kernel, before anything compiles."""
+    pytest.importorskip("numba")
+    import bm25s.numba.retrieve_utils
+    import bm25s.numba.selection
+    from numba.core.caching import NullCache
+    from numba.core.registry import CPUDispatcher
+
+    from skyrl_stepwise.retrieval.index import resolve_bm25_backend
+
+    assert resolve_bm25_backend("auto") == "numba"
+    kernels = [k for m in (bm25s.numba.retrieve_utils, bm25s.numba.selection) for k in vars(m).values()
+               if isinstance(k, CPUDispatcher)]
+    assert len(kernels) >= 3, kernels  # the retrieval kernels and the top-k selection ones
+    assert not any(isinstance(k._cache, NullCache) for k in kernels), [k for k in kernels if isinstance(k._cache, NullCache)]
