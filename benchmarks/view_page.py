@@ -33,7 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's package, not whichever one the venv installed
 
 from view_browser import FLAGS, chromium  # noqa: E402
 

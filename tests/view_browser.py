@@ -100,6 +100,7 @@ def check_page(run_dir: Path, out_dir: Path, browser_path: str) -> dict[str, flo
         assert "engine lp  -" in tip and "trainer lp -" in tip and "advantage" in tip, tip
 
         _check_filters(page, tokens, texts)
+        _check_timeline_and_sort(page, run_dir, texts)
 
         _check_worst(page, trains[0], tokens)
         _open(page, *trains[0])
@@ -129,6 +130,22 @@ def _check_filters(page, tokens: dict, texts: dict) -> None:
             assert shown == want, (stage, flag, shown, want)
             box.uncheck()
         assert page.locator("#list .row").count() == len(stage_samples)
+
+
+def _check_timeline_and_sort(page, run_dir: Path, texts: dict) -> None:
+    """Every step of metrics.jsonl is a point on the timeline (a click on it selects the step); sorting by reward
+    orders a step's rows by the rewards rollouts.jsonl recorded."""
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    for step in steps:
+        assert page.locator(f'#timeline circle[data-step="{step}"]').count() >= 1, step
+    step = steps[-1]
+    page.locator(f'#timeline circle[data-step="{step}"] >> nth=0').dispatch_event("click")
+    assert page.input_value("#stage") == f"{step}|train"
+    page.select_option("#sort", "reward-desc")
+    keys = page.eval_on_selector_all("#list .row", "rows => rows.map((r) => r.dataset.key)")
+    rewards = [texts[(step, "train", k)]["reward"] for k in keys]
+    assert rewards == sorted(rewards, key=lambda r: -r if r is not None else float("inf")), (keys, rewards)
+    page.select_option("#sort", "group")
 
 
 def _expected_flags(tokens: dict, stage_samples: list[dict], step: int, stage: str) -> dict[str, set[str]]:
