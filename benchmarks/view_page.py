@@ -1,9 +1,9 @@
 """The trajectory viewer's page: its size and how long Chromium takes to open it, at 1,000 trajectories.
 
 A synthetic run dir is recorded the way a run records it (RolloutLog.record / record_tokens: the same files, the
-same per-token fields): STEPS steps of GROUPS prompt groups x N samples, each trajectory TURNS step-wise turns of
-RESPONSE sampled tokens (the last one an appended, masked EOS) and OBSERVATION observation tokens after each,
-on a first prompt of PROMPT tokens, every trajectory recorded per token. Then `write_page` builds the page and
+same per-token fields) in a Shape: steps x prompt groups x n samples, each trajectory `turns` step-wise turns of
+`response` sampled tokens (the last one an appended, masked EOS) and `observation` observation tokens after each,
+on a first prompt of `prompt` tokens, every trajectory recorded per token (merged first with --merge). Then `write_page` builds the page and
 Chromium (Debian's, headless, through Playwright) opens it from disk:
 
     load       navigation start -> the trajectory list drawn (the page's own work: JSON parse, timeline, list)
@@ -11,7 +11,14 @@ Chromium (Debian's, headless, through Playwright) opens it from disk:
     hover      a hover on one of its tokens -> the tooltip filled
 
     python benchmarks/view_page.py            # 1,000 trajectories; prints a markdown table
+    python benchmarks/view_page.py --merge    # the same, each trajectory merged (the main job's samples)
+    python benchmarks/view_page.py --shape main_job --merge  # the main job's page at its configured bounds
     python benchmarks/view_page.py --run DIR  # also the page of a real run dir (its size and load time)
+
+`--shape main_job` is experiment=search_r1_tiny at its limits: 6 steps and 3 eval stages, 4 trajectories each
+recorded per token (logging.view_samples, and num_rollout_samples decoded), every trajectory 3 turns of the full
+128 sampled tokens with a first prompt and observations that fill generator.max_input_length (1,536) by the last
+turn: no real run of it records more per token.
 
 The budget (docs/viewer.md): 1,000 trajectories open in under 2 s; the main job's page under 10 MB.
 """
@@ -23,18 +30,39 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's package, not whichever one the venv installed
 
 from view_browser import FLAGS, chromium  # noqa: E402
 
+from skyrl_stepwise.generator.merge import merge_stepwise_output  # noqa: E402
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID  # noqa: E402
 from skyrl_stepwise.loop.rollout_samples import RolloutLog  # noqa: E402
 from skyrl_stepwise.view.page import write_page  # noqa: E402
 
-STEPS, GROUPS, N, TURNS = 10, 50, 2, 3  # 10 x 50 x 2 = 1,000 trajectories (a group's best and worst are recorded)
-PROMPT, RESPONSE, OBSERVATION, VOCAB = 120, 60, 30, 5000
+VOCAB = 5000
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a synthetic run records: steps x groups x n trajectories (a group's best and worst are recorded), each
+    `turns` turns of `response` sampled tokens and `observation` tokens after each, on a first prompt of `prompt`."""
+
+    steps: int = 10
+    groups: int = 50
+    n: int = 2
+    turns: int = 3
+    prompt: int = 120
+    response: int = 60
+    observation: int = 30
+
+
+SHAPES = {"1000": Shape(),  # 10 x 50 x 2 = 1,000 trajectories
+          # search_r1_tiny at its bounds: 9 stages (6 steps, 3 evals) x 4 trajectories, 400 + 2 x (128 + 440) = 1,536
+          "main_job": Shape(steps=9, groups=2, n=2, turns=3, prompt=400, response=128, observation=440)}
 WORDS = ["the", " answer", " is", " search", "(", ")", " query", ":", "\n", " 42", " tool", "<think>", " I", " will"]
 
 
@@ -48,36 +76,43 @@ class Renderer:
         raise ValueError("no tool parser in the benchmark")
 
 
-def trajectory(rng: random.Random, tid: TrajectoryID) -> dict[str, list]:
+def trajectory(rng: random.Random, tid: TrajectoryID, shape: Shape) -> dict[str, list]:
     """One step-wise trajectory's samples: each turn's prompt is the previous sequence plus an observation."""
     out = {k: [] for k in ("prompts", "responses", "masks", "logprobs", "rewards", "stops", "ids", "last")}
-    context = [rng.randrange(VOCAB) for _ in range(PROMPT)]
-    for turn in range(TURNS):
-        response = [rng.randrange(VOCAB) for _ in range(RESPONSE)]
+    context = [rng.randrange(VOCAB) for _ in range(shape.prompt)]
+    for turn in range(shape.turns):
+        response = [rng.randrange(VOCAB) for _ in range(shape.response)]
         out["prompts"].append(list(context))
         out["responses"].append(response)
-        out["masks"].append([1] * (RESPONSE - 1) + [0])
-        out["logprobs"].append([-rng.expovariate(2.0) for _ in range(RESPONSE - 1)] + [0.0])
-        out["rewards"].append(float(tid.repetition_id == 0) if turn == TURNS - 1 else 0.0)  # best and worst differ
+        out["masks"].append([1] * (shape.response - 1) + [0])
+        out["logprobs"].append([-rng.expovariate(2.0) for _ in range(shape.response - 1)] + [0.0])
+        last = turn == shape.turns - 1
+        out["rewards"].append(float(tid.repetition_id == 0) if last else 0.0)  # best and worst differ
         out["stops"].append("stop")
         out["ids"].append(tid)
-        out["last"].append(turn == TURNS - 1)
-        context = context + response + [rng.randrange(VOCAB) for _ in range(OBSERVATION)]
+        out["last"].append(last)
+        context = context + response + [rng.randrange(VOCAB) for _ in range(shape.observation)]
     return out
 
 
-def synthetic_run(run_dir: Path, seed: int = 0) -> int:
-    """Record STEPS steps into run_dir; returns the trajectories recorded per token."""
+def synthetic_run(run_dir: Path, shape: Shape = Shape(), merge: bool = False, seed: int = 0) -> int:
+    """Record shape.steps steps into run_dir (each merged first with `merge`, as the main job's generator does);
+    returns the trajectories recorded per token."""
     rng = random.Random(seed)
-    log = RolloutLog(run_dir, Renderer(), num_samples=GROUPS * N, view_samples=GROUPS * N)
-    for step in range(1, STEPS + 1):
-        parts = [trajectory(rng, TrajectoryID(f"s{step}g{g}", r)) for g in range(GROUPS) for r in range(N)]
+    per_step = shape.groups * shape.n
+    log = RolloutLog(run_dir, Renderer(), num_samples=per_step, view_samples=per_step)
+    for step in range(1, shape.steps + 1):
+        parts = [trajectory(rng, TrajectoryID(f"s{step}g{g}", r), shape) for g in range(shape.groups)
+                 for r in range(shape.n)]
         cat = lambda k: [x for p in parts for x in p[k]]  # noqa: E731
         out = GeneratorOutput(cat("prompts"), cat("responses"), cat("rewards"), cat("masks"), cat("stops"),
                               cat("logprobs"), cat("ids"), cat("last"))
+        if merge:
+            out = merge_stepwise_output(out)
         trainer = {i: [lp + rng.gauss(0, 0.01) if lp else 0.0 for lp in row]
                    for i, row in enumerate(out.rollout_logprobs)}
-        advantages = {i: [out.rewards[i] - 0.3] * len(r) for i, r in enumerate(out.response_ids)}
+        advantages = {i: [sum(out.rewards[i]) - 0.3] * len(r) if merge else [out.rewards[i] - 0.3] * len(r)
+                      for i, r in enumerate(out.response_ids)}
         log.record(out, step, "train")
         log.record_tokens(out, step, "train", trainer, advantages)
     return sum(1 for _ in open(run_dir / "view_tokens.jsonl"))
@@ -114,18 +149,21 @@ def measure(page: Path, browser_path: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, default=None, help="also measure this real run dir's page")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1000", help="the synthetic run's shape")
+    parser.add_argument("--merge", action="store_true", help="merge each trajectory's steps (the main job's mode)")
     args = parser.parse_args()
     browser = chromium()
-    rows = []
+    shape, rows = SHAPES[args.shape], []
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        n = synthetic_run(run_dir)
+        n = synthetic_run(run_dir, shape, args.merge)
         start = time.perf_counter()
         page = write_page(run_dir)
         built = time.perf_counter() - start
         tokens_mb = (run_dir / "view_tokens.jsonl").stat().st_size / 1e6
-        rows.append((f"synthetic, {n} trajectories x {TURNS} turns", page.stat().st_size / 1e6, built,
-                     measure(page, browser), f"view_tokens.jsonl {tokens_mb:.1f} MB"))
+        name = f"synthetic {args.shape}, {n} trajectories x {shape.turns} turns{', merged' if args.merge else ''}"
+        rows.append((name, page.stat().st_size / 1e6, built, measure(page, browser),
+                     f"view_tokens.jsonl {tokens_mb:.1f} MB"))
     if args.run is not None:
         start = time.perf_counter()
         page = write_page(args.run)

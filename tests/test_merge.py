@@ -334,3 +334,14 @@ def test_per_step_credit_is_the_same_merged_or_not(data, mode):
         return seen, {k: v for k, v in credit.metrics.items() if "anchor" in k}
 
     assert masked(merged) == masked(out)
+
+
+def test_a_step_joining_with_no_observation_still_marks_where_it_begins():
+    # step 2's prompt is exactly step 1's prompt + response: an empty delta, still a step boundary (at 2)
+    out = make(prompts=[[1], [1, 2, 3], [1, 2, 3, 4, 5]], responses=[[2, 3], [4], [6]], tids=["a"] * 3,
+               last=[False, False, True])
+    out.tamper_suspected = ["a_0"]
+    m = merge_stepwise_output(out)
+    assert m.response_ids == [[2, 3, 4, 5, 6]] and m.loss_masks == [[1, 1, 1, 0, 1]]
+    assert m.observation_spans == [[[2, 2], [3, 4]]]  # every span's end is where a step's sampled tokens begin
+    assert m.tamper_suspected == ["a_0"]  # which trajectories the grading suspected survives the merge

@@ -44,7 +44,7 @@ async def test_samples_show_prompt_turns_tool_calls_results_reward_and_stop(toke
     roles = [seg.role for seg in best.segments]
     assert roles == ["prompt", "model", "env", "model"], roles  # merged or step-wise: the same story
     assert "six times seven" in best.prompt and best.turns == 2 and best.stop_reason == "stop"
-    assert best.segments[1].tool_calls == [{"name": "calculator", "arguments": {"expression": "6*7"}}]
+    assert best.segments[1].tool_calls == [{"name": "calculator", "arguments": {"expression": "6*7"}, "verdict": "ok"}]
     assert "42" in best.segments[2].text  # the calculator's result, as the model read it
     assert "<answer>42</answer>" in best.segments[3].text
     lines = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
@@ -76,3 +76,38 @@ async def test_show_prints_a_step_and_the_report_has_the_section(tokenizer, tmp_
     section = "\n".join(rollouts_section(tmp_path))
     assert "### last training step (train, step 1)" in section and "### last eval (eval step 1, step 1)" in section
     assert "tool call calculator" in section
+
+
+def test_the_parsers_verdict_tells_malformed_from_an_unknown_tool():
+    from skyrl_stepwise.loop.rollout_samples import call_verdict
+
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    assert call_verdict(None, "calculator", tools) == "ok"
+    assert call_verdict(None, "search", tools) == "unknown tool"  # read fine, but the run has no such tool
+    assert call_verdict("ToolCallParseStatus.UNKNOWN_TOOL", "search", tools) == "unknown tool"  # the parser's own
+    assert call_verdict("invalid_json", None, tools) == "malformed"
+    assert call_verdict(None, "anything", None) == "ok"  # no tool list: a readable call is not judged unknown
+
+
+def test_a_tamper_suspected_trajectory_is_flagged_in_rollouts_and_show(tmp_path, capsys):
+    from skyrl_stepwise.cli.show import main
+    from skyrl_stepwise.envs.base import TAMPER_METRIC
+    from skyrl_stepwise.generator.agent_loop import StepSample, TrajectoryResult, TrajectoryStats
+    from skyrl_stepwise.generator.generator import steps_to_output
+
+    def result(rep: int, tamper: float) -> TrajectoryResult:
+        step = StepSample([1, 2], [3, 4], [1, 1], [-0.1, -0.2], float(rep), "stop")
+        return TrajectoryResult(TrajectoryID("g", rep), [step], TrajectoryStats(env_metrics={TAMPER_METRIC: tamper}))
+
+    out = steps_to_output([result(0, 0.0), result(1, 1.0)])
+    assert out.tamper_suspected == ["g_1"]  # which episode the grading suspected, not only the batch's fraction
+
+    class Decode:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    samples = RolloutLog(tmp_path, Decode(), num_samples=4).record(out, 1, "train")
+    assert {s.trajectory: s.tamper_suspected for s in samples} == {"g_0": False, "g_1": True}
+    assert main([str(tmp_path), "--step", "1"]) == 0
+    shown = capsys.readouterr().out.split("--- ")
+    assert ["TAMPER SUSPECTED" in block for block in shown[1:]] == [True, False]  # g_1 (best) first, g_0 clean

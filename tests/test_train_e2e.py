@@ -186,7 +186,8 @@ def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
         assert s["reward"] == 1.0 or any("Guess again." in h for h in hints) or s["turns"] == 1, s
     evals = [s for s in samples if s["stage"] == "eval step 2"]
     calls = [(c, s) for s in evals for c in (c for seg in s["segments"] for c in seg["tool_calls"])]
-    call = {"name": "unit_convert", "arguments": {"value": 3, "from_unit": "km", "to_unit": "m"}}
+    # the call as parsed, with the parser's verdict against the run's tools (unit_convert is one of them)
+    call = {"name": "unit_convert", "arguments": {"value": 3, "from_unit": "km", "to_unit": "m"}, "verdict": "ok"}
     assert any(c == call for c, _ in calls), evals
     sample = next(s for c, s in calls if c == call)
     assert any("3000 m" in seg["text"] for seg in sample["segments"] if seg["role"] == "env")  # the tool's result

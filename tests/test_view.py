@@ -178,3 +178,82 @@ def test_cli_writes_the_page_and_serve_rebuilds_it_when_a_step_lands(tmp_path, c
     finally:
         server.shutdown()
         server.server_close()
+
+
+async def test_a_merged_sample_splits_back_into_exactly_the_step_wise_samples_generated(tokenizer):
+    """The gen-only column of a merged sample is the step-wise output the generator made (the same script, merge
+    off), id for id, mask for mask: the merge's recorded spans, no re-tokenising."""
+    from skyrl_stepwise.view.page import step_ranges
+
+    _, merged = await _tool_output(tokenizer, merge=True)
+    _, stepwise = await _tool_output(tokenizer, merge=False)
+    for i, tid in enumerate(merged.trajectory_ids):
+        rows = [j for j, t in enumerate(stepwise.trajectory_ids) if t == tid]
+        prompt, response = merged.prompt_token_ids[i], merged.response_ids[i]
+        ranges = step_ranges(merged.observation_spans[i], len(response)) or [[0, len(response)]]
+        assert [prompt + response[:a] for a, _ in ranges] == [stepwise.prompt_token_ids[j] for j in rows]
+        assert [response[a:b] for a, b in ranges] == [stepwise.response_ids[j] for j in rows]
+        assert [merged.loss_masks[i][a:b] for a, b in ranges] == [stepwise.loss_masks[j] for j in rows]
+        assert [merged.rollout_logprobs[i][a:b] for a, b in ranges] == [stepwise.rollout_logprobs[j] for j in rows]
+    assert len(step_ranges(merged.observation_spans[0], len(merged.response_ids[0]))) == 2  # q_0: call, answer
+
+
+def test_page_rows_carry_tamper_verdicts_answers_and_paired_eval_links(tmp_path):
+    out = output()
+    out.tamper_suspected = ["g_1"]
+    recorded_run(tmp_path, out)
+    rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    rows[0]["segments"][1]["tool_calls"] = [{"name": "calc", "arguments": {}, "error": "unknown_tool"}]  # pre-verdict
+    evals = []
+    for stage, step, scores in (("before SFT", 0, [0.0, 1.0]), ("after RL (step 1)", 1, [1.0, 0.0])):
+        evals.append({"stage": stage, "scores": scores, "mean": 0.5, "ci_low": 0.0, "ci_high": 1.0,
+                      "sources": ["toy", "toy"]})
+        stage_name = "eval before SFT" if step == 0 else "eval step 1"
+        rows.append(dict(rows[1], step=step, stage=stage_name, trajectory=f"eval/{stage}/x/0_0"))
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "evals.json").write_text(json.dumps(evals))
+    data = page_data(tmp_path)
+    by_key = {t["key"]: t for t in data["trajectories"]}
+    assert by_key["g_1"]["flags"] == "TX" and "X" not in by_key["g_0"]["flags"]
+    calling = by_key["g_0"]["segments"][1]
+    assert calling["tool_calls"][0]["verdict"] == "unknown tool"  # from the parser's error kind
+    assert calling["answer"] == by_key["g_0"]["segments"][2]["text"]  # the env's reply that follows the call
+    (change,) = data["paired"]
+    assert [q["prompt"] for q in change["fixed"]] == [0] and [q["prompt"] for q in change["broken"]] == [1]
+    fixed = change["fixed"][0]
+    assert data["trajectories"][fixed["before"]]["stage"] == "eval before SFT" and fixed["source"] == "toy"
+    assert data["trajectories"][fixed["after"]]["stage"] == "eval step 1"
+    assert change["broken"][0]["before"] is None  # prompt 1's eval trajectory was not recorded
+
+
+@pytest.mark.integration
+def test_a_merged_runs_page_shows_its_steps_as_generated_in_a_real_browser(tokenizer, tmp_path):
+    """Chromium on the page of a real generator's merged tool-call step (scripted engine, real tokenizer): the
+    gen-only column is the step-wise output, tool verdicts and answers show, paired eval links open (view_browser)."""
+    import asyncio
+    from dataclasses import replace
+
+    from view_browser import check_merged_page, chromium
+
+    browser = chromium()
+    gen, merged = asyncio.run(_tool_output(tokenizer, merge=True))
+    _, stepwise = asyncio.run(_tool_output(tokenizer, merge=False))
+    merged.tamper_suspected = ["q_1"]
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    log = RolloutLog(tmp_path, gen.loop.renderer, num_samples=4, tools=tools, view_samples=4)
+    log.record(merged, 1, "train")
+    batch = TrainBatch.from_output(merged, [[0.5] * len(r) for r in merged.response_ids])
+    rows = range(len(merged))
+    log.record_tokens(merged, 1, "train", {r: [lp - 0.002 * r for lp in merged.rollout_logprobs[r]] for r in rows},
+                      {r: batch.advantages[r] for r in rows})
+    evals = []
+    for stage, label, scores in (("before SFT", "before SFT", [0.0, 1.0]), ("step 1", "after RL (step 1)", [1.0, 0.0])):
+        ids = [TrajectoryID(f"eval/{stage}/q/{t.repetition_id}", 0) for t in stepwise.trajectory_ids]
+        log.record(replace(stepwise, trajectory_ids=ids, tamper_suspected=[]), 1, f"eval {stage}")
+        evals.append({"stage": label, "scores": scores, "mean": 0.5, "ci_low": 0.0, "ci_high": 1.0,
+                      "sources": ["toy", "toy"]})
+    (tmp_path / "evals.json").write_text(json.dumps(evals))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5, "agreement/logprob_abs_diff_max":
+                                                        0.004, "agreement/logprob_abs_diff_mean": 0.001}) + "\n")
+    check_merged_page(tmp_path, tmp_path, browser, stepwise)
+    assert (tmp_path / "viewer_merged.png").stat().st_size > 10_000

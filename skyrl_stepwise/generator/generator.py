@@ -52,6 +52,8 @@ def steps_to_output(results: list[TrajectoryResult]) -> GeneratorOutput:
     out.rollout_metrics["generate/step_rewards_dropped_empty_turn"] = dropped
     out.context_events = [{"trajectory": traj.trajectory_id.key(), **event} for traj in kept
                           for event in traj.stats.context_events]
+    out.tamper_suspected = [traj.trajectory_id.key() for traj in kept
+                            if traj.stats.env_metrics.get(TAMPER_METRIC, 0.0) > 0]
     if any(step.logprobs is None for traj in kept for step in traj.steps):
         out.rollout_logprobs = None
     return out

@@ -73,10 +73,12 @@ def trajectory_ranges(output: GeneratorOutput) -> list[tuple[int, int]]:
     return ranges
 
 
-def _add_step(group: _Group, output: GeneratorOutput, i: int, delta: list[int]) -> None:
-    """Append step i (after its observation delta) to the group, keeping every per-token list aligned."""
+def _add_step(group: _Group, output: GeneratorOutput, i: int, delta: list[int], joined: bool) -> None:
+    """Append step i (after its observation delta) to the group, keeping every per-token list aligned. A step that
+    joins a group records its delta's span even when the delta is empty, so every span's end is where a step begins
+    (the trajectory viewer splits a merged sample back into its steps there: view/page.py step_ranges)."""
     resp, reward = output.response_ids[i], output.rewards[i]
-    if delta:
+    if joined:
         group.observations.append([len(group.response), len(group.response) + len(delta)])
     if output.observation_spans is not None:  # an already merged input keeps its own observations
         start = len(group.response) + len(delta)
@@ -119,11 +121,11 @@ def merge_stepwise_output(output: GeneratorOutput) -> GeneratorOutput:
         for i in range(start, end):
             prompt = output.prompt_token_ids[i]
             if group is not None and len(prompt) >= len(group.full) and prompt[:len(group.full)] == group.full:
-                _add_step(group, output, i, prompt[len(group.full):])
+                _add_step(group, output, i, prompt[len(group.full):], joined=True)
                 continue
             group = _Group(prompt=list(prompt), full=list(prompt))
             groups.append(group)
-            _add_step(group, output, i, [])
+            _add_step(group, output, i, [], joined=False)
 
     before = sum(len(p) + len(r) for p, r in zip(output.prompt_token_ids, output.response_ids))
     after = sum(len(g.full) for g in groups)
@@ -149,6 +151,7 @@ def merge_stepwise_output(output: GeneratorOutput) -> GeneratorOutput:
         failed_trajectory_ids=list(output.failed_trajectory_ids),
         failed_trajectories=list(output.failed_trajectories),
         context_events=list(output.context_events),
+        tamper_suspected=list(output.tamper_suspected),
         observation_spans=[g.observations for g in groups],
     )
     merged.validate()

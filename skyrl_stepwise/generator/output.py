@@ -43,10 +43,14 @@ class GeneratorOutput:
     # {"trajectory": key, "before_step": i, "policy", "kind", "tokens_dropped", "note"}; for `show` and rollouts.jsonl.
     context_events: list[dict] = field(default_factory=list)
     # Merged samples only (generator/merge.py): per sample, the [start, end) of each observation delta the merge put
-    # into the response between two steps (untrained, never sampled); each `end` is where the next step's sampled
-    # tokens begin. None: the samples were not merged. Read by the trajectory viewer to tell an observation from a
-    # sampled-but-masked token (both have loss_mask 0).
+    # into the response between two steps (untrained, never sampled; empty when the next step's prompt was exactly
+    # the sequence so far); each `end` is where the next step's sampled tokens begin. None: the samples were not
+    # merged. Read by the trajectory viewer to tell an observation from a sampled-but-masked token (both have
+    # loss_mask 0) and to show the step-wise samples a merged one was made of.
     observation_spans: list[list[list[int]]] | None = None
+    # The trajectories (keys) whose env reported `reward/tamper_suspected` > 0 (envs/grading.py): the metric is the
+    # batch's fraction; this says which ones, so rollouts.jsonl, `show` and the viewer can flag and filter them.
+    tamper_suspected: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl_stepwise.generator.output import GeneratorOutput, TrajectoryID
+from skyrl_stepwise.tools.executor import error_kind_of
 
 logger = logging.getLogger("skyrl_stepwise")
 FILE = "rollouts.jsonl"
@@ -54,6 +55,8 @@ class RolloutSample:
     # where a context policy edited the context and what it dropped or summarised (GeneratorOutput.context_events)
     context_events: list[dict] = field(default_factory=list)
     failure: str | None = None  # why a failed trajectory failed ("env_step: ValueError(...)")
+    # its env reported `reward/tamper_suspected` (GeneratorOutput.tamper_suspected): the grading saw a forgery attempt
+    tamper_suspected: bool = False
 
     @property
     def prompt(self) -> str:
@@ -74,16 +77,27 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
 ANY_TOOL = [{"type": "function", "function": {"name": "tool", "parameters": {"type": "object", "properties": {}}}}]
 
 
+def call_verdict(error: str | None, name: str | None, tools: list[dict] | None) -> str:
+    """The parser's verdict on one call, as the executor (tools/executor.py) answers it: `malformed` (a parse
+    error), `unknown tool` (the parser's `unknown_tool`, or a name none of the run's tools has) or `ok`. With no
+    tool list (`tools` None) every readable name counts as known."""
+    if error is not None:
+        return "unknown tool" if error_kind_of(error) == "unknown_tool" else "malformed"
+    names = None if tools is None else {t.get("function", t).get("name") for t in tools}
+    return "unknown tool" if names is not None and name not in names else "ok"
+
+
 def _tool_calls(renderer, ids: list[int], prompt_ids: list[int], tools: list[dict] | None) -> list[dict[str, Any]]:
-    """The calls the renderer parses from sampled ids (what a tool env executed); none when it cannot parse."""
+    """The calls the renderer parses from sampled ids (what a tool env executed), each with the parser's verdict
+    (call_verdict); none when it cannot parse."""
     if renderer is None or not ids:
         return []
     try:
         turn = renderer.parse(ids, prompt_ids, tools or ANY_TOOL)
     except Exception:  # a log line must never fail a step; the text itself is still shown
         return []
-    return [{"name": c.name, "arguments": c.arguments, **({"error": c.error} if c.error else {})}
-            for c in turn.tool_calls]
+    return [{"name": c.name, "arguments": c.arguments, **({"error": c.error} if c.error else {}),
+             "verdict": call_verdict(c.error, c.name, tools)} for c in turn.tool_calls]
 
 
 def decode_trajectory(renderer, samples: list[tuple[list[int], list[int], list[int]]],
@@ -173,7 +187,8 @@ def rollout_samples(output: GeneratorOutput, renderer, step: int, stage: str, n:
         events = [{k: v for k, v in e.items() if k != "trajectory"} for e in output.context_events
                   if e.get("trajectory") == tid.key()]
         out.append(RolloutSample(step, stage, tid.key(), pick, scores[tid], stop,
-                                 sum(s.role == "model" for s in segments), segments, events))
+                                 sum(s.role == "model" for s in segments), segments, events,
+                                 tamper_suspected=tid.key() in output.tamper_suspected))
     return out + failed
 
 
@@ -340,6 +355,8 @@ def format_sample(sample: dict[str, Any], max_chars: int = 2000) -> str:
     reward = "not scored" if sample.get("reward") is None else f"{sample['reward']:g}"
     lines = [f"--- step {sample['step']} {sample['stage']} | {sample['trajectory']} ({sample['pick']}) | "
              f"reward {reward} | stop {sample['stop_reason']} | {sample['turns']} turn(s)"]
+    if sample.get("tamper_suspected"):
+        lines.append("[TAMPER SUSPECTED: the grading saw a forgery attempt (reward/tamper_suspected)]")
     if sample.get("failure"):
         lines.append(f"[FAILED, not trained: {sample['failure']}]")
         if not sample["segments"]:
@@ -349,6 +366,7 @@ def format_sample(sample: dict[str, Any], max_chars: int = 2000) -> str:
         lines.append(clip(seg["text"]).rstrip())
         for call in seg.get("tool_calls") or []:
             lines.append(f"  -> tool call {call['name']}({json.dumps(call['arguments'])})"
+                         + (f" [{call['verdict']}]" if call.get("verdict") else "")
                          + (f" ERROR {call['error']}" if call.get("error") else ""))
     for event in sample.get("context_events") or []:  # what the context policy changed, and where
         lines.append(f"[context {event['kind']} by {event['policy']} before model turn {event['before_step'] + 1}: "

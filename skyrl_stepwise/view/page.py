@@ -15,13 +15,14 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from skyrl_stepwise.generator.agent_loop import LIMIT_STOPS
 from skyrl_stepwise.loop.evaluation import load_evals
-from skyrl_stepwise.loop.rollout_samples import load_rollouts, load_token_records
+from skyrl_stepwise.loop.rollout_samples import call_verdict, load_rollouts, load_token_records
 from skyrl_stepwise.loop.tracking import load_history
 
 PAGE_DIR, PAGE = "view", "index.html"
@@ -49,6 +50,9 @@ class ViewSample:
     trainer_logprobs: list[float] | None
     advantages: list[float] | None
     boundaries: list[int] = field(default_factory=list)  # response positions where a merged-in step begins
+    # a merged sample's steps as generated: the [start, end) of each step's sampled tokens in the response
+    # (step_ranges); step k's prompt is this sample's prompt + response[:start]. Empty: not merged.
+    steps: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -94,13 +98,28 @@ def token_roles(samples: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
+def step_ranges(spans: list[list[int]] | None, length: int) -> list[list[int]]:
+    """The step-wise samples a merged sample was made of, from the merge's recorded observation spans: [start, end)
+    of each step's response. The merge joins a step only when the sequence so far is literally its prompt's prefix
+    and records a span for every joined step (generator/merge.py), so step k's prompt is the merged prompt +
+    response[:start] and its ids, mask and logprobs are the merged lists' slices: nothing re-tokenised. []: not
+    merged (no spans)."""
+    if not spans:
+        return []
+    starts = [0] + [b for _, b in spans]
+    ends = [a for a, _ in spans] + [length]
+    return [[a, b] for a, b in zip(starts, ends)]
+
+
 def view_samples(record: dict[str, Any]) -> list[ViewSample]:
     """A view_tokens.jsonl record's samples with their token roles."""
     out = []
     for s, (prompt_roles, response_roles) in zip(record["samples"], token_roles(record["samples"])):
+        spans = s.get("observation_spans") or []
         out.append(ViewSample(s["prefix"], s["prompt_ids"], prompt_roles, s["response_ids"], response_roles,
                               _round(s.get("engine_logprobs")), _round(s.get("trainer_logprobs")),
-                              _round(s.get("advantages")), [b for _, b in s.get("observation_spans") or []]))
+                              _round(s.get("advantages")), [b for _, b in spans],
+                              step_ranges(spans, len(s["response_ids"]))))
     return out
 
 
@@ -120,7 +139,7 @@ def _flags(sample: dict[str, Any], edited: bool) -> str:
         ("F", sample.get("pick") == "failed" or bool(sample.get("failure"))),
         ("T", stop == "length" or stop in LIMIT_STOPS),
         ("E", edited),
-        ("X", bool(sample.get("tampering")))) if on)
+        ("X", bool(sample.get("tamper_suspected")))) if on)
 
 
 def trajectories(run_dir: Path) -> list[ViewTrajectory]:
@@ -136,7 +155,21 @@ def trajectories(run_dir: Path) -> list[ViewTrajectory]:
         out.append(ViewTrajectory(key[2], key[1], key[0], key[2].rsplit("_", 1)[0], text.get("pick"),
                                   _finite(text.get("reward")), text.get("stop_reason"), text.get("failure"),
                                   text.get("turns", 0), _flags(text, edited), mean_advantage(samples),
-                                  text.get("segments") or [], events, samples))
+                                  answered(text.get("segments") or []), events, samples))
+    return out
+
+
+def answered(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decoded segments, each tool call with the parser's verdict (as recorded; a run from before verdicts
+    were recorded gets it from the parse error, with no tool list) and each calling turn with the answer: the env
+    segment that follows it (the tool output the model read next)."""
+    out = []
+    for k, seg in enumerate(segments):
+        calls = [dict(c, verdict=c.get("verdict") or call_verdict(c.get("error"), c.get("name"), None))
+                 for c in seg.get("tool_calls") or []]
+        after = segments[k + 1] if k + 1 < len(segments) else None
+        answer = after["text"] if calls and after is not None and after["role"] == "env" else None
+        out.append(dict(seg, tool_calls=calls, answer=answer))
     return out
 
 
@@ -164,24 +197,52 @@ def worst_agreement(trajs: list[ViewTrajectory], n: int = WORST_TOKENS) -> dict[
     return {key: [[t, k, i, round(d, DIGITS)] for d, t, k, i in heapq.nlargest(n, v)] for key, v in found.items()}
 
 
+AGREEMENT = ("agreement/logprob_abs_diff_mean", "agreement/logprob_abs_diff_max")  # the loss's, over every token
+
+
 def steps_timeline(history: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Per step: the timeline's series and the phase times (timing/*_s), numbers only."""
-    keep = lambda k: k in TIMELINE or k == "step" or (k.startswith("timing/") and k.endswith("_s"))  # noqa: E731
+    """Per step: the timeline's series, the phase times (timing/*_s) and the loss's engine-vs-trainer agreement over
+    all the step's trained tokens (beside the worst tokens listed from the recorded trajectories), numbers only."""
+    keep = lambda k: k in TIMELINE or k in AGREEMENT or k == "step" or (  # noqa: E731
+        k.startswith("timing/") and k.endswith("_s"))
     return [{k: v for k, v in r.items() if keep(k) and isinstance(v, (int, float)) and math.isfinite(v)}
             for r in history]
 
 
-def paired_changes(evals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def rollout_stage(eval_stage: str) -> str:
+    """The rollouts.jsonl stage of an evals.json stage: "before SFT" -> "eval before SFT"; the last eval is
+    recorded as "eval step N" and relabelled "after RL (step N)" in evals.json (cli/train.py)."""
+    match = re.fullmatch(r"after RL \(step (\d+)\)", eval_stage)
+    return f"eval step {match.group(1)}" if match else f"eval {eval_stage}"
+
+
+def eval_prompt_index(trajectory: str) -> int | None:
+    """The eval prompt (row) a recorded eval trajectory answered: its instance id ends with the row
+    (loop/loop.py evaluate_prompts: "eval/<stage>/<id>/<row>", then "_<repetition>")."""
+    match = re.search(r"/(\d+)_\d+$", trajectory)
+    return int(match.group(1)) if match else None
+
+
+def paired_changes(evals: list[dict[str, Any]], trajs: list[ViewTrajectory] = ()) -> list[dict[str, Any]]:
     """Between consecutive eval stages (the same prompts, in order): the prompts that went from a score of 0 to
-    above 0 (fixed) and back (broken), by prompt index."""
+    above 0 (fixed) and back (broken), each with its data source and the recorded eval trajectory (page index)
+    that answered it at either stage, where one was recorded (logging.num_rollout_samples picks)."""
+    where = {(t.stage, eval_prompt_index(t.key)): i for i, t in enumerate(trajs) if t.stage.startswith("eval ")}
     out = []
     for before, after in zip(evals, evals[1:]):
         if len(before["scores"]) != len(after["scores"]):
             continue
         pairs = list(enumerate(zip(before["scores"], after["scores"])))
+        sources = before.get("sources") or []
+
+        def listed(indices: list[int]) -> list[dict[str, Any]]:
+            return [{"prompt": i, "source": sources[i] if i < len(sources) else None,
+                     "before": where.get((rollout_stage(before["stage"]), i)),
+                     "after": where.get((rollout_stage(after["stage"]), i))} for i in indices]
+
         out.append({"from": before["stage"], "to": after["stage"],
-                    "fixed": [i for i, (a, b) in pairs if a <= 0 < b],
-                    "broken": [i for i, (a, b) in pairs if b <= 0 < a]})
+                    "fixed": listed([i for i, (a, b) in pairs if a <= 0 < b]),
+                    "broken": listed([i for i, (a, b) in pairs if b <= 0 < a])})
     return out
 
 
@@ -193,7 +254,7 @@ def page_data(run_dir: str | Path, live: bool = False) -> dict[str, Any]:
     return {"run": str(run_dir.resolve()), "roles": ROLES, "live": live, "stamp": input_stamp(run_dir),
             "steps": steps_timeline(load_history(run_dir / "metrics.jsonl")), "timeline": TIMELINE,
             "evals": [{k: e[k] for k in ("stage", "mean", "ci_low", "ci_high", "scores")} for e in evals],
-            "paired": paired_changes(evals), "texts": token_texts(run_dir),
+            "paired": paired_changes(evals, trajs), "texts": token_texts(run_dir),
             "trajectories": [_plain(t) for t in trajs], "worst": worst_agreement(trajs)}
 
 
@@ -238,8 +299,8 @@ def _wire(traj: dict[str, Any]) -> dict[str, Any]:
         return traj
     compact = dict(separators=(",", ":"), allow_nan=False)
     samples = [dict(s, advantages=runs(s["advantages"])) for s in traj["samples"]]
-    segments = [{"role": g["role"], "text": "", "tool_calls": g["tool_calls"]} for g in traj["segments"]
-                if g.get("tool_calls")]
+    segments = [{"role": g["role"], "text": "", "tool_calls": g["tool_calls"], "answer": g.get("answer")}
+                for g in traj["segments"] if g.get("tool_calls")]
     return dict(traj, samples=json.dumps(samples, **compact), segments=segments)
 
 

@@ -98,8 +98,31 @@ function drawTimeline() {
     $("timeline").append(box);
   }
   for (const p of D.paired) {
-    $("eval-pairs").append(el("div", {text: p.from + " \u2192 " + p.to + ": fixed prompts [" + p.fixed.join(", ") + "], broken prompts [" + p.broken.join(", ") + "]"}));
+    const line = el("div", {class: "pair-line"}, p.from + " \u2192 " + p.to + ": ");
+    for (const [kind, prompts] of [["fixed", p.fixed], ["broken", p.broken]]) {
+      line.append(el("b", {text: prompts.length + " " + kind + " "}));
+      const list = el("span", {class: "pairs", "data-kind": kind});
+      for (const q of prompts) list.append(pairedPrompt(q));
+      line.append(list, " ");
+    }
+    $("eval-pairs").append(line);
   }
+}
+// one paired prompt: its index and source, and a link to the eval trajectory that answered it at each stage
+function pairedPrompt(q) {
+  const node = el("span", {class: "paired", "data-prompt": q.prompt}, "#" + q.prompt + (q.source ? " (" + q.source + ")" : "") + " ");
+  for (const side of ["before", "after"]) {
+    if (q[side] == null) { node.append(el("span", {class: "hint", text: side + ": not recorded "})); continue; }
+    const a = el("a", {href: "#", class: "open-" + side, text: side});
+    a.addEventListener("click", (ev) => { ev.preventDefault(); openAt(q[side]); });
+    node.append(a, " ");
+  }
+  return node;
+}
+// a trajectory of any step or stage: select its stage, then open it
+function openAt(i) {
+  const t = D.trajectories[i];
+  state.stage = stageKey(t); $("stage").value = state.stage; drawList(); openTrajectory(i);
 }
 function pickStep(step) {
   const key = [...$("stage").options].map((o) => o.value).find((v) => v.startsWith(step + "|train")) ||
@@ -152,7 +175,7 @@ function drawSample(t, s, k) {
   const untrained = !s.advantages;
   const box = el("div", {class: "sample" + (untrained ? " untrained" : ""), "data-k": k});
   const trained = [...s.response_roles].filter((r) => r === "t").length;
-  box.append(el("h4", {text: "sample " + (k + 1) + ": " + (s.prefix + s.prompt_ids.length) + " prompt tokens, " +
+  box.append(el("h4", {text: (s.steps.length ? "trained: merged " : "") + "sample " + (k + 1) + ": " + (s.prefix + s.prompt_ids.length) + " prompt tokens, " +
                                s.response_ids.length + " response tokens, " + trained + " in the loss mask" +
                                (s.boundaries.length ? ", merged: " + (s.boundaries.length + 1) + " steps" : "") +
                                (untrained ? " (NOT trained: an eval, or a sample outside the step's batch; " +
@@ -168,7 +191,35 @@ function drawSample(t, s, k) {
   });
   tokens.append(frag);
   box.append(tokens);
-  return box;
+  if (!s.steps.length) return box;
+  // merged: the step-wise samples it was made of (as generated) beside it (as the trainer received it)
+  const pair = el("div", {class: "pair"}, drawSteps(s, k), box);
+  return pair;
+}
+// a merged sample's steps as generated: step j's prompt is the merged prompt + response[:start], its response the
+// merged response's [start, end) (view/page.py step_ranges); the same recorded ids, masks and logprobs, sliced
+function drawSteps(s, k) {
+  const col = el("div", {class: "gen-steps", "data-k": k}, el("h4", {text: "generated: " + s.steps.length + " step-wise samples"}));
+  let prevEnd = 0;
+  s.steps.forEach(([a, b], j) => {
+    const trained = [...s.response_roles.slice(a, b)].filter((r) => r === "t").length;
+    const prompt = s.prefix + s.prompt_ids.length + a;
+    const step = el("div", {class: "gen-step", "data-step": j},
+      el("h5", {text: "step " + (j + 1) + ": " + prompt + " prompt tokens, " + (b - a) + " response tokens, " + trained + " in the loss mask"}));
+    const tokens = el("div", {class: "tokens"});
+    if (j === 0) {
+      if (s.prefix) tokens.append(el("span", {class: "history r-h", text: "[" + s.prefix + " tokens of history, as above]\n"}));
+      s.prompt_ids.forEach((id, i) => tokens.append(tokenSpan(id, s.prompt_roles[i], k, "p", i)));
+    } else {
+      tokens.append(el("span", {class: "history r-h", text: "[" + (s.prefix + s.prompt_ids.length + prevEnd) + " tokens: step " + j + "'s prompt + response, up to the merge boundary]\n"}));
+      for (let i = prevEnd; i < a; i++) tokens.append(tokenSpan(s.response_ids[i], s.response_roles[i], k, "r", i));
+    }
+    for (let i = a; i < b; i++) tokens.append(tokenSpan(s.response_ids[i], s.response_roles[i], k, "r", i));
+    step.append(tokens);
+    col.append(step);
+    prevEnd = b;
+  });
+  return col;
 }
 function drawSegments(t) {
   if (!t.segments.length) return null;
@@ -177,9 +228,12 @@ function drawSegments(t) {
     const node = el("div", {class: "segment"}, el("b", {text: "[" + seg.role + "] "}),
                     seg.text || (t.samples ? "(its text: the tokens above)" : ""));
     for (const call of seg.tool_calls || []) {
-      node.append(el("div", {class: "call" + (call.error ? " bad" : ""),
-        text: "tool call " + call.name + "(" + JSON.stringify(call.arguments) + ")  parser: " + (call.error ? "error: " + call.error : "ok")}));
+      node.append(el("div", {class: "call" + (call.verdict === "ok" ? "" : " bad"), "data-verdict": call.verdict,
+        text: "tool call " + call.name + "(" + JSON.stringify(call.arguments) + ")  parser: " + call.verdict +
+              (call.error ? " (" + call.error + ")" : "")}));
     }
+    // the tool output the model read next (a text-only trajectory shows it as its next env turn anyway)
+    if (t.samples && seg.tool_calls.length && seg.answer != null) node.append(el("div", {class: "answer", text: "answer: " + seg.answer}));
     box.append(node);
   }
   return box;
@@ -205,7 +259,7 @@ function openTrajectory(i, hit) {
   const segments = drawSegments(t);
   if (segments) d.append(segments);
   if (hit) {
-    const span = d.querySelector('.tok[data-k="' + hit[0] + '"][data-part="r"][data-pos="' + hit[1] + '"]');
+    const span = d.querySelector('.sample .tok[data-k="' + hit[0] + '"][data-part="r"][data-pos="' + hit[1] + '"]');
     if (span) { span.classList.add("hit"); span.scrollIntoView({block: "center"}); }
   }
 }
@@ -245,6 +299,12 @@ function drawWorst() {
   const d = $("detail");
   d.textContent = "";
   d.append(el("h2", {text: "Worst engine-vs-trainer agreement, " + (state.stage || "no step recorded").replace("|", " ")}));
+  const metrics = D.steps.find((r) => state.stage && state.stage.endsWith("|train") && r.step === Number(state.stage.split("|")[0]));
+  if (metrics && metrics["agreement/logprob_abs_diff_max"] != null) {
+    d.append(el("p", {class: "meta", id: "agreement", text: "over all the step's trained tokens (the loss): |trainer - engine| mean " +
+      fmt(metrics["agreement/logprob_abs_diff_mean"], 5) + ", max " + fmt(metrics["agreement/logprob_abs_diff_max"], 5) +
+      "; listed below: the tokens of the trajectories recorded per token (logging.view_samples)"}));
+  }
   if (!worst.length) { d.append(el("p", {class: "hint", text: "No token of this step has both logprobs recorded."})); return; }
   const table = el("table", {class: "worst"}, el("tr", {}, el("th", {text: "|trainer - engine|"}), el("th", {text: "trajectory"}),
                                                    el("th", {text: "sample"}), el("th", {text: "token"})));
