@@ -397,6 +397,41 @@ def test_the_seccomp_filter_refuses_the_kernels_attack_surface(sandbox, bystande
         assert outcome in ("-1 EPERM", "-1 ENOSYS"), (name, outcome)
 
 
+_SYSV_HOARD = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+cap, held = {cap}, 0
+while held < 2 * cap:  # SysV shared memory: attach, fill, detach; the segment stays, no rlimit counts it
+    sid = libc.shmget(0, 64 << 20, 0o1600)
+    addr = libc.shmat(sid, None, 0) if sid >= 0 else None
+    if addr in (None, 2 ** 64 - 1):
+        print("shm refused", errno.errorcode.get(ctypes.get_errno()))
+        break
+    ctypes.memset(addr, 1, 64 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+    held += 64 << 20
+queued, message = 0, ctypes.create_string_buffer(b"\\x01" + bytes(8 + 8191))  # type 1, 8 KiB
+while queued < cap + (32 << 20):  # SysV message queues: 16 KiB of kernel memory each, up to 32,000 of them
+    qid = libc.msgget(0, 0o1600)
+    if qid < 0 or libc.msgsnd(qid, message, 8192, 0o4000) < 0 or libc.msgsnd(qid, message, 8192, 0o4000) < 0:
+        print("msg refused", errno.errorcode.get(ctypes.get_errno()))
+        break
+    queued += 16384
+print("held", held >> 20, "queued", queued >> 20)
+"""
+
+
+def test_memory_that_no_rlimit_counts_cannot_be_hoarded(sandbox, bystander):
+    """Without a cgroup the memory cap is RLIMIT_AS, per process. SysV shared memory (attach, fill, detach: the
+    segment stays) held 512 MiB past a 256 MiB cap from one process, as many times more as the loop ran; SysV
+    message queues another 288 MiB of kernel memory. Both are refused by the filter (EPERM), as memfd is."""
+    result = sandbox.run("python3 -", stdin=_SYSV_HOARD.format(cap=FAST.memory_bytes))
+    assert result.ok, result
+    assert "shm refused EPERM" in result.stdout and "msg refused EPERM" in result.stdout, result
+    assert result.stdout.split()[-4:] == ["held", "0", "queued", "0"], result
+
+
 def test_ordinary_programs_still_run_under_the_filter(sandbox, bystander):
     code = ("import os, socket, subprocess, threading, tempfile\n"
             "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
