@@ -687,6 +687,26 @@ def test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds(sandbox, bysta
     assert result.cpu_s >= 0.4, result  # the burner's 0.4 s (before: only the shell's and the init's own time)
 
 
+_LEDGER_BURNER = ("import sys, time\nn = 0\nwhile True:\n    n += 1\n    if n % 20000 == 0:\n"
+                  "        open(sys.argv[1], 'w').write(repr(time.process_time()))\n")
+
+
+@pytest.mark.parametrize("stop", ["timeout", "output_limit"])
+def test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process(sandbox, bystander, stop):
+    """A run the host kills (wall clock, output cap, disk cap, close) lost the CPU time of every process of its
+    sandbox: the init was killed before it could reap them, so rusage held only bwrap's own. Two detached burners
+    and a foreground one ran for a second and `cpu_s` said 0.006. Now the runner reads the CPU time of every process
+    under bwrap (each one's own and its reaped children's) while they live, and reports at least that."""
+    sandbox.write_file("burn.py", _LEDGER_BURNER)
+    tail = "sleep 1000" if stop == "timeout" else "sleep 1; head -c 100000000 /dev/zero"
+    result = sandbox.run(f"(setsid python3 burn.py a &); (setsid python3 burn.py b &); python3 burn.py c & {tail}",
+                         limits=Limits(**{**FAST.__dict__, "wall_s": 2.5}))
+    assert result.stop_reason.value == stop, result
+    reported = sum(float(sandbox.read_file(name)) for name in "abc")  # what the burners said they had used
+    assert reported > 0.05, reported
+    assert result.cpu_s >= 0.9 * reported, (result.cpu_s, reported)
+
+
 def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, caplog):
     from skyrl_stepwise.sandbox import bwrap, caps
 
