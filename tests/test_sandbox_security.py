@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import processes_with, require_sandbox, run_unprivileged
+from sandbox_helpers import processes_with, require_sandbox, run_tests_unprivileged, run_unprivileged
 from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
 from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
 
@@ -687,8 +687,9 @@ def test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds(sandbox, bysta
     assert result.cpu_s >= 0.4, result  # the burner's 0.4 s (before: only the shell's and the init's own time)
 
 
-_LEDGER_BURNER = ("import sys, time\nn = 0\nwhile True:\n    n += 1\n    if n % 20000 == 0:\n"
-                  "        open(sys.argv[1], 'w').write(repr(time.process_time()))\n")
+_LEDGER_BURNER = ("import os, sys, time\nn = 0\nwhile True:\n    n += 1\n    if n % 20000 == 0:\n"
+                  "        open(sys.argv[1] + '.new', 'w').write(repr(time.process_time()))\n"
+                  "        os.replace(sys.argv[1] + '.new', sys.argv[1])\n")  # never a half-written file
 
 
 @pytest.mark.parametrize("stop", ["timeout", "output_limit"])
@@ -725,3 +726,36 @@ def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, cap
     assert "working dir: a watchdog poll only" in line and "seccomp filter on" in line
     here = caps.CapsReport(kernel_disk_cap=True, cgroup_missing=caps.cgroup_v2_missing())
     assert ("per-process only" in here.line()) == (here.cgroup_missing is not None)
+
+
+# The attacks whose defence depends on who the trainer is. As root (CI) each sandbox gets a uid of its own (root is
+# exempt from RLIMIT_NPROC) and a tmpfs working dir; a laptop's trainer runs its sandboxes as itself, and the disk
+# cap is the watchdog's poll. CI runs as root, so these run once more as uid 65534.
+LAPTOP_CASE = (
+    "test_fork_bomb_is_bounded_and_leaves_nothing", "test_memory_bomb_is_stopped",
+    "test_memory_that_no_rlimit_counts_cannot_be_hoarded", "test_filling_the_working_dir_is_stopped",
+    "test_cannot_signal_the_trainer", "test_a_daemonised_process_does_not_outlive_the_run_or_close",
+    "test_close_kills_a_run_still_going", "test_a_secret_in_the_trainers_session_keyring_cannot_be_read",
+    "test_each_run_joins_a_fresh_empty_session_keyring", "test_the_seccomp_filter_refuses_the_kernels_attack_surface",
+    "test_cannot_read_another_trajectorys_directory", "test_symlink_planted_for_the_copy_back_is_not_followed",
+    "test_a_fifo_or_socket_planted_for_the_file_api_is_refused_not_waited_on",
+    "test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process",
+    "test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds",
+)
+# (not test_the_watchdog_alone_stops_a_run_filling_its_working_dir: its 32 MiB margin measures how fast the poll
+# is, and without the tmpfs a loaded 2-core box overshot it in 2 of 4 runs: the soft cap the start-up line names)
+LAPTOP_DISK_WATCH = ("test_a_trainer_busy_in_other_threads_does_not_soften_the_cap",)
+
+
+@pytest.mark.integration  # a second pytest as another user (~1 min)
+def test_the_attacks_that_depend_on_privilege_also_hold_for_a_trainer_that_is_not_root():
+    if os.geteuid() != 0:
+        pytest.skip("these tests already ran as this user, who is not root")
+    here = Path(__file__).resolve()
+    ids = [f"{here}::{name}" for name in LAPTOP_CASE] + \
+        [f"{here.with_name('test_sandbox_disk_watch.py')}::{name}" for name in LAPTOP_DISK_WATCH]
+    out = run_tests_unprivileged(ids)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    expected = len(ids) + 1  # the stop parametrized twice
+    assert summary.startswith(f"{expected} passed") and "skipped" not in summary, summary
