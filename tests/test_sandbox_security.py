@@ -692,6 +692,7 @@ _LEDGER_BURNER = ("import os, sys, time\nn = 0\nwhile True:\n    n += 1\n    if 
                   "        os.replace(sys.argv[1] + '.new', sys.argv[1])\n")  # never a half-written file
 
 
+@pytest.mark.integration  # each run waits out a 2.5 s wall clock or a 1 s sleep (> 2 s on a loaded 2-core box)
 @pytest.mark.parametrize("stop", ["timeout", "output_limit"])
 def test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process(sandbox, bystander, stop):
     """A run the host kills (wall clock, output cap, disk cap, close) lost the CPU time of every process of its
