@@ -111,3 +111,11 @@ def run_unprivileged(code: str, timeout: float = 180.0):
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     finally:
         shutil.rmtree(cwd, ignore_errors=True)
+
+
+def run_tests_unprivileged(node_ids: list[str], timeout: float = 420.0):
+    """Run these pytest node ids as a user without privileges (see run_unprivileged): the tests whose defence
+    depends on who the trainer is run once more as a laptop's trainer would. Returns the CompletedProcess."""
+    code = ("import sys, pytest\n"
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-o', 'addopts=', *{list(node_ids)!r}]))\n")
+    return run_unprivileged(code, timeout=timeout)

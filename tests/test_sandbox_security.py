@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_helpers import processes_with, require_sandbox, run_unprivileged
+from sandbox_helpers import processes_with, require_sandbox, run_tests_unprivileged, run_unprivileged
 from skyrl_stepwise.sandbox import BwrapSandbox, Limits, SandboxMetrics, SandboxPathError, StopReason
 from skyrl_stepwise.sandbox.bwrap import DIR_PREFIX, sweep_stale_dirs
 
@@ -397,6 +397,41 @@ def test_the_seccomp_filter_refuses_the_kernels_attack_surface(sandbox, bystande
         assert outcome in ("-1 EPERM", "-1 ENOSYS"), (name, outcome)
 
 
+_SYSV_HOARD = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+cap, held = {cap}, 0
+while held < 2 * cap:  # SysV shared memory: attach, fill, detach; the segment stays, no rlimit counts it
+    sid = libc.shmget(0, 64 << 20, 0o1600)
+    addr = libc.shmat(sid, None, 0) if sid >= 0 else None
+    if addr in (None, 2 ** 64 - 1):
+        print("shm refused", errno.errorcode.get(ctypes.get_errno()))
+        break
+    ctypes.memset(addr, 1, 64 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+    held += 64 << 20
+queued, message = 0, ctypes.create_string_buffer(b"\\x01" + bytes(8 + 8191))  # type 1, 8 KiB
+while queued < cap + (32 << 20):  # SysV message queues: 16 KiB of kernel memory each, up to 32,000 of them
+    qid = libc.msgget(0, 0o1600)
+    if qid < 0 or libc.msgsnd(qid, message, 8192, 0o4000) < 0 or libc.msgsnd(qid, message, 8192, 0o4000) < 0:
+        print("msg refused", errno.errorcode.get(ctypes.get_errno()))
+        break
+    queued += 16384
+print("held", held >> 20, "queued", queued >> 20)
+"""
+
+
+def test_memory_that_no_rlimit_counts_cannot_be_hoarded(sandbox, bystander):
+    """Without a cgroup the memory cap is RLIMIT_AS, per process. SysV shared memory (attach, fill, detach: the
+    segment stays) held 512 MiB past a 256 MiB cap from one process, as many times more as the loop ran; SysV
+    message queues another 288 MiB of kernel memory. Both are refused by the filter (EPERM), as memfd is."""
+    result = sandbox.run("python3 -", stdin=_SYSV_HOARD.format(cap=FAST.memory_bytes))
+    assert result.ok, result
+    assert "shm refused EPERM" in result.stdout and "msg refused EPERM" in result.stdout, result
+    assert result.stdout.split()[-4:] == ["held", "0", "queued", "0"], result
+
+
 def test_ordinary_programs_still_run_under_the_filter(sandbox, bystander):
     code = ("import os, socket, subprocess, threading, tempfile\n"
             "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
@@ -652,6 +687,28 @@ def test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds(sandbox, bysta
     assert result.cpu_s >= 0.4, result  # the burner's 0.4 s (before: only the shell's and the init's own time)
 
 
+_LEDGER_BURNER = ("import os, sys, time\nn = 0\nwhile True:\n    n += 1\n    if n % 20000 == 0:\n"
+                  "        open(sys.argv[1] + '.new', 'w').write(repr(time.process_time()))\n"
+                  "        os.replace(sys.argv[1] + '.new', sys.argv[1])\n")  # never a half-written file
+
+
+@pytest.mark.integration  # each run waits out a 2.5 s wall clock or a 1 s sleep (> 2 s on a loaded 2-core box)
+@pytest.mark.parametrize("stop", ["timeout", "output_limit"])
+def test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process(sandbox, bystander, stop):
+    """A run the host kills (wall clock, output cap, disk cap, close) lost the CPU time of every process of its
+    sandbox: the init was killed before it could reap them, so rusage held only bwrap's own. Two detached burners
+    and a foreground one ran for a second and `cpu_s` said 0.006. Now the runner reads the CPU time of every process
+    under bwrap (each one's own and its reaped children's) while they live, and reports at least that."""
+    sandbox.write_file("burn.py", _LEDGER_BURNER)
+    tail = "sleep 1000" if stop == "timeout" else "sleep 1; head -c 100000000 /dev/zero"
+    result = sandbox.run(f"(setsid python3 burn.py a &); (setsid python3 burn.py b &); python3 burn.py c & {tail}",
+                         limits=Limits(**{**FAST.__dict__, "wall_s": 2.5}))
+    assert result.stop_reason.value == stop, result
+    reported = sum(float(sandbox.read_file(name)) for name in "abc")  # what the burners said they had used
+    assert reported > 0.05, reported
+    assert result.cpu_s >= 0.9 * reported, (result.cpu_s, reported)
+
+
 def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, caplog):
     from skyrl_stepwise.sandbox import bwrap, caps
 
@@ -670,3 +727,36 @@ def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, cap
     assert "working dir: a watchdog poll only" in line and "seccomp filter on" in line
     here = caps.CapsReport(kernel_disk_cap=True, cgroup_missing=caps.cgroup_v2_missing())
     assert ("per-process only" in here.line()) == (here.cgroup_missing is not None)
+
+
+# The attacks whose defence depends on who the trainer is. As root (CI) each sandbox gets a uid of its own (root is
+# exempt from RLIMIT_NPROC) and a tmpfs working dir; a laptop's trainer runs its sandboxes as itself, and the disk
+# cap is the watchdog's poll. CI runs as root, so these run once more as uid 65534.
+LAPTOP_CASE = (
+    "test_fork_bomb_is_bounded_and_leaves_nothing", "test_memory_bomb_is_stopped",
+    "test_memory_that_no_rlimit_counts_cannot_be_hoarded", "test_filling_the_working_dir_is_stopped",
+    "test_cannot_signal_the_trainer", "test_a_daemonised_process_does_not_outlive_the_run_or_close",
+    "test_close_kills_a_run_still_going", "test_a_secret_in_the_trainers_session_keyring_cannot_be_read",
+    "test_each_run_joins_a_fresh_empty_session_keyring", "test_the_seccomp_filter_refuses_the_kernels_attack_surface",
+    "test_cannot_read_another_trajectorys_directory", "test_symlink_planted_for_the_copy_back_is_not_followed",
+    "test_a_fifo_or_socket_planted_for_the_file_api_is_refused_not_waited_on",
+    "test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process",
+    "test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds",
+)
+# (not test_the_watchdog_alone_stops_a_run_filling_its_working_dir: its 32 MiB margin measures how fast the poll
+# is, and without the tmpfs a loaded 2-core box overshot it in 2 of 4 runs: the soft cap the start-up line names)
+LAPTOP_DISK_WATCH = ("test_a_trainer_busy_in_other_threads_does_not_soften_the_cap",)
+
+
+@pytest.mark.integration  # a second pytest as another user (~1 min)
+def test_the_attacks_that_depend_on_privilege_also_hold_for_a_trainer_that_is_not_root():
+    if os.geteuid() != 0:
+        pytest.skip("these tests already ran as this user, who is not root")
+    here = Path(__file__).resolve()
+    ids = [f"{here}::{name}" for name in LAPTOP_CASE] + \
+        [f"{here.with_name('test_sandbox_disk_watch.py')}::{name}" for name in LAPTOP_DISK_WATCH]
+    out = run_tests_unprivileged(ids)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    expected = len(ids) + 1  # the stop parametrized twice
+    assert summary.startswith(f"{expected} passed") and "skipped" not in summary, summary

@@ -31,7 +31,7 @@ class CapsReport:
         else:
             mem = (f"memory/CPU: per-process only ({self.cgroup_missing}): each process has its own address-space "
                    "and CPU-time cap, so up to `processes` of them may hold that many times `memory_bytes`; memfd "
-                   "is refused by the seccomp filter, /dev/shm is read-only")
+                   "and SysV shared memory are refused by the seccomp filter, /dev/shm is read-only")
         return f"sandbox caps: seccomp filter on; own hostname and session keyring; {disk}; {mem}"
 
 

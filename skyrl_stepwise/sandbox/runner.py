@@ -31,6 +31,9 @@ _PR_SET_PDEATHSIG = 1
 _KEYCTL_JOIN_SESSION_KEYRING = 1
 _SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
 _WATCH_EVERY_S = 0.1  # how often this process also checks the working dir's size (the cap is disk_watch's)
+# how often the CPU time of the run's processes is read (tree_cpu_s: ~1 ms per process on a loaded 2-core box); also
+# read right before any kill of ours, so only a kill by the disk watchdog can miss the last period's
+_CPU_EVERY_S = 0.5
 # stderr text by which a limit shows when the program handled the failure itself and exited (kernel refusals
 # surface as errno messages, not signals): checked only for a failed exit, last 4 KiB of stderr
 _STDERR_MARKERS: tuple[tuple[StopReason, tuple[str, ...]], ...] = (
@@ -95,6 +98,7 @@ class Run:
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
         self.init_pids: list[int] = []
+        self.cpu_seen = 0.0  # the most CPU seconds the run's processes were seen to hold together (tree_cpu_s)
         # held while bwrap is reaped and while it is killed: a kill (close() in another thread) never signals the
         # pid or process group of a bwrap already reaped, whose id the kernel may have given to another process
         self.reap_lock = threading.Lock()
@@ -111,6 +115,7 @@ class Run:
             if self.proc.returncode is not None:
                 return
             self.note_started()
+            self._sample_cpu_locked()
             for pid in self.init_pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -124,6 +129,7 @@ class Run:
         with self.reap_lock:
             if block:
                 self.note_started()
+                self._sample_cpu_locked()
                 for pid in self.init_pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
@@ -134,12 +140,49 @@ class Run:
             self.proc.returncode = os.waitstatus_to_exitcode(status)
             return pid, status, usage
 
+    def sample_cpu(self) -> None:
+        """Note the CPU seconds of every process of the run now (while bwrap lives: no pid of it can be reused)."""
+        with self.reap_lock:
+            if self.proc.returncode is None:
+                self._sample_cpu_locked()
+
+    def _sample_cpu_locked(self) -> None:
+        self.cpu_seen = max(self.cpu_seen, tree_cpu_s(self.proc.pid))
+
     def wait_for_namespace(self, timeout: float = 5.0) -> None:
         """Block until the namespace's init has exited (it exits last: the kernel kills the rest first)."""
         deadline = time.monotonic() + timeout
         for pid in self.init_pids:
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.005)
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of `root` and every process under it, each one's own and its reaped children's (utime, stime,
+    cutime, cstime of /proc/<pid>/stat).
+
+    Why: a run's rusage counts only what was reaped up to bwrap. A run the host kills (wall clock, output or disk
+    cap, close()) takes the sandbox's init down before it reaps anything, so every process's CPU time was lost:
+    two detached burners and a foreground one reported `cpu_s` 0.006. Every process of the sandbox is under bwrap
+    (an orphan is adopted by the namespace's init), so the sum over the tree, read while it lives, is what they
+    used. Parents are read before their children: a child reaped mid-walk is missed, never counted twice. A pid
+    whose parent is not the one that listed it (reused meanwhile) is skipped."""
+    total, stack = 0, [(root, None)]
+    while stack:
+        pid, parent = stack.pop()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if parent is not None and int(fields[1]) != parent:
+                continue
+            total += sum(int(f) for f in fields[11:15])
+            for task in os.listdir(f"/proc/{pid}/task"):
+                stack += [(int(c), pid) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / _TICKS_PER_S
 
 
 def _children(pid: int) -> list[int]:
@@ -258,7 +301,8 @@ def run_process(
         else:
             out.chunks = [head[len(preamble):]]
     wall = time.monotonic() - start
-    cpu = usage.ru_utime + usage.ru_stime if usage is not None else 0.0
+    # rusage is complete where the init reaped everything (the command exited); a killed run's is not
+    cpu = max(usage.ru_utime + usage.ru_stime if usage is not None else 0.0, run.cpu_seen)
     exit_code, sig = _decode_status(status, inner)
     if why is None and over_cap(workdir, limits.workdir_bytes):
         why = StopReason.DISK_LIMIT
@@ -284,6 +328,7 @@ def _pump(run: Run, stdin: bytes | None, limits: Limits, workdir: Path, start: f
         sel.register(stdin_fd, selectors.EVENT_WRITE)
     deadline = start + limits.wall_s
     next_watch = start + _WATCH_EVERY_S
+    next_cpu = start + _CPU_EVERY_S
     why: StopReason | None = None
     truncated = False
     open_reads = len(streams)
@@ -295,6 +340,9 @@ def _pump(run: Run, stdin: bytes | None, limits: Limits, workdir: Path, start: f
                 break
             if now >= next_watch:
                 next_watch = now + _WATCH_EVERY_S
+                if now >= next_cpu:  # a kill from outside (the disk watchdog) leaves no time to read it
+                    next_cpu = now + _CPU_EVERY_S
+                    run.sample_cpu()
                 if over_cap(workdir, limits.workdir_bytes):
                     why = StopReason.DISK_LIMIT
                     break

@@ -6,9 +6,10 @@ Why: namespaces hide the host's files and processes, but every syscall still rea
 filter, code inside could read the trainer's session keyring (`keyctl`), and reach bpf, userfaultfd,
 perf_event_open and io_uring, the usual ways into a kernel bug. Everything not listed below fails with EPERM
 (Docker's default errno). `clone3` and the io_uring calls fail with ENOSYS, so libc and runtimes fall back to what
-is allowed. The filter is stricter than Docker's in four places: `ptrace`, `process_vm_readv`/`writev` (Docker allows
+is allowed. The filter is stricter than Docker's in five places: `ptrace`, `process_vm_readv`/`writev` (Docker allows
 them), `memfd_create` (memory that no per-process cap counts: without a cgroup, N memfds would hold N x the file-size
-cap), and `socket` (only AF_UNIX, AF_INET, AF_INET6, AF_NETLINK). A syscall of another ABI (32-bit x86 on x86_64)
+cap), SysV shared memory and message queues (HOARDING: memory no per-process cap counts either), and `socket` (only
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK). A syscall of another ABI (32-bit x86 on x86_64)
 kills the process (libseccomp's bad-arch action).
 """
 
@@ -75,10 +76,15 @@ _SIGNALS_TIME_EVENTS = (
 _IPC_NET = (
     "accept", "accept4", "bind", "connect", "getpeername", "getsockname", "getsockopt", "listen", "recv",
     "recvfrom", "recvmmsg", "recvmmsg_time64", "recvmsg", "send", "sendmmsg", "sendmsg", "sendto", "setsockopt",
-    "shutdown", "socketpair", "ipc", "mq_getsetattr", "mq_notify", "mq_open", "mq_timedreceive",
-    "mq_timedreceive_time64", "mq_timedsend", "mq_timedsend_time64", "mq_unlink", "msgctl", "msgget", "msgrcv",
-    "msgsnd", "semctl", "semget", "semop", "semtimedop", "semtimedop_time64", "shmat", "shmctl", "shmdt", "shmget",
+    "shutdown", "socketpair", "mq_getsetattr", "mq_notify", "mq_open", "mq_timedreceive",
+    "mq_timedreceive_time64", "mq_timedsend", "mq_timedsend_time64", "mq_unlink",
+    "semctl", "semget", "semop", "semtimedop", "semtimedop_time64",
 )
+# Docker allows these; its cgroup counts what they hold. Without one, no rlimit does: a SysV shared-memory segment
+# stays after shmdt (one process held 512 MiB past a 256 MiB address-space cap, and more the longer it loops), and
+# 32,000 message queues hold 16 KiB of kernel memory each. Refused (EPERM), as memfd_create is. POSIX message queues
+# stay: RLIMIT_MSGQUEUE bounds them (800 KiB per user by default).
+HOARDING = ("shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "ipc")
 ALLOWED = _FILES + _MEMORY + _PROCESSES + _SIGNALS_TIME_EVENTS + _IPC_NET
 SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # Docker's: PER_LINUX, UNAME26, ADDR_NO_RANDOMIZE, query
