@@ -33,7 +33,9 @@ ARGS ?=
 run: install
 	$(BIN)/python -m skyrl_stepwise.cli.train experiment=search_r1_tiny $(ARGS)
 
-PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): pytest rewrites every test
+# module's asserts and caches the result as .pyc, so without it each worker re-parses ~270 modules (~12 s a process).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider
 # Each run's JUnit XML: .ci/run and benchmarks/test_times.py read the slowest tests and the time per file from it.
 RESULTS := .test-results
 # The fast suite shares nothing (no port, Ray, /dev/shm or cache dir of its own), so it runs on every core.

@@ -57,6 +57,35 @@ def test_a_conversion_parses_the_gguf_once(tmp_path):
     assert gguf.GGUFReader is original and gguf.GGUFReader(path) is not gguf.GGUFReader(path)
 
 
+def test_a_conversion_decodes_the_gguf_metadata_once_and_hands_out_copies(tmp_path, monkeypatch):
+    """transformers decodes the whole metadata (every vocabulary entry, in Python) for the tokenizer's and for each
+    config's load: within gguf_parsed_once that is one decode; each caller gets its own copy to pop keys from, and
+    the tensor-loading call still goes through."""
+    from transformers import configuration_utils
+    from transformers.models.auto import tokenization_auto
+
+    from skyrl_stepwise.models.gguf_meta import gguf_parsed_once
+
+    decodes = []
+
+    def counting_load(path, return_tensors=False, **kwargs):
+        decodes.append(return_tensors)
+        return {"config": {"model_type": "gemma3"}, "tokenizer": {"tokens": ["a", "b"]}}
+
+    for module in (configuration_utils, tokenization_auto):
+        monkeypatch.setattr(module, "load_gguf_checkpoint", counting_load)
+    path = str(tmp_path / "m.gguf")
+    with gguf_parsed_once():
+        first = configuration_utils.load_gguf_checkpoint(path, return_tensors=False)
+        first["config"].pop("model_type")
+        second = tokenization_auto.load_gguf_checkpoint(path)
+        assert second["config"] == {"model_type": "gemma3"} and decodes == [False]
+        configuration_utils.load_gguf_checkpoint(path, return_tensors=True)
+        assert decodes == [False, True]
+    assert configuration_utils.load_gguf_checkpoint is counting_load
+    assert tokenization_auto.load_gguf_checkpoint is counting_load
+
+
 def test_gguf_without_template_of_unknown_family_is_refused_before_writing(tmp_path, monkeypatch):
     gguf_file = _header_only_gguf(tmp_path / "mystery.gguf", "mysteryarch")
     monkeypatch.setattr(prepare, "convert_gguf", lambda *a, **k: pytest.fail("conversion started"))

@@ -72,24 +72,49 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
 
 @contextlib.contextmanager
 def gguf_parsed_once() -> Iterator[None]:
-    """Within it, every `gguf.GGUFReader` of one file is a single parse, shared by our header read and the three
-    transformers makes for one conversion (tokenizer, config, weights). Parsing a file's metadata walks every
-    vocabulary entry through numpy memmap views: Gemma 3's 262k tokens took ~30 s (quiet machine) to ~110 s (loaded)
-    per parse, most of a conversion. transformers imports `GGUFReader` from `gguf` at call time, so the module
-    attribute is what it gets; restored on exit."""
-    import gguf
+    """Within it, every `gguf.GGUFReader` of one file is a single parse, shared by our header read and the reads
+    transformers makes for one conversion (tokenizer, config, weights); and transformers' metadata-only decode of
+    the file (`load_gguf_checkpoint(..., return_tensors=False)`, called for the tokenizer's and each config's load)
+    is done once and handed out as copies.
 
-    original = gguf.GGUFReader
+    Why: parsing a file's metadata walks every vocabulary entry through numpy memmap views, and transformers then
+    decodes every entry again in Python on each call: Gemma 3's 262k tokens took ~30 s (quiet machine) to ~110 s
+    (loaded) per parse, and ~8 s per decode, most of a conversion. transformers imports `GGUFReader` from `gguf` at
+    call time and `load_gguf_checkpoint` into two modules at import, so those attributes are what it gets; all are
+    restored on exit. The tensor-loading call (`return_tensors=True`) is left alone: it runs once anyway."""
+    import copy
+
+    import gguf
+    from transformers import configuration_utils
+    from transformers.models.auto import tokenization_auto
+
+    original_reader = gguf.GGUFReader
     readers: dict[tuple[str, str], object] = {}
 
     def shared_reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = original(path, mode)
+            readers[key] = original_reader(path, mode)
         return readers[key]
 
+    callers = (configuration_utils, tokenization_auto)
+    original_loads = [caller.load_gguf_checkpoint for caller in callers]
+    metadata: dict[str, dict] = {}
+
+    def metadata_once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return original_loads[0](path, return_tensors=return_tensors, **kwargs)
+        key = os.path.realpath(path)
+        if key not in metadata:
+            metadata[key] = original_loads[0](path, return_tensors=False)
+        return copy.deepcopy(metadata[key])  # callers pop and rename keys in what they get
+
     gguf.GGUFReader = shared_reader
+    for caller in callers:
+        caller.load_gguf_checkpoint = metadata_once
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = original_reader
+        for caller, original_load in zip(callers, original_loads):
+            caller.load_gguf_checkpoint = original_load
