@@ -339,3 +339,19 @@ def test_sft_is_a_hydra_app_with_help_and_writes_no_run_dir(capsys, tmp_path, mo
     assert sft.main(["experiment=search_r1_tiny", "sft.epochs=3", "--cfg", "job"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["sft"]["epochs"] == 3
     assert list(tmp_path.iterdir()) == []  # no outputs/<date>/..., no .hydra
+
+
+def test_a_recipes_own_tools_file_is_found_from_any_working_dir(tmp_path, monkeypatch):
+    """repo_fix_tiny names `conf/tools/repo_fix.yaml`: run from a user's own directory it failed at start-up with
+    "No such file". A user's own file at that relative path still wins; a path found nowhere stays as written."""
+    from skyrl_stepwise.run.app_config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    shipped = Path(load_config(["experiment=repo_fix_tiny"]).environment.tool.tools_path)
+    assert shipped.is_absolute() and shipped.is_file() and shipped.parts[-3:] == ("conf", "tools", "repo_fix.yaml")
+    own = tmp_path / "conf" / "tools" / "repo_fix.yaml"
+    own.parent.mkdir(parents=True)
+    own.write_text("tools: []\n")
+    assert load_config(["experiment=repo_fix_tiny"]).environment.tool.tools_path == "conf/tools/repo_fix.yaml"
+    missing = load_config(["experiment=repo_fix_tiny", "environment.tool.tools_path=mine/tools.yaml"])
+    assert missing.environment.tool.tools_path == "mine/tools.yaml"

@@ -66,11 +66,25 @@ def to_run_config(composed, in_hydra_job: bool = True):
     """A composed DictConfig as a validated RunConfig fitted to this host; a bad value or combination fails naming
     its key (see validated_config)."""
     cfg = validated_config(composed, in_hydra_job)
+    cfg.environment.tool.tools_path = recipe_file(cfg.environment.tool.tools_path)
     changed = cfg.fit_precision_to_host()
     if changed:
         logger.warning(f"this CPU has no native bf16 (AVX512-BF16/AMX; bf16 matmuls would be emulated, 3-80x "
                        f"slower): {', '.join(changed)}")
     return cfg
+
+
+def recipe_file(path: str | None) -> str | None:
+    """A relative file path as the run will read it: from the working dir when it is there, else from the project
+    root when it is there (the recipes' own files, `tools_path: conf/tools/repo_fix.yaml`), as an absolute path.
+
+    Why: a recipe names its files relative to the project root, and a user runs `skyrl-stepwise train` from their own
+    directory, where `conf/` is not: the run failed at start-up with "No such file" for a file the project ships.
+    A path found in neither place is left as given, so the error names what the user wrote."""
+    if path is None or Path(path).is_absolute() or Path(path).exists():
+        return path
+    shipped = Path(CONF_DIR).parent / path
+    return str(shipped) if shipped.exists() else path
 
 
 def load_config(overrides: list[str] | None = None, config_name: str = "config"):
