@@ -976,6 +976,17 @@ def _smollm2_base():
     return AutoTokenizer.from_pretrained(prepare_model())
 
 
+def tokenizer_copy(tok):
+    """A deep copy of `tok` to change (its chat template, its added tokens) without touching the shared one: its
+    backend is a fresh one on the same read-only BPE model (qwen_vocab.fresh_backend, ~1 ms) where a plain deepcopy
+    re-parses the whole vocabulary (~0.4 s for SmolLM2's 49k tokens, paid by every test that copied)."""
+    import copy
+
+    from qwen_vocab import fresh_backend
+
+    return copy.deepcopy(tok, {id(tok.backend_tokenizer): fresh_backend(tok.backend_tokenizer)})
+
+
 def _smollm2_family(spec: FamilySpec):
     """A copy of the SmolLM2 tokenizer with the family's markers: deep-copied with its backend swapped for a fresh
     one on the shared BPE model (~1 ms; loading or deep-copying the 49k-token vocabulary costs 0.2-1.5 s a family,

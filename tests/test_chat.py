@@ -3,9 +3,9 @@ tokenizers, reasons for every re-render. Scripted engine, real tokenizers."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
+from family_tokenizers import tokenizer_copy
 from qwen_vocab import qwen_fast_tokenizer
 from test_generator import PROMPT, canonical, make_generator, run
 
@@ -34,7 +34,7 @@ async def test_thinking_retention_on_a_template_that_strips_past_reasoning(reten
 
 
 def test_base_model_tokenizer_whose_turns_end_with_another_token(tokenizer):
-    base = copy.deepcopy(tokenizer)
+    base = tokenizer_copy(tokenizer)
     base.eos_token = "<|endoftext|>"  # a base model: text ends with <|endoftext|>, chat turns with <|im_end|>
     chat = create_renderer(base, "template")
     im_end = base.convert_tokens_to_ids("<|im_end|>")
@@ -42,7 +42,7 @@ def test_base_model_tokenizer_whose_turns_end_with_another_token(tokenizer):
 
 
 async def test_base_model_tokenizer_in_both_modes(tokenizer):
-    base = copy.deepcopy(tokenizer)
+    base = tokenizer_copy(tokenizer)
     base.eos_token = "<|endoftext|>"
     im_end = base.convert_tokens_to_ids("<|im_end|>")
     for conversation in (True, False):
@@ -65,7 +65,7 @@ async def test_a_template_that_drops_tool_messages_gets_them_in_the_role_it_rend
     """The renderer never lets an observation vanish (handed a `tool` message the template drops, it raises, naming
     it); the generator, knowing from the probe that this template drops `tool`, renders the observation as a user
     turn instead: the trajectory goes on, the observation reaches the model, the fallback is counted."""
-    tok = copy.deepcopy(tokenizer)
+    tok = tokenizer_copy(tokenizer)
     tok.chat_template = _DropsToolTemplate.TEMPLATE
     chat = create_renderer(tok, "template")
     assert not chat.roles.tool_without_call and not chat.roles.tool_after_call and chat.roles.system
@@ -94,7 +94,7 @@ async def test_a_template_that_drops_tool_messages_gets_them_in_the_role_it_rend
 
 
 def test_template_without_chat_template_or_unknown_renderer_fails_naming_it(tokenizer):
-    tok = copy.deepcopy(tokenizer)
+    tok = tokenizer_copy(tokenizer)
     tok.chat_template = None
     with pytest.raises(ValueError, match="has no chat_template"):
         TemplateRenderer(tok)
@@ -108,7 +108,7 @@ def test_template_without_chat_template_or_unknown_renderer_fails_naming_it(toke
 
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 async def test_the_engine_is_told_to_stop_at_the_turn_terminator(tokenizer):
-    base = copy.deepcopy(tokenizer)
+    base = tokenizer_copy(tokenizer)
     base.eos_token = "<|endoftext|>"
     im_end = base.convert_tokens_to_ids("<|im_end|>")
     sampled = canonical(base, "<answer> x </answer>") + [im_end]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from family_tokenizers import FAMILIES, family_tokenizer
+from family_tokenizers import FAMILIES, family_tokenizer, tokenizer_copy
 
 from skyrl_stepwise.chat import create_renderer
 from skyrl_stepwise.chat.tool_parsers import mistral_call_id
@@ -451,7 +451,6 @@ def test_tool_turn_stop_tokens_come_from_the_template(tmp_path):
     """The token a call turn ends with is found by rendering one (GLM <|observation|>, harmony <|call|>, Llama 3.1's
     ipython <|eom_id|>, Gemma 4 <|tool_response>), never a token between two calls (DeepSeek's
     <｜tool▁call▁end｜>); GLM's plain turns end with the <|user|> that opens the next one."""
-    import copy
 
     def stops(family, renderer="template"):
         tok = family_tokenizer(family)
@@ -465,7 +464,7 @@ def test_tool_turn_stop_tokens_come_from_the_template(tmp_path):
     assert stops("deepseek-v3.1")[0] == {"<｜end▁of▁sentence｜>"}
     assert stops("qwen2.5")[0] == {"<|im_end|>"}
     # a local model folder's generation_config.json adds the ids its model stops on (Llama 3.2: <|eom_id|>)
-    tok = copy.deepcopy(family_tokenizer("llama-3.2"))
+    tok = tokenizer_copy(family_tokenizer("llama-3.2"))
     eom = tok.convert_tokens_to_ids("<|eom_id|>")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eom, tok.eos_token_id]}))
     tok.name_or_path = str(tmp_path)

@@ -3,11 +3,11 @@ written), BOS/EOS kept, and one start-up line saying how the template was adapte
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
+from family_tokenizers import tokenizer_copy
 
 from skyrl_stepwise.chat import TemplateRenderer
 from skyrl_stepwise.chat.adaptation import describe_chat_adaptation
@@ -225,7 +225,7 @@ async def test_the_roles_an_env_answers_in_are_named_not_assumed(tokenizer, capl
 def test_bundled_gemma_template_renders_tool_use_through_our_renderer():
     from family_tokenizers import family_tokenizer
 
-    tok = copy.deepcopy(family_tokenizer("gemma-2"))  # family tokenizers are shared: never mutate them
+    tok = tokenizer_copy(family_tokenizer("gemma-2"))  # family tokenizers are shared: never mutate them
     tok.chat_template = (TEMPLATE_DIR / "gemma.jinja").read_text()
     renderer = TemplateRenderer(tok)
     assert renderer.roles.system and not renderer.roles.tool_after_call  # system folded by the template itself

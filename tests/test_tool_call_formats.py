@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from family_tokenizers import FAMILIES, family_tokenizer
+from family_tokenizers import FAMILIES, family_tokenizer, tokenizer_copy
 
 from skyrl_stepwise.chat import create_renderer
 from skyrl_stepwise.chat.template import TemplateRenderer
@@ -188,9 +188,7 @@ UNKNOWN_FORMAT_TEMPLATE = (
 
 
 def test_an_unknown_call_format_is_refused_at_startup(tokenizer):
-    import copy
-
-    tok = copy.deepcopy(tokenizer)
+    tok = tokenizer_copy(tokenizer)
     tok.chat_template = UNKNOWN_FORMAT_TEMPLATE
     with pytest.raises(UnknownToolFormat) as refused:
         create_renderer(tok, "template")
@@ -229,12 +227,11 @@ def test_library_renderer_answers_a_call_its_parser_reads_as_the_final_answer():
 def test_auto_picks_the_library_renderer_a_local_folder_renders_like():
     """A model the library does not know by name (a local folder) gets the renderer that renders what its template
     renders, as its hub name would; a template no renderer reproduces keeps the template."""
-    import copy
 
     local = {}
     for family, expected in (("qwen3", "renderers:qwen3"), ("nemotron-3-nano", "renderers:nemotron-3"),
                              ("qwen2.5", "template:/models/qwen2.5")):
-        local[family] = tok = copy.deepcopy(family_tokenizer(family))
+        local[family] = tok = tokenizer_copy(family_tokenizer(family))
         tok.name_or_path = tok.init_kwargs["name_or_path"] = f"/models/{family}"
         assert create_renderer(tok, "auto").name == expected
     # an explicit tool parser keeps the template backend it applies to
@@ -398,10 +395,9 @@ REFUSED = {  # template -> what the refusal quotes of its probe call's rendering
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_real_templates_in_an_unread_format_are_refused_at_startup(name, tokenizer):
-    import copy
     from pathlib import Path
 
-    tok = copy.deepcopy(tokenizer)
+    tok = tokenizer_copy(tokenizer)
     tok.chat_template = (Path(__file__).parent / "templates" / "refused" / f"{name}.jinja").read_text(encoding="utf-8")
     tok.name_or_path = f"/models/{name}"
     with pytest.raises(UnknownToolFormat) as refused:
@@ -451,9 +447,8 @@ TOOLS_BREAK_TEMPLATE = (  # llama.cpp's deepseek-r1 template's construct: `map` 
 def test_a_template_that_fails_on_tools_is_never_given_them(tokenizer):
     """A template that raises whenever `tools=` is passed is rendered without them (our tools block in the format
     it renders calls in): the first prompt of a rollout renders instead of failing every trajectory."""
-    import copy
 
-    tok = copy.deepcopy(tokenizer)
+    tok = tokenizer_copy(tokenizer)
     tok.chat_template = TOOLS_BREAK_TEMPLATE
     chat = create_renderer(tok, "template")
     assert not chat.renders_tools and chat.renders_tool_calls and chat.tool_parser.name == "hermes"
@@ -474,9 +469,7 @@ JSON_CALLS_TEMPLATE = (  # Llama 3's JSON objects, written {prefix}{call}{sep}{c
 
 
 def _json_calls_tokenizer(tokenizer, prefix: str, sep: str):
-    import copy
-
-    tok = copy.deepcopy(tokenizer)
+    tok = tokenizer_copy(tokenizer)
     tok.chat_template = JSON_CALLS_TEMPLATE.replace("PREFIX", repr(prefix)).replace("SEP", repr(sep))
     tok.name_or_path = "/models/json-calls"
     return tok
@@ -544,9 +537,8 @@ def test_llama4_calls_parse_after_its_python_block():
 def test_a_template_that_renders_no_calls_is_refused_naming_what_it_rendered():
     """Falcon-H1's template with its call instructions in a format no parser reads: the refusal says the template
     renders no calls (quoting the empty call turn as such, not as a call) and quotes the instructions' end."""
-    import copy
 
-    tok = copy.deepcopy(family_tokenizer("falcon-h1"))
+    tok = tokenizer_copy(family_tokenizer("falcon-h1"))
     tok.chat_template = tok.chat_template.replace("{'arguments': <args-dict>, 'name': <function-name>}",
                                                   "CALL <function-name> WITH <args>")
     with pytest.raises(UnknownToolFormat) as refused:
