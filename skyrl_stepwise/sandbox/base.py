@@ -74,6 +74,9 @@ class RunResult:
     wall_s: float
     cpu_s: float  # user + system time of the run's processes
     truncated: bool
+    # the most memory the run's processes held together (cgroup v2 memory.peak, tmpfs/shmem pages included), where
+    # the run had a cgroup of its own (cgroup.py); a measurement, so results are compared without it
+    memory_peak_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     @property
     def ok(self) -> bool:

@@ -6,10 +6,11 @@ filter (seccomp.py: at least Docker's default profile), the system directories r
 the trajectory's working dir at /work (the only writable host directory), the rest of the root read-only, a cleared
 environment, `--die-with-parent` and `--new-session`. bwrap is spawned in its own process group with the
 parent-death signal set, a fresh session keyring, under rlimits (CPU, address space, file size, open files) and,
-where the trainer is root, as an unprivileged uid of its own (root is exempt from RLIMIT_NPROC). Inside, a small
-init (INIT) sets RLIMIT_NPROC, runs the command, kills and reaps whatever it left, and reports the command's own wait
-status. There is no fallback: where bwrap cannot start, `check_sandbox_available` raises SandboxUnavailable with
-the reason.
+where the trainer is root, as an unprivileged uid of its own (root is exempt from RLIMIT_NPROC); where a cgroup v2
+can be had, each run's processes also share one cgroup capping their total memory and processes (cgroup.py).
+Inside, a small init (INIT) sets RLIMIT_NPROC, runs the command, kills and reaps whatever it left, and reports the
+command's own wait status. There is no fallback: where bwrap cannot start, `check_sandbox_available` raises
+SandboxUnavailable with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, Sandb
 from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in, remove_tree
 from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
 from skyrl_stepwise.sandbox.caps import CapsReport, cgroup_v2_missing
+from skyrl_stepwise.sandbox.cgroup import SANDBOX_CGROUPS, SandboxCgroups
 from skyrl_stepwise.sandbox.workdir_fs import mount_allowed, mount_capped, resize, unmount
 from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
@@ -224,9 +226,12 @@ def check_sandbox_available() -> str:
     return binary
 
 
-def caps_report() -> CapsReport:
-    """Which caps the kernel enforces for sandboxes of this process (said at start-up; docs/sandbox.md)."""
-    return CapsReport(kernel_disk_cap=mount_allowed(), cgroup_missing=cgroup_v2_missing())
+def caps_report(cgroups: SandboxCgroups = SANDBOX_CGROUPS) -> CapsReport:
+    """Which caps the kernel enforces for sandboxes of this process (said at start-up; docs/sandbox.md): the
+    per-run cgroups' base where `cgroups` has one, else why not."""
+    missing = cgroup_v2_missing()
+    at, why = cgroups.status() if missing is None else (None, missing)
+    return CapsReport(kernel_disk_cap=mount_allowed(), cgroup_missing=why, cgroup_at=at)
 
 
 def sweep_stale_dirs(root: Path) -> list[Path]:
@@ -297,8 +302,10 @@ class BwrapSandbox(HostWorkdir):
     `with BwrapSandbox(files_from=task_dir) as sb: sb.run("python3 solution.py")`."""
 
     def __init__(self, files_from: Path | None = None, limits: Limits | None = None, network: bool = False,
-                 metrics: SandboxMetrics | None = None, root: Path | None = None) -> None:
+                 metrics: SandboxMetrics | None = None, root: Path | None = None,
+                 cgroups: SandboxCgroups = SANDBOX_CGROUPS) -> None:
         self.limits = limits or Limits()
+        self._cgroups = cgroups  # each run's total memory/processes cap where a cgroup v2 can be had (cgroup.py)
         self.network = network
         self.metrics = metrics if metrics is not None else SandboxMetrics()
         self._creds = _allocate_credentials()
@@ -347,16 +354,25 @@ class BwrapSandbox(HostWorkdir):
             seccomp_fd = filter_fd()
             status_read, status_write = os.pipe()
             argv = bwrap_argv(self.workdir, command, limits, self.network, seccomp_fd, status_write)
-            try:
-                result = run_process(argv, data, limits, make_preexec(limits, self._creds), self.workdir, self._runs,
-                                     START_MARKER, self._start_lock, lambda: self._closed,
-                                     pass_fds=(seccomp_fd, status_write), status_fd=status_read)
-            except (SandboxClosed, SandboxUnavailable):
-                if not self._closed:
-                    raise
-                # close() (another thread: the trajectory ended or failed) took the run before or during its
-                # start: the run was killed, which is what its caller is told, never a bwrap error of ours
-                result = RunResult(stdout="", stderr="", exit_code=None, signal=None, stop_reason=StopReason.KILLED,
-                                   wall_s=0.0, cpu_s=0.0, truncated=False)
+            # /tmp's and (where the kernel caps it) the working dir's tmpfs pages are charged to the run's cgroup
+            tmpfs_bytes = limits.tmp_bytes + (limits.workdir_bytes if self.kernel_capped else 0)
+            with self._cgroups.for_run(limits, tmpfs_bytes) as cgroup:
+                preexec = make_preexec(limits, self._creds)
+                if cgroup is not None:
+                    preexec = cgroup.joining_first(preexec)
+                try:
+                    result = run_process(argv, data, limits, preexec, self.workdir, self._runs, START_MARKER,
+                                         self._start_lock, lambda: self._closed,
+                                         pass_fds=(seccomp_fd, status_write), status_fd=status_read)
+                except (SandboxClosed, SandboxUnavailable):
+                    if not self._closed:
+                        raise
+                    # close() (another thread: the trajectory ended or failed) took the run before or during its
+                    # start: the run was killed, which is what its caller is told, never a bwrap error of ours
+                    result = RunResult(stdout="", stderr="", exit_code=None, signal=None,
+                                       stop_reason=StopReason.KILLED, wall_s=0.0, cpu_s=0.0, truncated=False)
+                else:
+                    if cgroup is not None:  # before the block ends: the cgroup is read, then removed
+                        result = self._cgroups.account(cgroup, result)
         self.metrics.count_run(result.stop_reason, result.wall_s)
         return result
