@@ -83,12 +83,21 @@ def _taught_tiny_model(tiny: Path, val_path: Path, out: Path, max_steps: int = 6
     keyword prompt, at either turn, "yes" or "no" at even odds (each p > 0.4), so a group of samples has reward
     variance as the real SmolLM2's had. What the test checks is how the run treats these replies (parse, execute,
     record, show, train), not whether a model can write them; the random tiny model writes neither."""
+    import hashlib
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from skyrl_stepwise.chat.template import TemplateRenderer
 
     chat = TemplateRenderer(AutoTokenizer.from_pretrained(tiny))
     pairs = _taught_replies(chat, load_prompt_dataset(val_path)[0].prompt)
+    # Teaching is ~60 s of a 2-core box: the result is kept beside smollm2-tiny in the model cache, named by all that
+    # decides it (the tiny weights, the pairs, the recipe below, torch), and written whole before it is named.
+    key = hashlib.sha256((tiny / "model.safetensors").read_bytes() + json.dumps(
+        [pairs, max_steps, "adam 1e-2, p>0.9 call / p>0.4 keyword", torch.__version__]).encode()).hexdigest()[:16]
+    cached = tiny.parent / f"{tiny.name}-taught-{key}"
+    if (cached / "model.safetensors").is_file():
+        return cached
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     threads = torch.get_num_threads()
@@ -111,6 +120,11 @@ def _taught_tiny_model(tiny: Path, val_path: Path, out: Path, max_steps: int = 6
     for name in os.listdir(tiny):  # tokenizer, template, generation config: smollm2-tiny's, byte for byte
         if name not in ("config.json", "model.safetensors") and (tiny / name).is_file():
             shutil.copy2(tiny / name, out / name)
+    staged = Path(shutil.copytree(out, cached.parent / f".{cached.name}.{os.getpid()}"))
+    try:
+        staged.rename(cached)  # a concurrent run that named it first wins; its bytes are the same
+    except OSError:
+        shutil.rmtree(staged, ignore_errors=True)
     return out
 
 
