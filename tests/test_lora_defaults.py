@@ -38,6 +38,8 @@ def test_the_sft_adapter_has_its_own_lr_key_and_the_full_sft_cache_ignores_it(tm
     from skyrl_stepwise.loop.warm_start import cache_key, sft_lora_config
 
     cfg = _run_cfg(tmp_path, enabled=True, lr=7e-4)
+    assert not sft_lora_config(cfg).enabled  # LoRA RL warm-starts from a full SFT unless sft.lora=true
+    cfg.sft.lora = True
     assert sft_lora_config(cfg).lr is None  # RL's explicit lr never reaches SFT: 10 x SFT's own lr
     cfg.sft.lora_lr = 2e-4
     assert sft_lora_config(cfg).lr == 2e-4
@@ -102,13 +104,13 @@ def test_a_sft_that_left_the_eval_at_zero_says_so_naming_the_likely_key(tmp_path
     from skyrl_stepwise.loop.warm_start import sft_left_eval_at_zero
 
     cfg = _run_cfg(tmp_path, enabled=True)
-    cfg.sft.enabled = True
+    cfg.sft.enabled = cfg.sft.lora = True
     evals = [_eval("before SFT", [0.0, 1.0, 0.0, 0.0]), _eval("after SFT", [0.0] * 4)]
     history = [{"step": 1, "sft/loss": 1.763}, {"step": 6, "sft/loss": 1.682}]
     text = sft_left_eval_at_zero(cfg, evals, history)
     assert text.startswith("SFT LEFT THE EVAL AT 0: the eval after SFT scored 0 on all 4 prompts, 0.250 before it "
                            "(SFT loss 1.763 -> 1.682)")
-    assert "`trainer.lora.enabled=true` trained the SFT warm start as a LoRA adapter at lr 0.0005 (10 x sft.lr=5e-05" \
+    assert "`sft.lora=true` trained the SFT warm start as a LoRA adapter at lr 0.0005 (10 x sft.lr=5e-05" \
         in text and "Likely key: sft.lora_lr" in text and "sft.lora=false" in text
     cfg.sft.lora = False
     assert "Likely keys: sft.lr, sft.epochs" in sft_left_eval_at_zero(cfg, evals)
@@ -161,6 +163,8 @@ def test_the_report_config_reflects_lora(tmp_path):
             "version (trainer.lora.sync=adapter") in text
     assert ", lr 1e-05, mini-batch" in text  # the lr the adapter trains at, not the full-weight lr
     cfg.sft.enabled = True
+    assert describe_lora(cfg).endswith("; SFT warm start: every weight (sft.lora=false)")  # the default
+    cfg.sft.lora = True
     assert "; SFT warm start: an adapter at lr 0.0005 (10 x sft.lr=5e-05; sft.lora_lr sets it)" in describe_lora(cfg)
     cfg.sft.lora = False
     assert describe_lora(cfg).endswith("; SFT warm start: every weight (sft.lora=false)")

@@ -311,8 +311,8 @@ def test_a_demonstrated_call_is_trained_only_where_its_arguments_parse_back(fami
 
 
 def test_sft_lora_picks_how_the_warm_start_trains_and_its_cache_key_follows(tiny_model_dir, tmp_path):
-    """sft.lora=false under LoRA RL is full SFT: the very warm start (cache key) a full run uses, so one cached SFT
-    serves both arms of a comparison; null follows trainer.lora; true trains an adapter whatever RL does."""
+    """Full SFT under LoRA RL (the default, sft.lora=false) is the very warm start (cache key) a full run uses, so
+    one cached SFT serves both arms of a comparison; sft.lora=true trains an adapter whatever RL does."""
     from skyrl_stepwise.cli.train import load_config
     from skyrl_stepwise.loop.warm_start import cache_key, sft_lora_config
 
@@ -328,7 +328,8 @@ def test_sft_lora_picks_how_the_warm_start_trains_and_its_cache_key_follows(tiny
     lora_rl_full_sft, enabled = key_and_lora("trainer.lora.enabled=true", "sft.lora=false")
     assert (lora_rl_full_sft, enabled) == (full, False)
     assert key_and_lora("sft.lora=false") == (full, False)
-    lora_sft, enabled = key_and_lora("trainer.lora.enabled=true")
+    assert key_and_lora("trainer.lora.enabled=true") == (full, False)  # the one-line override: full SFT
+    lora_sft, enabled = key_and_lora("trainer.lora.enabled=true", "sft.lora=true")
     assert enabled and lora_sft != full
     assert key_and_lora("sft.lora=true") == (lora_sft, True)  # the same adapter, whatever RL trains
-    assert key_and_lora("trainer.lora.enabled=true", "trainer.lora.rank=4")[0] not in (full, lora_sft)
+    assert key_and_lora("trainer.lora.enabled=true", "sft.lora=true", "trainer.lora.rank=4")[0] not in (full, lora_sft)

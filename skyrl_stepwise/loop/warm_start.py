@@ -77,8 +77,8 @@ _GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_pr
                               "context"}  # SFT replays demonstrations with no context policy (loop/sft.py)
 # SFT keys that never change the trained weights: whether the main job runs it, how often it checkpoints (a resume is
 # exact), and the divergence guard (it only stops a run). num_warmup_steps is in the key: it changes the weights.
-# sft.lora (and sft.lora_lr) is keyed as the adapter it trains ("lora" below), not as its spelling: null with trainer.lora off and
-# false are the same full SFT, one cached warm start. sft.agent_demos is how demonstrations are recorded: what they
+# sft.lora (and sft.lora_lr) is keyed as the adapter it trains ("lora" below), not as its spelling: full SFT under
+# LoRA RL and under full RL is one cached warm start. sft.agent_demos is how demonstrations are recorded: what they
 # are (the conversations and their tools) is in the key.
 _SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence", "lora", "lora_lr", "agent_demos"}
 _SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
@@ -123,11 +123,10 @@ def model_digest(model_path: str, memo_path: Path | None = None) -> dict[str, st
 
 
 def sft_lora_config(cfg):
-    """The LoRA settings SFT trains with: trainer.lora, switched on or off by sft.lora (null: as RL does), at SFT's
-    own adapter lr (sft.lora_lr; null: 10 x SFT's chosen lr), never RL's trainer.lora.lr."""
-    lora = cfg.trainer.lora
-    enabled = lora.enabled if cfg.sft.lora is None else cfg.sft.lora
-    return dataclasses.replace(lora, enabled=enabled, lr=cfg.sft.lora_lr)
+    """The LoRA settings SFT trains with: trainer.lora's adapter, switched on by sft.lora alone (default false: full
+    SFT, whatever RL trains), at SFT's own adapter lr (sft.lora_lr; null: 10 x SFT's chosen lr), never RL's
+    trainer.lora.lr."""
+    return dataclasses.replace(cfg.trainer.lora, enabled=bool(cfg.sft.lora), lr=cfg.sft.lora_lr)
 
 
 def cache_key(cfg, data_digest: str, tools: list[dict] | None = None,
@@ -201,7 +200,7 @@ def sft_model(cfg, log=print, actor_options: list[dict] | None = None, metrics_p
     sft_lora = sft_lora_config(cfg)
     trains = f"a LoRA adapter (rank {sft_lora.rank}), merged into the warm start" if sft_lora.enabled \
         else "every weight"
-    log(f"sft: trains {trains}" + (f" (sft.lora={str(cfg.sft.lora).lower()})" if cfg.sft.lora is not None else ""))
+    log(f"sft: trains {trains} (sft.lora={str(bool(cfg.sft.lora)).lower()})")
     policy = PolicyGroup(dataclasses.replace(cfg.trainer, optim=optim, ckpt_dir=str(ckpts), max_ckpts_to_keep=1,
                                              ckpt_interval=cfg.sft.ckpt_interval, lora=sft_lora),
                          actor_options=actor_options)
@@ -282,8 +281,7 @@ def sft_left_eval_at_zero(cfg, evals: list, history: list[dict] | None = None) -
         if history and "sft/loss" in history[0] else ""
     sft_lora = sft_lora_config(cfg)
     if sft_lora.enabled:
-        why = (f"`trainer.lora.enabled=true` trained the SFT warm start as a LoRA adapter"
-               f"{' (sft.lora=true)' if cfg.sft.lora else ''} at "
+        why = (f"`sft.lora=true` trained the SFT warm start as a LoRA adapter at "
                f"{sft_lora.describe_lr(cfg.sft.lr, 'sft.lr', 'sft.lora_lr')}, which moved the model too little. "
                f"Likely key: sft.lora_lr (higher), or sft.lora=false (full SFT, then LoRA RL: the measured "
                f"combination in docs/lora.md)")
