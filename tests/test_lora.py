@@ -103,15 +103,18 @@ def test_one_override_turns_lora_on_in_the_composed_run_config():
 
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_a_lora_warm_start_is_cached_apart_from_a_full_one():
-    """SFT with LoRA trains another model than full SFT: the warm-start cache must not hand one to the other."""
+    """SFT with LoRA (sft.lora=true) trains another model than full SFT: the warm-start cache must not hand one to
+    the other. LoRA RL alone (the one-line override) warm-starts from the full SFT: the same key."""
     from skyrl_stepwise.run.app_config import load_config
     from skyrl_stepwise.loop.warm_start import cache_key
 
     full = cache_key(load_config(["experiment=search_r1_tiny"]), "digest")
-    lora = cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true"]), "digest")
+    assert cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true"]), "digest") == full
+    lora = cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true", "sft.lora=true"]),
+                     "digest")
     assert lora != full
     assert cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.rank=4"]), "digest") == full  # off
-    assert cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true",
+    assert cache_key(load_config(["experiment=search_r1_tiny", "trainer.lora.enabled=true", "sft.lora=true",
                                   "trainer.lora.rank=4"]), "digest") != lora
 
 
@@ -434,8 +437,8 @@ RECIPE_NEEDS = {"tool_task_tiny": ["data.train_path=rows.parquet"]}  # the task-
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_one_line_override_turns_lora_on_for_every_recipe(recipe):
-    """`trainer.lora.enabled=true` is all a recipe needs (its SFT, if any, trains an adapter too): no recipe
-    sets something LoRA refuses."""
+    """`trainer.lora.enabled=true` is all a recipe needs (its SFT, if any, trains every weight; sft.lora=true an
+    adapter): no recipe sets something LoRA refuses."""
     from skyrl_stepwise.run.app_config import load_config
 
     overrides = [f"experiment={recipe}", *RECIPE_NEEDS.get(recipe, [])]
