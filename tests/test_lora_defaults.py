@@ -101,21 +101,42 @@ def _eval(stage: str, scores: list[float]) -> EvalResult:
 
 
 def test_a_sft_that_left_the_eval_at_zero_says_so_naming_the_likely_key(tmp_path):
-    from skyrl_stepwise.loop.warm_start import sft_left_eval_at_zero
+    from skyrl_stepwise.loop.warm_start import sft_left_no_signal
 
     cfg = _run_cfg(tmp_path, enabled=True)
     cfg.sft.enabled = cfg.sft.lora = True
     evals = [_eval("before SFT", [0.0, 1.0, 0.0, 0.0]), _eval("after SFT", [0.0] * 4)]
     history = [{"step": 1, "sft/loss": 1.763}, {"step": 6, "sft/loss": 1.682}]
-    text = sft_left_eval_at_zero(cfg, evals, history)
+    text = sft_left_no_signal(cfg, evals, history)
     assert text.startswith("SFT LEFT THE EVAL AT 0: the eval after SFT scored 0 on all 4 prompts, 0.250 before it "
                            "(SFT loss 1.763 -> 1.682)")
     assert "`sft.lora=true` trained the SFT warm start as a LoRA adapter at lr 0.0005 (10 x sft.lr=5e-05" \
         in text and "Likely key: sft.lora_lr" in text and "sft.lora=false" in text
     cfg.sft.lora = False
-    assert "Likely keys: sft.lr, sft.epochs" in sft_left_eval_at_zero(cfg, evals)
-    assert sft_left_eval_at_zero(cfg, [evals[0], _eval("after SFT", [0.0, 0.0, 1.0, 0.0])]) is None
-    assert sft_left_eval_at_zero(cfg, evals[:1]) is None  # no SFT stage, no claim
+    assert "Likely keys: sft.lr, sft.epochs" in sft_left_no_signal(cfg, evals)
+    assert sft_left_no_signal(cfg, [evals[0], _eval("after SFT", [0.0, 0.0, 1.0, 0.0])]) is None
+    assert sft_left_no_signal(cfg, evals[:1]) is None  # no SFT stage, no claim
+
+
+def test_a_sft_that_left_the_eval_near_zero_says_so_with_the_signal_a_step_can_expect(tmp_path):
+    """1 of 128 right after an adapter warm start (0.008) gave RL step 1 `signal_groups=0`, yet "exactly 0"
+    stayed silent: the bar is the groups a step expects with signal at the after-SFT rate."""
+    from skyrl_stepwise.loop.warm_start import expected_signal_groups, sft_left_no_signal
+
+    cfg = _run_cfg(tmp_path, enabled=True)
+    cfg.sft.enabled, cfg.generator.n_samples_per_prompt, cfg.data.train_batch_size = True, 4, 4
+    near = _eval("after SFT", [1.0] + [0.0] * 127)
+    text = sft_left_no_signal(cfg, [near])
+    groups = expected_signal_groups(1 / 128, 4, 4)
+    assert 0.1 < groups < 0.2 and f"expects {groups:.2f} groups with signal" in text
+    assert text.startswith("SFT LEFT THE EVAL NEAR 0: the eval after SFT scored 0.008 (1 of 128 prompts)")
+    assert "Likely keys: sft.lr, sft.epochs" in text
+    assert sft_left_no_signal(cfg, [_eval("after SFT", [1.0] * 37 + [0.0] * 91)]) is None  # 0.289: 5.9 groups
+    cfg.data.train_batch_size = 64  # the same 0.008 with 64 prompts a step: 2 groups expected, RL has signal
+    assert sft_left_no_signal(cfg, [near]) is None
+    cfg.data.train_batch_size, cfg.generator.n_samples_per_prompt = 4, 1  # no groups: only exactly 0 is claimed
+    assert sft_left_no_signal(cfg, [near]) is None
+    assert sft_left_no_signal(cfg, [_eval("after SFT", [0.0] * 128)]).startswith("SFT LEFT THE EVAL AT 0")
 
 
 def test_the_report_carries_the_sft_zero_warning(tmp_path):

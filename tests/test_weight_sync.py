@@ -34,6 +34,36 @@ def test_weights_file_is_the_engine_dtype_with_tied_tensors_cloned(tmp_path):
         engine_tensors([("a", embed), ("a", embed)], torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weights_file_is_what_safetensors_writes_and_merges_a_low_rank_sum_in_place(tmp_path, dtype):
+    """The streamed writer's file loads in safetensors' own reader with every tensor equal to what safetensors'
+    writer stores (casts, a non-contiguous view, a 0-dim tensor, tied tensors), and a LowRankSum arrives as the
+    merged weight W + scaling * B @ A (Conv1D's transposed form too), exactly as merge_factors computes it."""
+    from safetensors.torch import save_file
+
+    from skyrl_stepwise.policy.lora import AdaptedLayer, LowRankSum, merge_factors
+
+    torch.manual_seed(0)
+    embed, weight = torch.randn(6, 4), torch.randn(5, 3)
+    a, b = torch.randn(2, 3), torch.randn(5, 2)
+    plain = {"embed": embed, "tied": embed, "transposed": torch.randn(4, 6).T, "scalar": torch.tensor(2.5),
+             "ints": torch.arange(3)}
+    linear, conv = AdaptedLayer(scaling=0.5, fan_in_fan_out=False), AdaptedLayer(scaling=2.0, fan_in_fan_out=True)
+    sums = {"merged": LowRankSum(weight, a, b, linear), "merged_conv1d": LowRankSum(weight.T.contiguous(), a, b, conv)}
+    size = write_weights_file([*plain.items(), *sums.items()], dtype, tmp_path / "w.safetensors")
+    save_file({n: t.to(dtype).contiguous().clone() for n, t in plain.items()}, str(tmp_path / "ref.safetensors"))
+    ours, reference = load_weights_file(tmp_path / "w.safetensors"), load_weights_file(tmp_path / "ref.safetensors")
+    assert size == (tmp_path / "w.safetensors").stat().st_size and list(ours) == [*plain, *sums]
+    for name in plain:
+        assert ours[name].dtype == dtype and torch.equal(ours[name], reference[name]), name
+    assert torch.equal(ours["merged"], merge_factors(weight, a, b, linear).to(dtype))
+    assert torch.allclose(ours["merged"].float(), (weight + 0.5 * b @ a).to(dtype).float(), atol=1e-2)
+    assert torch.allclose(ours["merged_conv1d"].float(), (weight + 2.0 * b @ a).T.to(dtype).float(), atol=1e-2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.safetensors", "w.safetensors"]  # no .tmp left
+    with pytest.raises(ValueError, match="given twice"):
+        write_weights_file([("a", embed), ("a", embed)], dtype, tmp_path / "twice.safetensors")
+
+
 def test_weights_file_is_removed_even_when_the_update_fails():
     with pytest.raises(RuntimeError):
         with weights_file() as path:

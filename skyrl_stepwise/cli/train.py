@@ -40,7 +40,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
                                           role_options)
     from skyrl_stepwise.run.record import save_record
     from skyrl_stepwise.run.report import describe_lora, fsdp_backend
-    from skyrl_stepwise.loop.warm_start import sft_history, sft_left_eval_at_zero, sft_model
+    from skyrl_stepwise.loop.warm_start import sft_history, sft_left_no_signal, sft_model
     from skyrl_stepwise.chat.adaptation import describe_chat_adaptation
     from skyrl_stepwise.loop.evaluation import eval_subset
     from skyrl_stepwise.loop.loop import RLTrainer, eval_config
@@ -116,7 +116,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             # trainer.lora.sync=adapter it is the base every adapter version after it applies to)
             await weight_sync.sync_base()
             await evals.run("after SFT")
-            zero = sft_left_eval_at_zero(cfg, evals.results, sft_history(cfg.trainer.model_path))
+            zero = sft_left_no_signal(cfg, evals.results, sft_history(cfg.trainer.model_path))
             if zero:
                 logger.warning(zero)
         tracker = Tracker(cfg.logging.output_dir, cfg.logging.project, cfg.logging.run_name, cfg.logging.wandb_mode,

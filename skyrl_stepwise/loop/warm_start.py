@@ -266,14 +266,30 @@ def sft_history(model_dir: str | Path) -> list[dict]:
         return []
 
 
-def sft_left_eval_at_zero(cfg, evals: list, history: list[dict] | None = None) -> str | None:
-    """A loud sentence when the eval after SFT scored 0 on every prompt, naming the likely key; None otherwise.
+def expected_signal_groups(pass_rate: float, samples: int, prompts: int) -> float:
+    """Groups per RL step expected to carry signal (not all samples alike) when each sample succeeds with
+    `pass_rate`: prompts x (1 - (1 - p)^n - p^n)."""
+    return prompts * (1.0 - (1.0 - pass_rate) ** samples - pass_rate ** samples)
 
-    Every RL group then scores 0, has no signal and is skipped: the run would complete having trained nothing and
-    say nothing (issue 59: `trainer.lora.enabled=true` trained the warm start as an adapter at the full-weight lr,
-    loss 1.763 -> 1.682, eval 0.000 on 128 prompts). `evals`: the run's EvalResults; `history`: SFT's step metrics."""
+
+def sft_left_no_signal(cfg, evals: list, history: list[dict] | None = None) -> str | None:
+    """A loud sentence when the eval after SFT is so near 0 that RL steps will mostly have no signal, naming the
+    likely key; None otherwise.
+
+    At 0 every RL group scores 0 and is skipped: the run completes having trained nothing and says nothing (issue
+    59: `trainer.lora.enabled=true` trained the warm start as an adapter at the full-weight lr, loss 1.763 -> 1.682,
+    eval 0.000 on 128 prompts). Near 0 it is the same in effect: an adapter warm start at 0.008 (1 of 128 prompts)
+    had `signal_groups=0` at step 1, and "exactly 0" missed it. So the bar is the groups a step is expected to have
+    with signal at the after-SFT rate (`expected_signal_groups`): under one, most steps train nothing (with
+    groups of 2 or more samples).
+    `evals`: the run's EvalResults; `history`: SFT's step metrics."""
     after = next((r for r in evals if r.stage == "after SFT"), None)
-    if after is None or after.num_prompts == 0 or max(after.scores, default=0.0) > 0:
+    if after is None or after.num_prompts == 0:
+        return None
+    samples, prompts = cfg.generator.n_samples_per_prompt, cfg.data.train_batch_size
+    groups = expected_signal_groups(after.mean, samples, prompts)
+    # one sample a prompt has no group to compare within (nothing for this bar to say): only exactly 0 is claimed
+    if max(after.scores, default=0.0) > 0 and (groups >= 1.0 or samples < 2):
         return None
     before = next((r for r in evals if r.stage == "before SFT"), None)
     was = f", {before.mean:.3f} before it" if before is not None and before.num_prompts else ""
@@ -288,6 +304,11 @@ def sft_left_eval_at_zero(cfg, evals: list, history: list[dict] | None = None) -
     else:
         why = (f"the full SFT (sft.lr={cfg.sft.lr:g}, sft.epochs={cfg.sft.epochs}) did not teach the task's answer "
                f"format. Likely keys: sft.lr, sft.epochs")
-    return (f"SFT LEFT THE EVAL AT 0: the eval after SFT scored 0 on all {after.num_prompts} prompts{was}{loss}. "
-            f"Every RL group will score 0 and carry no signal, so the RL steps will train nothing "
-            f"(signal_groups=0). {why}.")
+    if max(after.scores, default=0.0) <= 0:
+        return (f"SFT LEFT THE EVAL AT 0: the eval after SFT scored 0 on all {after.num_prompts} prompts{was}{loss}. "
+                f"Every RL group will score 0 and carry no signal, so the RL steps will train nothing "
+                f"(signal_groups=0). {why}.")
+    right = sum(1 for score in after.scores if score > 0)
+    return (f"SFT LEFT THE EVAL NEAR 0: the eval after SFT scored {after.mean:.3f} ({right} of {after.num_prompts} "
+            f"prompts){was}{loss}. At that rate a step of {prompts} prompts x {samples} samples expects "
+            f"{groups:.2f} groups with signal, so most RL steps will train nothing (signal_groups=0). {why}.")

@@ -33,7 +33,7 @@ from skyrl_stepwise.policy.config import AlgorithmConfig, FSDPConfig, OptimConfi
 from skyrl_stepwise.policy.dropout import disable_dropout, dropout_note
 from skyrl_stepwise.policy.lora import (adapted_layers, adapter_disabled, adapter_recipe, adapter_state, apply_lora,
                                         base_weights_checksum, check_adapter_recipe, is_adapter_key, merged_items,
-                                        merged_shapes, save_adapter)
+                                        merged_shapes, save_adapter, LowRankSum)
 from skyrl_stepwise.algorithms.losses import no_gradient, policy_loss
 from skyrl_stepwise.policy.packing import attention_layout, refuse_inexact_attention, resolve_packing
 from skyrl_stepwise.models.rope import pin_longrope
@@ -108,18 +108,21 @@ def shard_model(model: torch.nn.Module, fsdp: FSDPConfig, device: torch.device) 
     return model
 
 
-def release_host_memory(device: torch.device) -> None:
+def release_host_memory(device: torch.device, collect: bool = True) -> None:
     """Hand freed heap pages back to the OS after a phase (update, weight export, checkpoint).
 
     glibc keeps what a phase freed (activations, gathered weights, staging copies) in its arenas, so an idle
     CPU rank sat at the peak of its last update: 3.8 GiB where its tensors need 2 (benchmarks/policy_memory.py).
-    malloc_trim(0) returns it (milliseconds); on CUDA the caching allocator is the one to ask.
+    malloc_trim(0) returns it (milliseconds); on CUDA the caching allocator is the one to ask. `collect=False`
+    skips the full garbage collection (0.3-0.5 s over a worker's heap) after a phase that leaves no reference
+    cycles holding tensors: the weight export, whose tensors refcounting frees.
     """
     import ctypes
     import ctypes.util
     import gc
 
-    gc.collect()
+    if collect:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
@@ -504,15 +507,18 @@ class PolicyWorker:
             return self._merged_state_dict(base_only)
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def _merged_state_dict(self, base_only: bool) -> dict[str, torch.Tensor]:
+    def _merged_state_dict(self, base_only: bool, deferred: bool = False) -> dict[str, torch.Tensor]:
         """full_state_dict with LoRA: each base weight and the factors of its adapter gathered once (`_full`, every
         rank in the same order) and merged as they arrive (merge_factors); rank 0 keeps them on CPU. Not through
-        get_model_state_dict: its per-entry work over the adapter's 2 x 210 extra entries cost seconds (docs/lora.md)."""
+        get_model_state_dict: its per-entry work over the adapter's 2 x 210 extra entries cost seconds (docs/lora.md).
+        `deferred` (a CPU rank writing the weights file): each merged weight stays a LowRankSum, computed as it is
+        written, so no merged copy of the model is ever held."""
         merged: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for name, tensor in merged_items(self.model.state_dict(), {} if base_only else self.lora_layers, _full):
+            layers = {} if base_only else self.lora_layers
+            for name, tensor in merged_items(self.model.state_dict(), layers, _full, deferred=deferred):
                 if self.rank == 0:
-                    merged[name] = tensor.to("cpu")
+                    merged[name] = tensor if isinstance(tensor, LowRankSum) else tensor.to("cpu")
         return merged
 
     def export_adapter(self) -> dict:
@@ -591,7 +597,10 @@ class PolicyWorker:
         from skyrl_stepwise.inference.weights import current_node_id, weights_target, write_weights_file
 
         engine_dtype = getattr(torch, dtype)
-        state = self.full_state_dict(base_only)
+        if self.lora_layers:  # on CPU the adapter is merged as each weight is written (LowRankSum), not before
+            state = self._merged_state_dict(base_only, deferred=self.device.type == "cpu")
+        else:
+            state = self.full_state_dict()
         rank_nodes: list[str] = [None] * self.world_size  # type: ignore[list-item]
         dist.all_gather_object(rank_nodes, current_node_id())
         wanted = list(nodes or [rank_nodes[0]])
@@ -600,6 +609,7 @@ class PolicyWorker:
             raise ValueError(f"export_weights: no policy rank on node(s) {missing} to write the weights file there")
         writers = sorted({rank_nodes.index(n) for n in wanted})
         if any(w != 0 for w in writers):
+            state = {name: value.tensor() if isinstance(value, LowRankSum) else value for name, value in state.items()}
             state = self._send_state_to(sorted({0, *writers}), state)
         written = None
         if self.rank in writers:
@@ -610,7 +620,7 @@ class PolicyWorker:
             self._weights_file = target
         params = sum(t.numel() for t in state.values())
         del state
-        release_host_memory(self.device)
+        release_host_memory(self.device, collect=False)
         results: list = [None] * self.world_size
         dist.all_gather_object(results, written)
         done = [r for r in results if r is not None]

@@ -131,11 +131,13 @@ def adapter_disabled(model: torch.nn.Module):
 
 
 def merged_items(state: dict[str, torch.Tensor], layers: dict[str, AdaptedLayer],
-                 full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Iterator[tuple[str, torch.Tensor]]:
+                 full: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                 deferred: bool = False) -> Iterator[tuple[str, torch.Tensor | LowRankSum]]:
     """(base model name, merged weight) for every tensor of an adapted model's state dict, in its order: an
     adapted layer's `base_layer.weight` becomes W + scaling * B @ A under the layer's own name, the adapter's own
     tensors are left out, and every other tensor passes under its name. `full` turns a state-dict entry into its
-    full tensor (DTensor.full_tensor on a sharded model: a collective, called in the same order on every rank)."""
+    full tensor (DTensor.full_tensor on a sharded model: a collective, called in the same order on every rank).
+    `deferred`: a merged weight comes as its LowRankSum, computed only where it is written (the weights file)."""
     for name, tensor in state.items():
         if ".lora_" in name:
             continue
@@ -148,18 +150,52 @@ def merged_items(state: dict[str, torch.Tensor], layers: dict[str, AdaptedLayer]
         if leaf == "weight" and layer is not None:
             a = full(state[f"{module}.lora_A.{ADAPTER}.weight"]).to(value.dtype)
             b = full(state[f"{module}.lora_B.{ADAPTER}.weight"]).to(value.dtype)
-            value = merge_factors(value, a, b, layer)
+            value = LowRankSum(value, a, b, layer) if deferred else merge_factors(value, a, b, layer)
         yield f"{module}.{leaf}", value
 
 
-def merge_factors(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: AdaptedLayer) -> torch.Tensor:
-    """W + scaling * B @ A ((B @ A)^T for a transposed Conv1D weight) as one fused addmm into one new tensor: no
-    rank-sized delta the size of W is materialised and added in a second pass (that temporary, one more W-sized
-    allocation per layer, is what made LoRA's export for the engines slower than full's; docs/lora.md)."""
+def merge_factors(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: AdaptedLayer,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """W + scaling * B @ A ((B @ A)^T for a transposed Conv1D weight) as one fused addmm, into `out` when given (of
+    W's dtype and device) else into one new tensor: no rank-sized delta the size of W is materialised and added in
+    a second pass."""
     with torch.no_grad():
         if layer.fan_in_fan_out:
-            return torch.addmm(weight, a.T, b.T, alpha=layer.scaling)
-        return torch.addmm(weight, b, a, alpha=layer.scaling)
+            return torch.addmm(weight, a.T, b.T, alpha=layer.scaling, out=out)
+        return torch.addmm(weight, b, a, alpha=layer.scaling, out=out)
+
+
+@dataclass(frozen=True)
+class LowRankSum:
+    """A merged LoRA weight not yet computed: W + scaling * B @ A, written by `write_into` straight into the buffer
+    it leaves through (inference/weights.write_weights_file). Merging into a tensor of its own first allocated and
+    filled every adapted weight once more, which made LoRA's export for the engines slower than full's
+    (docs/lora.md)."""
+
+    weight: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    layer: AdaptedLayer
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def numel(self) -> int:
+        return self.weight.numel()
+
+    def tensor(self) -> torch.Tensor:
+        return merge_factors(self.weight, self.a, self.b, self.layer)
+
+    def write_into(self, out: torch.Tensor) -> None:
+        if out.dtype == self.weight.dtype and out.device == self.weight.device:
+            merge_factors(self.weight, self.a, self.b, self.layer, out=out)
+        else:
+            out.copy_(self.tensor())
 
 
 def merged_shapes(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -417,11 +417,11 @@ def learning_summary(history: list[dict]) -> str | None:
 
 
 def sft_zero_section(cfg, run_dir: Path) -> list[str]:
-    """The console's warning when SFT left the eval at 0 (loop/warm_start.py sft_left_eval_at_zero), in bold."""
+    """The console's warning when SFT left the eval at or near 0 (loop/warm_start.py sft_left_no_signal), in bold."""
     from skyrl_stepwise.loop.evaluation import load_evals
-    from skyrl_stepwise.loop.warm_start import sft_history, sft_left_eval_at_zero
+    from skyrl_stepwise.loop.warm_start import sft_history, sft_left_no_signal
 
-    zero = sft_left_eval_at_zero(cfg, load_evals(run_dir), sft_history(cfg.trainer.model_path))
+    zero = sft_left_no_signal(cfg, load_evals(run_dir), sft_history(cfg.trainer.model_path))
     return [f"**{zero}**", ""] if zero else []
 
 

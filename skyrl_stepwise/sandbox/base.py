@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import threading
 from collections import Counter
 from pathlib import Path
@@ -154,3 +155,14 @@ class Sandbox(Protocol):
     def __enter__(self) -> Sandbox: ...
 
     def __exit__(self, *exc: object) -> None: ...
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (any owner): the sweeps of a dead trainer's dirs and cgroups ask it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

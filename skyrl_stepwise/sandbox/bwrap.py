@@ -27,7 +27,8 @@ import threading
 import weakref
 from pathlib import Path
 
-from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
+from skyrl_stepwise.sandbox.base import (Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason,
+                                         pid_alive)
 from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in, remove_tree
 from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
 from skyrl_stepwise.sandbox.caps import CapsReport, cgroup_v2_missing
@@ -241,7 +242,7 @@ def sweep_stale_dirs(root: Path) -> list[Path]:
     for path in root.glob(f"{DIR_PREFIX}*-*"):
         pid = path.name[len(DIR_PREFIX):].split("-", 1)[0]
         try:
-            if not pid.isdigit() or path.stat().st_uid != os.geteuid() or _pid_alive(int(pid)):
+            if not pid.isdigit() or path.stat().st_uid != os.geteuid() or pid_alive(int(pid)):
                 continue
         except OSError:
             continue
@@ -249,17 +250,6 @@ def sweep_stale_dirs(root: Path) -> list[Path]:
         _remove_quietly(path)
         removed.append(path)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (any owner)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _check_traversable(base: Path) -> None:

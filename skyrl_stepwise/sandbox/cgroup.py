@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from skyrl_stepwise.sandbox.base import Limits, RunResult, StopReason
+from skyrl_stepwise.sandbox.base import Limits, RunResult, StopReason, pid_alive
 from skyrl_stepwise.sandbox.caps import cgroup_v2_missing, own_cgroup_dir
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class SandboxCgroups:
         removed = []
         for path in sorted(base.glob(f"{PREFIX}*-*")):
             owner = path.name[len(PREFIX):].split("-", 1)[0]
-            if not owner.isdigit() or not path.is_dir() or int(owner) == self._pid or _pid_alive(int(owner)):
+            if not owner.isdigit() or not path.is_dir() or int(owner) == self._pid or pid_alive(int(owner)):
                 continue
             if self._remove(path):
                 removed.append(path)
@@ -360,16 +360,6 @@ def _keyed(path: Path) -> dict[str, int]:
         if value.strip().isdigit():
             out[key] = int(value)
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 SANDBOX_CGROUPS = SandboxCgroups()  # this process's: found and prepared on the first run

@@ -34,14 +34,13 @@ import threading
 import weakref
 from pathlib import Path
 
-from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason
+from skyrl_stepwise.sandbox.base import Limits, RunResult, SandboxMetrics, SandboxUnavailable, StopReason, pid_alive
 from skyrl_stepwise.sandbox.bwrap import (
     DIR_PREFIX,
     START_MARKER,
     START_MARKER_PRINTF,
     WORKDIR_IN_SANDBOX,
     _allocate_credentials,
-    _pid_alive,
     _remove_quietly,
     sweep_stale_dirs,
 )
@@ -141,7 +140,7 @@ def sweep_stale_containers(cli: str) -> list[str]:
         # `inspect` with index .Config.Labels reads the same in docker and podman (their `ps` templates differ)
         owner = _cli([path, "inspect", "--format", '{{index .Config.Labels "%s"}}' % OWNER_LABEL, cid]).stdout
         owner_host, _, pid = owner.strip().rpartition("/")
-        if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+        if owner_host == host and pid.isdigit() and not pid_alive(int(pid)):
             if _cli([path, "rm", "-f", cid]).returncode == 0:
                 removed.append(cid)
     return removed
