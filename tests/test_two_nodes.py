@@ -86,6 +86,11 @@ def test_two_nodes_policy_here_engine_there_node_loss_and_resume(tmp_path, tiny_
             text = console.read_text()
             assert "weight sync: broadcast" in text  # the engine is on another node: no shared weights file
             assert "nodes: 2 in use" in text, text[-3000:]
+            # the memory plan read on each node there (run/node_memory.py), each role's share on the node pinned to it
+            plan_lines = [line for line in text.splitlines() if "resource plan, node " in line]
+            assert len(plan_lines) == 2, text[-3000:]
+            assert sum(": 1 policy rank(s) x " in line for line in plan_lines) == 1, plan_lines
+            assert sum(": 1 engine(s) x " in line for line in plan_lines) == 1, plan_lines
             first = _records(out)
             assert first and first[0]["sync/probe_logprob_max_diff"] < 1e-3  # the cross-node sync took
             cluster.remove_node(engine_node)  # the engine's node dies mid-run

@@ -38,6 +38,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.inference.recovery import engines_of
     from skyrl_stepwise.run.placement import (cluster_gpus, create_placement_group, describe_nodes, plan_run_layout,
                                           role_options)
+    from skyrl_stepwise.run.node_memory import check_cluster_memory
     from skyrl_stepwise.run.record import save_record
     from skyrl_stepwise.run.report import describe_lora, fsdp_backend
     from skyrl_stepwise.loop.warm_start import sft_history, sft_left_no_signal, sft_model
@@ -62,6 +63,9 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         layout = plan_run_layout(cfg, gpus_requested=sum(cluster_gpus().values()) > 0)
         placement_group = create_placement_group(layout, cfg.placement.ready_timeout_s)  # fails fast if it cannot fit
         logger.info(layout.describe())
+        if layout.mode == "none":  # a CPU cluster: each node the engines or policy ranks may land on, its own view
+            for line in check_cluster_memory(cfg):
+                logger.info(f"resource plan, {line}")
         with starting(f"the {cfg.engine.backend} engine"):
             engine = create_engine(cfg.engine, role_options(placement_group, layout.engines,
                                                                 cfg.placement.engine_resources))
