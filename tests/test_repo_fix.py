@@ -75,21 +75,29 @@ def _state(sandbox: BwrapSandbox, task: gen.Task) -> tuple[str, dict[str, bool]]
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_every_task_fails_buggy_and_passes_after_the_fix():
     """Visible test and hidden tests, in the sandbox, for both splits and every difficulty (the generator itself
-    refuses, in-process, any task whose bug no visible or hidden case notices: see _check_caught)."""
-    for task in gen.repo_fix_tasks("train", 3) + gen.repo_fix_tasks("validation", 3):
-        with _task_sandbox(task) as sandbox:
+    refuses, in-process, any task whose bug no visible or hidden case notices: see _check_caught). The tasks run
+    four at a time in threads, each in its own sandbox, as rollouts do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tasks = gen.repo_fix_tasks("train", 3) + gen.repo_fix_tasks("validation", 3)
+    with ThreadPoolExecutor(4) as pool:
+        assert len(list(pool.map(_fails_buggy_and_passes_after_the_fix, tasks))) == len(tasks) > 0
+
+
+def _fails_buggy_and_passes_after_the_fix(task) -> None:
+    with _task_sandbox(task) as sandbox:
+        visible, verdict = _state(sandbox, task)
+        assert visible.endswith("[exit 1]") and "Error" in visible, (task.instance_id, visible)
+        assert reward_of(verdict)[0] == 0.0 and verdict["regression"], (task.instance_id, verdict)
+        assert not any(v for k, v in verdict.items() if k.startswith("bug"))
+        if task.difficulty == 3:  # one of two bugs fixed: the test still fails, half the reward
+            _apply(sandbox, task.fix()[:1])
             visible, verdict = _state(sandbox, task)
-            assert visible.endswith("[exit 1]") and "Error" in visible, (task.instance_id, visible)
-            assert reward_of(verdict)[0] == 0.0 and verdict["regression"], (task.instance_id, verdict)
-            assert not any(v for k, v in verdict.items() if k.startswith("bug"))
-            if task.difficulty == 3:  # one of two bugs fixed: the test still fails, half the reward
-                _apply(sandbox, task.fix()[:1])
-                visible, verdict = _state(sandbox, task)
-                assert visible.endswith("[exit 1]") and reward_of(verdict)[0] == 0.5, (task.instance_id, verdict)
-            _apply(sandbox, task.fix()[1:] if task.difficulty == 3 else task.fix())
-            visible, verdict = _state(sandbox, task)
-            assert visible == "all tests passed\n[exit 0]", (task.instance_id, visible)
-            assert reward_of(verdict) == (1.0, len(task.sites), len(task.sites)), (task.instance_id, verdict)
+            assert visible.endswith("[exit 1]") and reward_of(verdict)[0] == 0.5, (task.instance_id, verdict)
+        _apply(sandbox, task.fix()[1:] if task.difficulty == 3 else task.fix())
+        visible, verdict = _state(sandbox, task)
+        assert visible == "all tests passed\n[exit 0]", (task.instance_id, visible)
+        assert reward_of(verdict) == (1.0, len(task.sites), len(task.sites)), (task.instance_id, verdict)
 
 
 def test_every_bug_site_is_noticed_by_visible_and_hidden_cases():
