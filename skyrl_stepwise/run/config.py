@@ -332,14 +332,16 @@ def check_lora_targets(model_path: str, targets: list[str]) -> None:
 
 
 def meta_model(model_path: str):
-    """The model of `model_path`'s config on the meta device (no weights), or None when its config cannot be read."""
+    """The model of `model_path`'s config on the meta device (no weights), or None when its config cannot be read
+    here. Read from disk only (`local_files_only`): a hub id not downloaded yet is not fetched for a config check,
+    and offline the hub client retried for ~29 s before giving up (it is the policy's load that downloads it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from skyrl_stepwise.models.prepare import resolve_model_path
 
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(model_path))
+        config = AutoConfig.from_pretrained(resolve_model_path(model_path), local_files_only=True)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError, ImportError):  # no config here, or an architecture only its own code builds
