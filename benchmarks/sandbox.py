@@ -5,7 +5,9 @@
 
 Sequential part: N times start a sandbox (temp dir, uid), run `true` and `python3 -c pass` in it, close it;
 median and p99 of each. An arm beside it runs `true` with the working-dir watchdog (sandbox/disk_watch.py) left out,
-and the ratio of the medians is its cost per command.
+and the ratio of the medians is its cost per command. Another starts, runs `true` in and closes a sandbox whose
+working dir is a plain dir (no kernel cap: no tmpfs mounted on the host as root, no holder's namespace as a non-root
+user, sandbox/workdir_holder.py): the ratios are what the kernel's working-dir cap costs on this host and uid.
 Grading part (`--grading`, 20 episodes per env): a repo-fix episode (the demonstration's fix, then the hidden tests)
 and a HumanEval episode (the canonical answer), played through the real envs; median of the grading step (the turn
 that ends the episode) and of the whole episode (reset, one tool call, grading, close).
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from sandbox_helpers import processes_with  # noqa: E402
 
 from skyrl_stepwise.sandbox import BwrapSandbox, SandboxMetrics, check_sandbox_available  # noqa: E402
+from skyrl_stepwise.sandbox.bwrap import kernel_disk_cap  # noqa: E402
 from skyrl_stepwise.sandbox.disk_watch import DISK_WATCH  # noqa: E402
 
 
@@ -59,11 +62,39 @@ def without_disk_watch():
         DISK_WATCH.watch, DISK_WATCH.unwatch = watch, unwatch
 
 
+@contextlib.contextmanager
+def plain_workdir():
+    """Sandboxes whose working dir is a plain dir, the watchdog its only cap (the benchmark's other arm only)."""
+    from skyrl_stepwise.sandbox import bwrap
+
+    mount_capped, kernel_disk_cap = bwrap.mount_capped, bwrap.kernel_disk_cap
+    bwrap.mount_capped, bwrap.kernel_disk_cap = (lambda *args: False), (lambda: False)
+    try:
+        yield
+    finally:
+        bwrap.mount_capped, bwrap.kernel_disk_cap = mount_capped, kernel_disk_cap
+
+
+PLAIN = ("start, plain dir", "command (true), plain dir", "teardown, plain dir")
+
+
 def sequential(n: int, metrics: SandboxMetrics) -> dict[str, list[float]]:
-    """Start, `true`, `true` without the disk watchdog, `python3 -c pass`, close: n times each, interleaved."""
+    """Start, `true`, `true` without the disk watchdog, `python3 -c pass`, close: n times each, interleaved; then
+    start, `true` and close with a plain working dir."""
     times: dict[str, list[float]] = {"start": [], "command (true)": [], "command (true), no disk watchdog": [],
-                                     "command (python3 -c pass)": [], "teardown": []}
+                                     "command (python3 -c pass)": [], "teardown": [], **{key: [] for key in PLAIN}}
     for _ in range(n):
+        with plain_workdir():
+            t0 = time.perf_counter()
+            sb = BwrapSandbox(metrics=metrics)
+            assert not sb.kernel_capped
+            t1 = time.perf_counter()
+            assert sb.run("true").ok
+            t2 = time.perf_counter()
+            sb.close()
+            t3 = time.perf_counter()
+        for key, value in zip(PLAIN, (t1 - t0, t2 - t1, t3 - t2)):
+            times[key].append(value)
         t0 = time.perf_counter()
         sb = BwrapSandbox(metrics=metrics)
         t1 = time.perf_counter()
@@ -178,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {key} | {ms(values)} |")
     ratio = statistics.median(times["command (true)"]) / statistics.median(times["command (true), no disk watchdog"])
     print(f"\nthe disk watchdog's cost: `true` takes {ratio:.2f}x the time it takes without it (medians)")
+    kernel = kernel_disk_cap()
+    print(f"the kernel's working-dir cap ({'on' if kernel else 'not available here'}) vs a plain dir, medians: "
+          + ", ".join(f"{step} {statistics.median(times[step]) / statistics.median(times[plain]):.2f}x"
+                      for step, plain in zip(("start", "command (true)", "teardown"), PLAIN)))
     if args.grading:
         print(f"\n| grading (N={args.grading} honest episodes) | median / p99 (ms) |\n|---|---|")
         for key, values in grading(args.grading).items():

@@ -217,10 +217,11 @@ def test_closed_on_exception_and_on_garbage_collection(fake_docker):
 
 
 def test_a_container_that_cannot_start_is_refused_and_leaves_nothing(fake_docker, tmp_path):
-    before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("skyrl-sandbox-*"))
+    ours = f"skyrl-sandbox-{os.getpid()}-*"  # this process's dirs: another xdist worker's sandboxes come and go
+    before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob(ours))
     with pytest.raises(SandboxUnavailable, match=r"backend=docker.*Unable to find image"):
         open_sandbox("docker", image="missing/image")
-    assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("skyrl-sandbox-*")) <= before
+    assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob(ours)) <= before
 
 
 def test_sweep_removes_only_a_dead_trainers_containers(fake_docker, tmp_path):

@@ -312,6 +312,12 @@ def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_with(marker) == []
+    # nor a working dir's holder (a non-root trainer's: workdir_holder.py), which names the dir on its command line
+    holders = f"{DIR_PREFIX}{trainer.pid}-"
+    deadline = time.monotonic() + 5
+    while processes_with(holders) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(holders) == []
     # its directory outlived it; the next process's start-up check sweeps it
     left = list(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{trainer.pid}-*"))
     assert len(left) == 1
@@ -617,10 +623,11 @@ def test_a_chmod_000_dir_does_not_hide_its_files_from_the_disk_cap():
 
 
 def _kernel_cap_or_skip() -> None:
-    from skyrl_stepwise.sandbox.workdir_fs import mount_allowed
+    from skyrl_stepwise.sandbox.bwrap import kernel_disk_cap
 
-    if not mount_allowed():
-        pytest.skip("this process may not mount a tmpfs (not root): the working dir's cap is the watchdog's poll")
+    if not kernel_disk_cap():
+        pytest.skip("this process may mount a tmpfs neither on the host (root) nor in a user namespace of its own: "
+                    "the working dir's cap is the watchdog's poll")
 
 
 def test_unlinked_but_open_files_count_against_the_working_dirs_cap(sandbox, bystander, metrics):
@@ -632,6 +639,24 @@ def test_unlinked_but_open_files_count_against_the_working_dirs_cap(sandbox, bys
     result = sandbox.run("python3 -", stdin=code)
     _stopped(result, StopReason.DISK_LIMIT, metrics)
     assert "wrote 10" not in result.stdout, result
+
+
+def test_the_file_api_follows_links_only_inside_the_working_dir(sandbox, bystander, metrics):
+    """The file API resolves a model's path itself, link by link, under the working dir (files._resolve_inside), so
+    it holds where the host sees the dir through /proc/<holder>/root (a non-root trainer): a link inside is followed,
+    one that climbs out or is absolute or loops is refused."""
+    result = sandbox.run("mkdir -p sub/inner && echo deep > sub/inner/f && ln -s sub/inner in && ln -s .. up && "
+                         "ln -s sub/../.. up2 && ln -s loop loop && ln -s /work/sub abs")
+    assert result.ok, result
+    assert sandbox.read_file("in/f") == "deep\n" and sandbox.read_file("sub/inner/../inner/f") == "deep\n"
+    sandbox.write_file("in/g", "via link")
+    assert sandbox.read_file("sub/inner/g") == "via link"
+    for path in ("up/x", "up2/x", "abs/inner/f", "in/../../../x"):
+        with pytest.raises(SandboxPathError, match="leaves the working directory"):
+            sandbox.read_file(path)
+    with pytest.raises(SandboxPathError, match="more than 40 symbolic links"):
+        sandbox.read_file("loop")
+    assert metrics.path_refusals == 5
 
 
 def test_mountinfo_shows_no_host_path(sandbox, bystander):
@@ -713,7 +738,7 @@ def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, cap
     from skyrl_stepwise.sandbox import bwrap, caps
 
     monkeypatch.setattr(bwrap, "cgroup_v2_missing", lambda: "no cgroup v2 file system mounted")
-    monkeypatch.setattr(bwrap, "mount_allowed", lambda: False)
+    monkeypatch.setattr(bwrap, "kernel_disk_cap", lambda: False)
     bwrap.check_sandbox_available.cache_clear()
     caplog.set_level("INFO", logger=bwrap.__name__)
     try:
@@ -730,8 +755,8 @@ def test_the_start_up_line_says_which_caps_are_per_process_only(monkeypatch, cap
 
 
 # The attacks whose defence depends on who the trainer is. As root (CI) each sandbox gets a uid of its own (root is
-# exempt from RLIMIT_NPROC) and a tmpfs working dir; a laptop's trainer runs its sandboxes as itself, and the disk
-# cap is the watchdog's poll. CI runs as root, so these run once more as uid 65534.
+# exempt from RLIMIT_NPROC) and a tmpfs working dir mounted on the host; a laptop's trainer runs its sandboxes as
+# itself, the tmpfs mounted in a holder's namespace. CI runs as root, so these run once more as uid 65534.
 LAPTOP_CASE = (
     "test_fork_bomb_is_bounded_and_leaves_nothing", "test_memory_bomb_is_stopped",
     "test_memory_that_no_rlimit_counts_cannot_be_hoarded", "test_filling_the_working_dir_is_stopped",
@@ -742,6 +767,12 @@ LAPTOP_CASE = (
     "test_a_fifo_or_socket_planted_for_the_file_api_is_refused_not_waited_on",
     "test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process",
     "test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds",
+    # the kernel's working-dir cap and mountinfo without a host path: a tmpfs in a holder's user + mount namespace
+    # (workdir_holder.py), the host reading it through /proc/<holder>/root; the file API's confinement through it
+    "test_unlinked_but_open_files_count_against_the_working_dirs_cap", "test_mountinfo_shows_no_host_path",
+    "test_a_run_with_its_own_working_dir_cap_gets_it_from_the_kernel", "test_cannot_write_outside_by_dotdot",
+    "test_cannot_write_outside_by_absolute_path", "test_the_file_api_follows_links_only_inside_the_working_dir",
+    "test_a_killed_trainer_leaves_no_sandbox_process",
 )
 # (not test_the_watchdog_alone_stops_a_run_filling_its_working_dir: its 32 MiB margin measures how fast the poll
 # is, and without the tmpfs a loaded 2-core box overshot it in 2 of 4 runs: the soft cap the start-up line names)

@@ -34,6 +34,8 @@ from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
 from skyrl_stepwise.sandbox.caps import CapsReport, cgroup_v2_missing
 from skyrl_stepwise.sandbox.cgroup import SANDBOX_CGROUPS, SandboxCgroups
 from skyrl_stepwise.sandbox.workdir_fs import mount_allowed, mount_capped, resize, unmount
+from skyrl_stepwise.sandbox import workdir_holder
+from skyrl_stepwise.sandbox.workdir_holder import WorkdirHolder
 from skyrl_stepwise.sandbox.runner import Credentials, Run, SandboxClosed, make_preexec, run_process
 
 WORKDIR_IN_SANDBOX = "/work"
@@ -157,12 +159,15 @@ HOSTNAME = "sandbox"
 
 
 def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool, seccomp_fd: int | None = None,
-               status_fd: int | None = None) -> list[str]:
+               status_fd: int | None = None, ids: tuple[int, int] | None = None) -> list[str]:
     """The full command line of one sandboxed run: `seccomp_fd` holds the filter (seccomp.filter_fd), `status_fd`
-    is the write end of the pipe the init reports the command's wait status on (runner.run_process makes both)."""
+    is the write end of the pipe the init reports the command's wait status on (runner.run_process makes both).
+    `ids`: the uid/gid the command runs as inside (bwrap started in a working-dir holder's namespace is uid 0
+    there; the sandbox keeps the trainer's ids)."""
     _, path_prefix = _python_dirs()
     return [
         bwrap_binary(), "--unshare-all", "--unshare-user", "--disable-userns", *(["--share-net"] if network else []),
+        *(["--uid", str(ids[0]), "--gid", str(ids[1])] if ids is not None else []),
         "--unshare-uts", "--hostname", HOSTNAME,
         "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
         *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
@@ -232,7 +237,13 @@ def caps_report(cgroups: SandboxCgroups = SANDBOX_CGROUPS) -> CapsReport:
     per-run cgroups' base where `cgroups` has one, else why not."""
     missing = cgroup_v2_missing()
     at, why = cgroups.status() if missing is None else (None, missing)
-    return CapsReport(kernel_disk_cap=mount_allowed(), cgroup_missing=why, cgroup_at=at)
+    return CapsReport(kernel_disk_cap=kernel_disk_cap(), cgroup_missing=why, cgroup_at=at)
+
+
+def kernel_disk_cap() -> bool:
+    """Whether this process's sandboxes get a working dir the kernel caps: a tmpfs mounted on the host (root), or
+    one in a holder's namespace (workdir_holder.py: any user where user namespaces allow a mount)."""
+    return mount_allowed() or (os.geteuid() != 0 and workdir_holder.available())
 
 
 def sweep_stale_dirs(root: Path) -> list[Path]:
@@ -264,18 +275,20 @@ def _check_traversable(base: Path) -> None:
                 "use a root directory under one with o+x (the default, the system temp dir, has it)")
 
 
-def _cleanup(workdir: Path, runs: set[Run], start_lock: threading.Lock) -> None:
-    """Kill every live run, wait until its namespace is gone, and remove the working dir (close() and the
-    garbage-collection finalizer). Under the start lock: a run is either registered (and killed here) or sees the
-    sandbox closed and never starts."""
+def _cleanup(base: Path, holder: WorkdirHolder | None, runs: set[Run], start_lock: threading.Lock) -> None:
+    """Kill every live run, wait until its namespace is gone, and remove the sandbox's dir `base` (close() and the
+    garbage-collection finalizer); the working dir's tmpfs goes first (its holder ends, or it is unmounted). Under
+    the start lock: a run is either registered (and killed here) or sees the sandbox closed and never starts."""
     with start_lock:
         live = list(runs)
     for run in live:
         run.kill()
     for run in list(runs):
         run.wait_for_namespace()
-    unmount(workdir)
-    _remove_quietly(workdir.parent)
+    if holder is not None:
+        holder.close()
+    unmount(base / "work")
+    _remove_quietly(base)
 
 
 def _remove_quietly(path: Path) -> None:
@@ -306,14 +319,25 @@ class BwrapSandbox(HostWorkdir):
             _check_traversable(base)
         self.workdir = base / "work"
         self.workdir.mkdir(mode=0o700)
-        # the kernel caps the working dir where this process may mount (workdir_fs.py); else the watchdog does
+        self._bind_source = self.workdir  # what bwrap binds at /work, in the namespace it starts in
+        # the kernel caps the working dir where this process may mount (workdir_fs.py), or, not root, in a holder's
+        # namespace (workdir_holder.py: the host then sees the dir at holder.view); else the watchdog is the cap
         self.kernel_capped = mount_capped(self.workdir, self.limits.workdir_bytes, self._owner)
+        self._holder: WorkdirHolder | None = None
+        if not self.kernel_capped and self._creds is None and kernel_disk_cap():
+            try:
+                self._holder = WorkdirHolder(self.workdir, self.limits.workdir_bytes)
+            except OSError as e:
+                logger.warning("sandbox working dir %s: no kernel cap (%s); the watchdog's poll is the cap", base, e)
+            else:
+                self.kernel_capped = True
+                self.workdir = self._holder.view
         self._capped_at = self.limits.workdir_bytes
         self._runs: set[Run] = set()
         self._lock = threading.Lock()  # held by a run and by host-side file access (never by close())
         self._closed = False
         self._start_lock = threading.Lock()  # a run's start + registration vs close()'s kill (runner.run_process)
-        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._runs, self._start_lock)
+        self._finalizer = weakref.finalize(self, _cleanup, base, self._holder, self._runs, self._start_lock)
         try:
             if files_from is not None:
                 copy_in(Path(files_from), self.workdir)
@@ -339,11 +363,17 @@ class BwrapSandbox(HostWorkdir):
             if self._closed:
                 raise RuntimeError("this sandbox is closed")
             if self.kernel_capped and limits.workdir_bytes != self._capped_at:
-                resize(self.workdir, limits.workdir_bytes, self._owner)
+                if self._holder is not None:
+                    self._holder.resize(limits.workdir_bytes)
+                else:
+                    resize(self.workdir, limits.workdir_bytes, self._owner)
                 self._capped_at = limits.workdir_bytes
             seccomp_fd = filter_fd()
             status_read, status_write = os.pipe()
-            argv = bwrap_argv(self.workdir, command, limits, self.network, seccomp_fd, status_write)
+            ids = (os.getuid(), os.getgid()) if self._holder is not None else None
+            argv = bwrap_argv(self._bind_source, command, limits, self.network, seccomp_fd, status_write, ids)
+            if self._holder is not None:  # bwrap starts in the holder's namespaces, where the tmpfs is mounted
+                argv = [*self._holder.enter_argv(), *argv]
             # /tmp's and (where the kernel caps it) the working dir's tmpfs pages are charged to the run's cgroup
             tmpfs_bytes = limits.tmp_bytes + (limits.workdir_bytes if self.kernel_capped else 0)
             with self._cgroups.for_run(limits, tmpfs_bytes) as cgroup:

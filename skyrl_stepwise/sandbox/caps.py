@@ -1,7 +1,8 @@
 """Which of the sandbox's caps the kernel enforces on this host, for the start-up line and the docs.
 
-Why: the same code holds differently per host. As root, the working dir is a size-capped tmpfs (workdir_fs.py).
-A laptop's non-root trainer gets only the watchdog's poll. Total memory and processes per sandbox need a cgroup v2
+Why: the same code holds differently per host. As root, the working dir is a size-capped tmpfs (workdir_fs.py); a
+laptop's non-root trainer mounts it in a user namespace of its own (workdir_holder.py), and only where the kernel
+refuses that (user namespaces off or restricted) is the cap the watchdog's poll. Total memory and processes per sandbox need a cgroup v2
 with the memory controller delegated to this process (cgroup.py sets one up per run where it can). Without
 one, the memory and CPU caps are per process (RLIMIT_AS, RLIMIT_CPU): N processes may hold N x `memory_bytes` (at
 most `processes` of them). A user must see which case they are in at start-up, not find out from an incident.
@@ -25,8 +26,8 @@ class CapsReport:
     def line(self) -> str:
         """The start-up line: each cap and who enforces it; what is per-process only is said so."""
         disk = ("working dir: kernel-capped tmpfs (unlinked-but-open files count)" if self.kernel_disk_cap else
-                "working dir: a watchdog poll only (this process may not mount a tmpfs: not root), so a fast writer "
-                "can overshoot the cap by what it writes in 20 ms")
+                "working dir: a watchdog poll only (no tmpfs could be mounted: not root, and no user + mount "
+                "namespace of its own), so a fast writer can overshoot the cap by what it writes in 20 ms")
         if self.cgroup_at is not None:
             mem = (f"memory/CPU/processes: per-sandbox cgroup v2 totals at {self.cgroup_at} (memory.max = "
                    "`memory_bytes` + the tmpfs caps for all of a run's processes together, tmpfs/shmem pages "

@@ -33,11 +33,42 @@ def confined_path(workdir: Path, path: str) -> Path:
     rel = path[len("/work/"):] if path.startswith("/work/") else path
     if os.path.isabs(rel):
         raise SandboxPathError(f"path {path!r} is outside the working directory: use a relative path")
-    root = Path(os.path.realpath(workdir))
-    target = Path(os.path.realpath(root / rel))
-    if target != root and root not in target.parents:
+    inside = _resolve_inside(str(workdir), rel, path)
+    if inside is None:
         raise SandboxPathError(f"path {path!r} leaves the working directory (resolves outside it)")
-    return target
+    return Path(workdir, *inside)
+
+
+_MAX_LINKS = 40  # as the kernel's own limit on the symlinks one lookup follows (ELOOP)
+
+
+def _resolve_inside(root: str, rel: str, path: str) -> list[str] | None:
+    """The components of `rel` under `root` with every symlink in it followed, or None where it leaves `root` (a
+    `..` above it, an absolute link); SandboxPathError (naming `path`) past _MAX_LINKS links, a loop. The root itself is never resolved: a non-root trainer's working dir is seen
+    through `/proc/<holder>/root/...` (workdir_holder.py), a link that os.path.realpath would turn into the empty
+    host dir, so realpath would check (and open) the wrong tree."""
+    parts, resolved, links = rel.split("/"), [], 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            if not resolved:
+                return None
+            resolved.pop()
+            continue
+        try:
+            target = os.readlink(os.path.join(root, *resolved, name))
+        except OSError:  # not a link (or not there yet: a file about to be written)
+            resolved.append(name)
+            continue
+        links += 1
+        if links > _MAX_LINKS:
+            raise SandboxPathError(f"path {path!r} goes through more than {_MAX_LINKS} symbolic links (a loop)")
+        if os.path.isabs(target):
+            return None
+        parts = target.split("/") + parts
+    return resolved
 
 
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -79,7 +110,7 @@ def write_confined(workdir: Path, path: str, content: str | bytes, owner: tuple[
     target = confined_path(workdir, path)
     if target.is_dir():
         raise SandboxPathError(f"path {path!r} is a directory")
-    root = Path(os.path.realpath(workdir))
+    root = Path(workdir)
     made = [p for p in reversed(target.parents) if root in p.parents and not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     data = content.encode() if isinstance(content, str) else content

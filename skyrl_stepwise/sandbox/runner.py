@@ -268,7 +268,8 @@ def run_process(
             )
         except (OSError, subprocess.SubprocessError) as e:  # bwrap missing, the uid switch or an rlimit refused
             _read_status(status_fd)  # (closes it)
-            raise SandboxUnavailable(f"could not start {os.path.basename(argv[0])} ({argv[0]}): "
+            program = _program(argv)
+            raise SandboxUnavailable(f"could not start {os.path.basename(program)} ({program}): "
                                      f"{type(e).__name__}: {e}") from e
         finally:
             for fd in pass_fds:
@@ -296,7 +297,7 @@ def run_process(
         head = b"".join(out.chunks)
         if not head.startswith(preamble):
             if why is None:
-                raise SandboxUnavailable(f"{os.path.basename(argv[0])} could not start the sandbox: "
+                raise SandboxUnavailable(f"{os.path.basename(_program(argv))} could not start the sandbox: "
                                          f"{err.text().strip()[:500]!r}")
         else:
             out.chunks = [head[len(preamble):]]
@@ -310,6 +311,14 @@ def run_process(
         why = _classify(exit_code, sig, cpu, limits, err)
     return RunResult(stdout=out.text(), stderr=err.text(), exit_code=exit_code, signal=sig, stop_reason=why,
                      wall_s=wall, cpu_s=cpu, truncated=truncated)
+
+
+def _program(argv: list[str]) -> str:
+    """The sandbox program a command line starts (bwrap, docker), past an `nsenter ... --` prefix (a non-root
+    trainer's bwrap starts in its working dir holder's namespaces: workdir_holder.py)."""
+    if os.path.basename(argv[0]) == "nsenter" and "--" in argv:
+        return argv[argv.index("--") + 1]
+    return argv[0]
 
 
 def _pump(run: Run, stdin: bytes | None, limits: Limits, workdir: Path, start: float, extra: int = 0):
