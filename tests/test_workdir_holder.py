@@ -62,3 +62,10 @@ def test_a_command_entered_into_the_holder_sees_the_tmpfs_not_a_host_path(workdi
 def test_a_holder_that_cannot_mount_says_why(tmp_path):
     with pytest.raises(OSError, match="the working dir's holder could not cap"):
         WorkdirHolder(tmp_path / "missing", 1 << 20)
+
+
+def test_a_holder_that_never_answers_is_given_up_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(workdir_holder, "HOLDER_SCRIPT", "exec sleep 60")
+    monkeypatch.setattr(workdir_holder, "_START_TIMEOUT_S", 0.5)
+    with pytest.raises(OSError, match=r"no answer within 0.5 s"):
+        WorkdirHolder(tmp_path, 1 << 20)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -52,12 +53,14 @@ class WorkdirHolder:
              HOLDER_SCRIPT, "holder", str(self.workdir), _options(size_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={"PATH": _PATH},
             close_fds=True, text=True)
-        if self._proc.stdout.readline().strip() != "ok":
+        ready, _, _ = select.select([self._proc.stdout], [], [], _START_TIMEOUT_S)  # a hung mount never hangs us
+        if not ready or self._proc.stdout.readline().strip() != "ok":
             self._proc.kill()
             self._proc.wait()
             why = self._proc.stderr.read().strip()[:300]
             self.close()
-            raise OSError(f"the working dir's holder could not cap {workdir}: {why or 'it exited'}")
+            gone = "it exited" if ready else f"no answer within {_START_TIMEOUT_S:g} s"
+            raise OSError(f"the working dir's holder could not cap {workdir}: {why or gone}")
         self.view = Path(f"/proc/{self._proc.pid}/root") / self.workdir.relative_to("/")
 
     def resize(self, size_bytes: int) -> None:
