@@ -129,6 +129,10 @@ def pytest_collection_modifyitems(config, items):
     They start their own Ray, vLLM engine and FSDP ranks in a subprocess; next to the session's vLLM engine and
     the ablation's workers that is more than the 24 GiB of a CI machine. The two-node test also needs this
     process out of any Ray: run later, its shutdown would take the session's engine with it.
+
+    Under `make test`'s two integration workers (pytest-xdist's `load` schedule sends each worker a quarter of its
+    share as consecutive tests to start with), these all go to the first worker and run there first, in this order,
+    while the second worker starts on the rest with its own session engine.
     """
     def rank(item) -> int:
         name = item.module.__name__

@@ -281,7 +281,7 @@ def test_a_weights_file_is_written_on_each_engine_node_by_a_policy_rank_there(ti
     assert observed["writers"] == ["node_b"]  # rank 0's node has no engine: it sends, it does not write
     assert observed["params"] == observed["expected_params"] > 0
     assert observed["max_abs_diff"] == 0.0 and observed["tensors"] == observed["expected_tensors"]
-    assert observed["files_left"] == []
+    assert observed["files_read"] > 0 and observed["files_left"] == []
 
 
 # --- the child: one simulated cluster, observations printed as JSON -----------------------------------
@@ -391,7 +391,7 @@ def _observe_weights_file(model_dir: str) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from skyrl_stepwise.inference.weights import load_weights_file, shared_memory_dir
+    from skyrl_stepwise.inference.weights import load_weights_file
     from skyrl_stepwise.policy.config import TrainerConfig
     from skyrl_stepwise.policy.weight_sync import WeightSync, WeightSyncConfig
     from skyrl_stepwise.policy.worker_group import PolicyGroup
@@ -417,8 +417,10 @@ def _observe_weights_file(model_dir: str) -> dict:
         class Engine:
             node_id = nodes["node_b"]
             sums: dict = {}
+            paths: list = []  # this run's files only: another test's sync may have its own in /dev/shm meanwhile
 
             async def update_weights_from_file(self, path: str) -> None:
+                Engine.paths.append(path)
                 Engine.sums = ray.get(reader.load.remote(path))
 
         cfg = TrainerConfig(model_path=model_dir)
@@ -447,7 +449,8 @@ def _observe_weights_file(model_dir: str) -> dict:
                 "expected_params": expected_params,
                 "max_abs_diff": max(abs(Engine.sums[k] - v) for k, v in expected.items()),
                 "tensors": sorted(Engine.sums), "expected_tensors": sorted(expected),
-                "files_left": sorted(p.name for p in shared_memory_dir().glob("skyrl_stepwise_weights_*"))}
+                "files_read": len(Engine.paths),
+                "files_left": sorted(p for p in Engine.paths if Path(p).exists())}
     finally:
         ray.shutdown()
         cluster.shutdown()
