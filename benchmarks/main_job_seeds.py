@@ -260,7 +260,7 @@ def done_seeds(rows: list[SeedRow], overrides: list[str]) -> set[int]:
 
 
 def host() -> str:
-    """CPU model, cores, native bf16 or not (host/hardware.py's check), and the load when the seed started."""
+    """CPU model, cores and native bf16 or not (host/hardware.py's check); the load is measured per run (run_seed)."""
     from skyrl_stepwise.host.hardware import cpu_bf16_is_native
 
     model = "unknown CPU"
@@ -270,7 +270,31 @@ def host() -> str:
     except (OSError, StopIteration):
         pass
     bf16 = "native bf16" if cpu_bf16_is_native() else "no native bf16 (float32 fallback)"
-    return f"{model}, {os.cpu_count()} cores, {bf16}, load {os.getloadavg()[0]:.1f}"
+    return f"{model}, {os.cpu_count()} cores, {bf16}"
+
+
+# How often a run's load is sampled: a seed runs 40-80 min, so this is ~100-160 samples of the 1-min load average.
+LOAD_EVERY_S = 30.0
+
+
+def run_sampling_load(cmd: list[str], console, every_s: float = LOAD_EVERY_S) -> tuple[int, list[float]]:
+    """Run `cmd` to the end, sampling the 1-min load average at its start and every `every_s` seconds while it
+    runs: the load beside a seed is what makes its phase times comparable, and one reading at its start or end
+    said nothing about the hour between (a seed that ran beside tests read "load 0.7")."""
+    loads = [os.getloadavg()[0]]
+    proc = subprocess.Popen(cmd, stdout=console, stderr=subprocess.STDOUT)
+    while True:
+        try:
+            return proc.wait(timeout=every_s), loads
+        except subprocess.TimeoutExpired:
+            loads.append(os.getloadavg()[0])
+
+
+def load_line(loads: list[float]) -> str:
+    """The load beside a run, for the host column: its mean and max over the samples."""
+    if not loads:
+        return "load not measured"
+    return f"load mean {statistics.fmean(loads):.1f}, max {max(loads):.1f} ({len(loads)} samples)"
 
 
 def main_job_overrides(seed: int, overrides: list[str]) -> list[str]:
@@ -280,8 +304,9 @@ def main_job_overrides(seed: int, overrides: list[str]) -> list[str]:
             *overrides]
 
 
-def run_seed(seed: int, overrides: list[str], run_dir: Path, keep_ckpts: bool) -> tuple[int, float]:
-    """The main job for one seed in a fresh run dir; (exit code, wall seconds). Its console goes to console.log."""
+def run_seed(seed: int, overrides: list[str], run_dir: Path, keep_ckpts: bool) -> tuple[int, float, list[float]]:
+    """The main job for one seed in a fresh run dir; (exit code, wall seconds, the load samples beside it). Its
+    console goes to console.log."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "skyrl_stepwise.cli.train", f"hydra.run.dir={run_dir}",
@@ -289,11 +314,11 @@ def run_seed(seed: int, overrides: list[str], run_dir: Path, keep_ckpts: bool) -
     print(f"seed {seed}: {' '.join(cmd[2:])} (console: {run_dir / CONSOLE})", flush=True)
     start = time.perf_counter()
     with open(run_dir / CONSOLE, "w") as console:
-        rc = subprocess.run(cmd, stdout=console, stderr=subprocess.STDOUT).returncode
+        rc, loads = run_sampling_load(cmd, console)
     wall = time.perf_counter() - start
     if not keep_ckpts:  # 1.7 GB per seed; the table needs the evals and metrics only
         shutil.rmtree(run_dir / "ckpts", ignore_errors=True)
-    return rc, wall
+    return rc, wall, loads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,9 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed}: already in {path} with these overrides (--rerun to redo it)")
             continue
         run_dir = Path(args.runs) / overrides_key(overrides) / f"seed_{seed}"
-        where = host()
-        rc, wall = run_seed(seed, overrides, run_dir, args.keep_ckpts)
-        row = seed_row(run_dir, seed, overrides, wall, rc, where)
+        rc, wall, loads = run_seed(seed, overrides, run_dir, args.keep_ckpts)
+        row = seed_row(run_dir, seed, overrides, wall, rc, f"{host()}, {load_line(loads)}")
         rows = upsert(rows, row)
         save(out, rows)
         print(f"seed {seed}: {row.status}, RL - SFT {_f(row.gain, '+.3f')} [{_f(row.gain_low, '+.3f')}, "

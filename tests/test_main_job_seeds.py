@@ -5,6 +5,7 @@ their median; the table survives a failed seed and a rerun skips the seeds alrea
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import shutil
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 from skyrl_stepwise.loop.evaluation import eval_result, paired_bootstrap, save_evals
 
 REPO = Path(__file__).resolve().parents[1]
-HOST = "Test CPU, 2 cores, no native bf16 (float32 fallback), load 1.0"
+HOST = "Test CPU, 2 cores, no native bf16 (float32 fallback)"
 
 
 def _module():
@@ -113,9 +114,9 @@ def test_the_table_is_written_per_seed_and_a_rerun_skips_the_seeds_already_done(
         shutil.rmtree(run_dir, ignore_errors=True)  # as the real one: each run starts in a fresh dir
         if seed == 2:
             run_dir.mkdir(parents=True)
-            return 1, 5.0
+            return 1, 5.0, [1.0]
         _run_dir(run_dir, [0] * 32, [0] * 24 + [1] * 8)
-        return 0, 60.0
+        return 0, 60.0, [1.0, 3.0]
 
     monkeypatch.setattr(seeds, "run_seed", fake_run)
     monkeypatch.setattr(seeds, "host", lambda: HOST)
@@ -138,6 +139,7 @@ def test_the_table_is_written_per_seed_and_a_rerun_skips_the_seeds_already_done(
     text = (out / "main_job_seeds.md").read_text()
     assert "## `total_steps=2`" in text and "## `(no overrides)`" in text
     assert "resolved (paired 95% low end > 0) in 2 of 2 seeds; median gain +0.250 EM; 1 seed(s) failed" in text
+    assert f"{HOST}, load mean 2.0, max 3.0 (2 samples)" in text  # the load beside the runs, not at one instant
     calls.clear()
     assert seeds.main(["--seeds", "1", "--rerun", *common]) == 0
     assert calls == [(1, ())] and len(seeds.load_rows(out / "main_job_seeds.json")) == 4  # replaced, not added
@@ -157,3 +159,17 @@ def test_each_seed_has_its_own_cached_warm_start_and_a_rerun_finds_it():
         return cache_key(cfg, "same demonstrations")
 
     assert key(1, "/runs/a/seed_1") == key(1, "/runs/b/seed_1") != key(2, "/runs/a/seed_2")
+
+
+def test_the_load_is_sampled_through_the_run_not_read_once(tmp_path, monkeypatch):
+    """A seed's phase times depend on what ran beside it for its whole hour: the load is read at the start and
+    every few seconds while the run lasts, and the host column gives their mean and max."""
+    seeds = _module()
+    readings = itertools.chain([0.5, 4.0, 6.0], itertools.repeat(2.0))
+    monkeypatch.setattr(seeds.os, "getloadavg", lambda: (next(readings), 0.0, 0.0))
+    with open(tmp_path / "console.log", "w") as console:
+        rc, loads = seeds.run_sampling_load([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"],
+                                            console, every_s=0.1)
+    assert rc == 3 and loads[:3] == [0.5, 4.0, 6.0] and len(loads) >= 3
+    assert seeds.load_line([0.5, 4.0, 6.0, 1.5]) == "load mean 3.0, max 6.0 (4 samples)"
+    assert seeds.load_line([]) == "load not measured"
