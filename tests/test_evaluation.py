@@ -95,6 +95,41 @@ async def test_eval_scores_every_prompt_even_failed_or_overlong_ones(tokenizer):
     assert "| 4 (2 unscored) |" in eval_table([result])
 
 
+async def test_an_eval_keeps_the_env_s_metrics_and_says_where_answers_came_from(tokenizer, tmp_path):
+    """The python-tool task asks how many tool calls a trajectory makes and how many answers were read from a run,
+    before and after RL: each eval stage keeps the env's `environment/*` means (saved in evals.json) and says so."""
+    from skyrl_stepwise.data.dataset import PromptRow
+    from skyrl_stepwise.envs.base import EnvRegistry, StepResult
+    from skyrl_stepwise.generator import GeneratorConfig, GeneratorSamplingConfig, StepwiseGenerator
+    from skyrl_stepwise.inference.scripted import ScriptedEngine
+    from skyrl_stepwise.loop.loop import evaluate_prompts
+
+    class Reports:
+        async def reset(self, prompt_messages, extras):
+            self.row = extras["instance_id"]
+            return list(prompt_messages)
+
+        async def step(self, action_text):
+            return StepResult([], reward=1.0, done=True, metrics={"tool_calls": 2.0 if self.row == "q0" else 1.0,
+                                                                   "answer_from_output": float(self.row == "q0")})
+
+    registry = EnvRegistry()
+    registry.register("reports", Reports)
+    engine = ScriptedEngine(lambda prompt, session, index: tokenizer.encode("yes", add_special_tokens=False)
+                            + [tokenizer.eos_token_id], tokenizer)
+    cfg = GeneratorConfig(max_turns=1, max_input_length=64, show_progress=False,
+                          sampling=GeneratorSamplingConfig(max_generate_length=8, temperature=0.0))
+    rows = [PromptRow(prompt=[{"role": "user", "content": "Hi?"}], env_class="reports", reward_spec={},
+                      data_source="toy", instance_id=f"q{i}") for i in range(2)]
+    result = await evaluate_prompts(StepwiseGenerator(tokenizer, engine, registry, cfg), rows, "after RL")
+    assert result.env_metrics["environment/tool_calls"] == 1.5
+    assert result.env_metrics["environment/answer_from_output"] == 0.5
+    assert result.describe().endswith("; 1.50 tool calls per trajectory, 50% of answers from a run's output")
+    save_evals(tmp_path, [result])
+    assert load_evals(tmp_path)[0].env_metrics == result.env_metrics
+    assert "tool calls" not in eval_result("x", [1.0]).describe()  # envs without the metric: the line as it was
+
+
 def test_the_summary_prints_rl_minus_sft_paired_over_the_same_prompts():
     """The main job's own verdict: RL - SFT on the same prompts with a paired interval, fixed/broken counts; a
     consistent gain that the separate intervals would call overlapping is resolved by pairing."""

@@ -39,6 +39,9 @@ class EvalResult:
     # agent programs: trajectories those two average (0: none finished, so calls were not measured, not 0 calls)
     calls_counted: int | None = None
     tool_calls_per_trajectory: float | None = None  # replies that carried a tool call, per scored trajectory
+    # the env's own per-trajectory metrics (`environment/*`, means over trajectories), e.g. the python-tool task's
+    # tool calls and share of answers read from a run's output, so a stage's behaviour compares with the next one's
+    env_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_prompts(self) -> int:
@@ -58,6 +61,9 @@ class EvalResult:
                 line += f", {self.tool_calls_per_trajectory:.2f} with a tool call"
         elif self.calls_counted == 0:
             line += "; calls per trajectory not measured: no trajectory finished"
+        if "environment/answer_from_output" in self.env_metrics:  # an env that says whether answers came from a run
+            line += (f"; {self.env_metrics.get('environment/tool_calls', 0.0):.2f} tool calls per trajectory, "
+                     f"{100 * self.env_metrics['environment/answer_from_output']:.0f}% of answers from a run's output")
         return line
 
 

@@ -528,6 +528,7 @@ async def evaluate_prompts(eval_generator: StepwiseGenerator, rows: list[PromptR
     result = eval_result(stage, [by_row.get(i, 0.0) for i in range(len(rows))], time.perf_counter() - start, sources)
     result.unscored = len(rows) - len(by_row)
     metrics = output.rollout_metrics
+    result.env_metrics = {k: float(v) for k, v in metrics.items() if k.startswith("environment/")}
     if "gateway/finished_trajectories" in metrics:  # agent programs: calls made per finished trajectory
         result.calls_counted = int(metrics["gateway/finished_trajectories"])
     if "gateway/calls_per_trajectory_mean" in metrics:

@@ -56,8 +56,9 @@ class SFTConfig:
     enabled: bool = False  # the main job runs SFT before RL (cached: redone only when its inputs change)
     # "embedded" (Search-R1 demonstrations) or a parquet with a `messages` column (OpenAI-shaped chat messages; an
     # assistant message may carry `tool_calls`; an optional `tools` column, JSON, the schemas that conversation
-    # renders); "agent_demos": recorded now through the agent endpoint (sft.agent_demos); null: none (the
-    # task-neutral recipe turns SFT on when it is set)
+    # renders); "agent_demos": recorded now through the agent endpoint (sft.agent_demos); python_tool:demos:SIZE:SEED:
+    # the python-tool task's demonstrations, played through its env (data/python_tool_demos.py, cached); null: none
+    # (the task-neutral recipe turns SFT on when it is set)
     data: str | None = "embedded"
     max_rows: int = 64  # demonstration conversations trained on: the first N
     epochs: int = 2  # passes over them, each in a fresh seeded order

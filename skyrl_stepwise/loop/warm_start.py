@@ -27,6 +27,9 @@ def _conversations(cfg, log=print) -> tuple[list[list[dict]], list[list[dict] | 
 
     from skyrl_stepwise.data.demonstrations import (build_search_r1_demonstrations, load_conversation_tools,
                                                     load_conversations)
+    from skyrl_stepwise.data.python_tool import SPEC_PREFIX as PYTHON_TOOL_PREFIX
+    from skyrl_stepwise.data.python_tool import parse_spec as parse_python_tool_spec
+    from skyrl_stepwise.data.python_tool_demos import cached_demos_file
     from skyrl_stepwise.loop.sft import AGENT_DEMOS
 
     own: list[list[dict] | None]
@@ -43,8 +46,11 @@ def _conversations(cfg, log=print) -> tuple[list[list[dict]], list[list[dict] | 
         demos = record_for_config(cfg, log)
         conversations, own = demos.conversations(), demos.tools()
     else:
-        conversations = load_conversations(Path(cfg.sft.data))
-        own = load_conversation_tools(Path(cfg.sft.data))
+        path = Path(cfg.sft.data)
+        if str(cfg.sft.data).startswith(PYTHON_TOOL_PREFIX):  # python_tool:demos:SIZE:SEED, played through the env
+            path = cached_demos_file(parse_python_tool_spec(cfg.sft.data, "sft.data"))
+        conversations = load_conversations(path)
+        own = load_conversation_tools(path)
     conversations, own = conversations[: cfg.sft.max_rows], own[: cfg.sft.max_rows]
     if all(t is None for t in own):  # the digest of data without own tools is what it always was (cached keys hold)
         return conversations, None, hashlib.sha256(json.dumps(conversations, sort_keys=True).encode()).hexdigest()

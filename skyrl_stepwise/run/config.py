@@ -26,7 +26,7 @@ class DataConfig:
     """Prompt datasets; "embedded" means the offline Wikipedia Search-R1 set built on first use."""
 
     # a prompt dataset file (parquet/JSONL rows: prompt, env_class, reward_spec, ...), "embedded", or
-    # reasoning_gym:NAME[:SIZE[:SEED]] (generated once, cached)
+    # reasoning_gym:NAME[:SIZE[:SEED]] or python_tool:SPLIT[:SIZE[:SEED]] (data/python_tool.py; generated once, cached)
     train_path: str = "embedded"
     val_path: str = "embedded"  # the same forms; the evals' prompts (empty: none)
     train_batch_size: int = 4  # prompts per RL step (each sampled generator.n_samples_per_prompt times)

@@ -28,12 +28,7 @@ def _datasets(cfg):
         built = build_embedded_search_r1()
         train = built.train if train == "embedded" else train
         val = built.validation if val == "embedded" else val
-    from skyrl_stepwise.data.reasoning_gym import SPEC_PREFIX, cached_task_file, parse_spec
-
-    if str(train).startswith(SPEC_PREFIX):  # data.train_path=reasoning_gym:NAME[:SIZE[:SEED]]
-        train = cached_task_file(parse_spec(train, "data.train_path"))
-    if val and str(val).startswith(SPEC_PREFIX):
-        val = cached_task_file(parse_spec(val, "data.val_path"))
+    train, val = _generated(train, "data.train_path"), (_generated(val, "data.val_path") if val else val)
     rows = load_prompt_dataset(train), (load_prompt_dataset(val) if val else [])
     if cfg.data.env_class:
         rows = tuple([dataclasses.replace(r, env_class=cfg.data.env_class) for r in part] for part in rows)
@@ -41,6 +36,17 @@ def _datasets(cfg):
             for i, row in enumerate(part):
                 check_reward_spec(row, f"{path}: row {i} (instance_id={row.instance_id!r}, data.env_class)")
     return rows
+
+
+def _generated(path, key: str):
+    """A generated task's spec (reasoning_gym:NAME[:SIZE[:SEED]], python_tool:SPLIT[:SIZE[:SEED]]) -> its cached
+    parquet, built on first use; any other path as it is."""
+    from skyrl_stepwise.data import python_tool, reasoning_gym
+
+    for module in (reasoning_gym, python_tool):
+        if str(path).startswith(module.SPEC_PREFIX):
+            return module.cached_task_file(module.parse_spec(str(path), key))
+    return path
 
 
 def plan_resources(cfg, train_rows, val_rows, needs_search: bool):
