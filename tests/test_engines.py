@@ -231,18 +231,26 @@ def test_missing_model_path_is_named(backend, tmp_path):
 
 
 def test_vllm_engine_computes_on_every_core(vllm_engine):
-    """Ray gives an actor that reserves no CPU one OpenMP thread; the engine must get the node's cores."""
+    """Ray gives an actor that reserves no CPU one OpenMP thread; the engine must get the node's cores. Its threads,
+    and those of the engine-core process vLLM spawns from it (where the model runs), sleep when they wait: they share
+    the cores with the policy ranks (host/threads.py)."""
     import os
 
+    import psutil
     import ray
 
     def threads(actor):
         import torch as actor_torch
-        return os.environ.get("OMP_NUM_THREADS"), actor_torch.get_num_threads()
+        return os.environ.get("OMP_NUM_THREADS"), actor_torch.get_num_threads(), os.getpid()
 
-    env_threads, torch_threads = ray.get(vllm_engine.actor.__ray_call__.remote(threads))
+    env_threads, torch_threads, pid = ray.get(vllm_engine.actor.__ray_call__.remote(threads))
     assert env_threads == str(os.cpu_count())
     assert torch_threads == os.cpu_count()
+    cores = [p for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
+    assert cores, [p.cmdline() for p in psutil.Process(pid).children(recursive=True)]
+    for core in cores:
+        assert core.environ().get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        assert core.environ().get("OMP_NUM_THREADS") == str(os.cpu_count())
 
 
 @pytest.mark.parametrize("key, value", [("num_threads", 0), ("num_engines", 0), ("dtype", "int8")])

@@ -42,6 +42,8 @@ def _child(model_dir: str, ckpt_dir: str) -> dict:
     out: dict = {}
 
     group = PolicyGroup(cfg)
+    out["rank_threads"] = ray.get(group.ranks[1].__ray_call__.remote(
+        lambda self: [os.environ.get("OMP_NUM_THREADS"), os.environ.get("OMP_WAIT_POLICY")]))
     group.call("train_step", batch)
     group.call("save_checkpoint", 1, {"run_id": "a", "lineage": []})
     group.call("train_step", batch)
@@ -99,6 +101,8 @@ def test_a_policy_rank_killed_mid_run_stops_it_loudly_and_a_relaunch_continues_b
     assert out["shutdown_s"] < 15
     assert out["resumed"] == ["step_1", 1]
     assert out["resumed_step2"] == out["uninterrupted_step2"]  # the relaunch trains what the lost ranks had
+    # a CPU rank's OpenMP threads sleep when they wait (host/threads.py), unless the caller's environment chose
+    assert out["rank_threads"] == ["1", os.environ.get("OMP_WAIT_POLICY", "PASSIVE")]
 
 
 if __name__ == "__main__":

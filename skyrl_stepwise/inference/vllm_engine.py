@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 
+from skyrl_stepwise.host.threads import cpu_thread_env
 from skyrl_stepwise.inference.adapter_files import AdapterFiles, AdapterFolders, as_adapter_files
 from skyrl_stepwise.inference.base import GenerationResult, SamplingParams, validate_prompt
 from skyrl_stepwise.inference.config import EngineConfig
@@ -372,10 +373,9 @@ class VLLMEngine:
         num_gpus = cfg.num_gpus_per_engine
         if num_gpus is None:
             num_gpus = 1 if torch.cuda.is_available() else 0
-        env = {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs the model itself: one process fewer
-            "OMP_NUM_THREADS": str(cfg.threads()),  # Ray's default for a num_cpus=0 actor is 1 thread
-        }
+        # Ray's default for a num_cpus=0 actor is 1 thread; on a CPU its threads sleep when they wait (host/threads.py)
+        threads = {"OMP_NUM_THREADS": str(cfg.threads())} if num_gpus else cpu_thread_env(cfg.threads())
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
         self._start = lambda: actor_cls.options(**(actor_options or {})).remote(cfg, self.model_path)
         self.actor_resources = dict((actor_options or {}).get("resources") or {})

@@ -21,6 +21,7 @@ import ray
 import torch
 
 from skyrl_stepwise.checkpoint.store import find_latest_complete
+from skyrl_stepwise.host.threads import cpu_thread_env
 from skyrl_stepwise.policy.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class PolicyGroup:
         world = cfg.fsdp.world_size
         gpus = 1 if torch.cuda.is_available() and cfg.fsdp.backend != "gloo" else 0
         threads = cfg.fsdp.threads_per_rank()
-        env = {"OMP_NUM_THREADS": str(threads)}  # before torch starts its pools in the actor
+        # before torch starts its pools in the actor; on a CPU its threads sleep when they wait (host/threads.py)
+        env = {"OMP_NUM_THREADS": str(threads)} if gpus else cpu_thread_env(threads)
         placed = actor_options or [{"num_gpus": gpus}] * world
         self.ranks = [_PolicyRank.options(runtime_env={"env_vars": env}, **placed[i]).remote() for i in range(world)]
         addresses = ray.get([r.address.remote() for r in self.ranks])
