@@ -35,7 +35,10 @@ run: install
 
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): pytest rewrites every test
 # module's asserts and caches the result as .pyc, so without it each worker re-parses ~270 modules (~12 s a process).
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -p no:cacheprovider
+# OMP_WAIT_POLICY=PASSIVE: what the library gives its own CPU actors (host/threads.py), here also for the processes
+# tests start themselves (FSDP ranks by mp.spawn, SFT and export runs): two workers' threads spinning on 2 cores
+# starve each other.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider
 # Each run's JUnit XML: .ci/run and benchmarks/test_times.py read the slowest tests and the time per file from it.
 RESULTS := .test-results
 # The fast suite shares nothing (no port, Ray, /dev/shm or cache dir of its own), so it runs on every core.
