@@ -89,30 +89,55 @@ def _cap(counted: dict[str, str]) -> int:
     return int(counted["memory.max"])
 
 
-def _holders(n: int, mib: int, then: str = "") -> str:
-    """A command: `n` processes (a parent and n - 1 forked children), each writing `mib` MiB of anonymous memory
-    (every page touched), all then held; the parent exits 128 + N as soon as any child dies of signal N, 0 once all
-    are held (`then` runs first; the held-* files of an earlier run are removed first). Each alone stays far under
-    the per-process RLIMIT_AS."""
-    code = (f"import os, sys, time\nfor f in os.listdir('.'):\n    if f.startswith('held-'):\n        os.remove(f)\n"
-            f"kids = []\nfor _ in range({n - 1}):\n    pid = os.fork()\n    if pid == 0:\n"
-            f"        b = b'1' * ({mib} << 20)\n        open('held-%d' % os.getpid(), 'w').close()\n"
-            "        time.sleep(60)\n        os._exit(0)\n    kids.append(pid)\n"
-            f"b = b'1' * ({mib} << 20)\n"
-            f"while len([f for f in os.listdir('.') if f.startswith('held-')]) < {n - 1}:\n"
-            "    pid, st = os.waitpid(-1, os.WNOHANG)\n    if pid and os.WIFSIGNALED(st):\n"
-            "        sys.exit(128 + os.WTERMSIG(st))\n    time.sleep(0.05)\n"
-            "print('all held', flush=True)\n")
-    return f"{then}python3 -c \"{code}\""
+# `python3 holders.py N MIB`: N processes (this one and N - 1 forked children) each write MIB MiB of anonymous memory
+# (every page touched) and hold it until all have; then the children are released and reaped. Exit 128 + S where any
+# process died of signal S, wherever it happened (an OOM kill may land after the victim said it held its share), else
+# "all held" and 0. The marker files live in the run's own fresh /tmp.
+HOLDERS = """\
+import os, sys, time
+n, mib = int(sys.argv[1]), int(sys.argv[2])
+kids = []
+for _ in range(n - 1):
+    pid = os.fork()
+    if pid == 0:
+        held = b"1" * (mib << 20)
+        open(f"/tmp/held-{os.getpid()}", "w").close()
+        while not os.path.exists("/tmp/release"):
+            time.sleep(0.05)
+        os._exit(0)
+    kids.append(pid)
+held = b"1" * (mib << 20)
+statuses = []
+while len([f for f in os.listdir("/tmp") if f.startswith("held-")]) < n - 1:
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid:
+        kids.remove(pid)
+        statuses.append(status)
+        break
+    time.sleep(0.05)
+open("/tmp/release", "w").close()
+statuses += [os.waitpid(pid, 0)[1] for pid in kids]
+for status in statuses:
+    if os.WIFSIGNALED(status):
+        sys.exit(128 + os.WTERMSIG(status))
+print("all held")
+"""
+
+
+def _holders(sandbox: BwrapSandbox, n: int, mib: int, then: str = "") -> str:
+    """The command that runs HOLDERS in `sandbox` (`then` first). Each process alone stays far under the
+    per-process RLIMIT_AS."""
+    sandbox.write_file("holders.py", HOLDERS)
+    return f"{then}python3 holders.py {n} {mib}"
 
 
 def test_anonymous_memory_of_many_processes_is_capped_in_total(sandbox, cgroups):
     """Per process, RLIMIT_AS lets each of up to `processes` processes hold `memory_bytes`: three processes of
     90 MiB each pass a 128 MiB per-process cap. The run's cgroup holds them together: one is OOM-killed and the run
     is a memory stop; one process of the same size runs."""
-    alone = sandbox.run(_holders(1, 90))
+    alone = sandbox.run(_holders(sandbox, 1, 90))
     assert alone.ok and alone.stdout == "all held\n", alone
-    result = sandbox.run(_holders(3, 90))
+    result = sandbox.run(_holders(sandbox, 3, 90))
     counted = cgroups.counted[-1]
     assert result.stop_reason is StopReason.MEMORY_LIMIT, result
     assert _keyed(counted["memory.events"])["oom_kill"] >= 1, counted
@@ -132,9 +157,9 @@ def test_tmpfs_pages_count_against_the_runs_memory(sandbox, cgroups):
     assert counted_alone.ok, counted_alone
     assert counted_alone.memory_peak_bytes >= tmpfs + 20 * MIB, counted_alone
     sandbox.run("rm -f fill /tmp/fill")
-    anon_alone = sandbox.run(_holders(2, 75))
+    anon_alone = sandbox.run(_holders(sandbox, 2, 75))
     assert anon_alone.ok and anon_alone.memory_peak_bytes + tmpfs > _cap(cgroups.counted[-1]), anon_alone
-    result = sandbox.run(_holders(2, 75, then=f"{fill}"))
+    result = sandbox.run(_holders(sandbox, 2, 75, then=fill))
     assert result.stop_reason is StopReason.MEMORY_LIMIT, (result, cgroups.counted[-1])
     assert _keyed(cgroups.counted[-1]["memory.events"])["oom_kill"] >= 1, cgroups.counted[-1]
 
