@@ -290,7 +290,7 @@ def test_the_start_up_sweep_removes_only_a_dead_trainers_sandbox_cgroups(tmp_pat
     assert cgroups.removed[f"sandbox-{dead.pid}-0"]["cgroup.kill"] == "1"
 
 
-@pytest.mark.skipif(cgroup_v2_missing() is None, reason="this host has a cgroup v2 with memory and cpu")
+@pytest.mark.skipif(cgroup_v2_missing() is None, reason="this host has a cgroup v2 with the memory controller")
 def test_on_a_host_without_the_controllers_nothing_changes():
     """This repo's host: no cgroup v2 memory/cpu controller. The default cgroups are off without a warning, a
     sandbox runs as before, and the start-up line says the caps are per process only."""
