@@ -11,9 +11,11 @@ Layout, under cgroup v2's "no internal processes" rule (a non-root cgroup that h
 holds no process itself):
 
     <own>/cgroup.subtree_control   "+memory +pids" (the pids controller where it is delegated)
-    <own>/trainer/                 this process, moved there once where <own> lists it. Only this process: the
+    <own>/trainer/                 this process and those it started (a working dir's holder, the disk
+                                   watchdog, an engine's workers), moved there once where <own> lists them. The
                                    others of <own> are not ours to move; where there are any, the kernel refuses
-                                   the controllers (EBUSY) and the sandboxes stay per process
+                                   the controllers (EBUSY), the warning names their pids, and the sandboxes stay
+                                   per process
     <own>/sandbox-<pid>-<n>/       one per run: memory.max (`memory_bytes` plus what the run may write to its
                                    tmpfs dirs: those pages are charged here too, and a write the disk caps allow
                                    must not leave the command less than `memory_bytes`), memory.swap.max 0,
@@ -30,9 +32,12 @@ would only make each sandbox weigh as much as the whole trainer in the scheduler
 without it.
 
 Nothing here may make a sandbox fail where it ran before: any refusal turns the cgroups off for this process with
-one warning naming the file and errno, and the runs go on under the per-process caps they always had. This path was
-not exercised on a real cgroup v2 host in this repo's CI (its host binds memory and cpu to cgroup v1);
-tests/test_sandbox_cgroup.py runs it against a fake tree.
+one warning naming the file and errno, and the runs go on under the per-process caps they always had.
+
+Tested: tests/test_sandbox_cgroup.py against a fake tree (this repo's CI host binds memory and cpu to cgroup v1);
+tests/test_sandbox_cgroup_real.py on a real kernel, run by `python benchmarks/cgroup_v2_vm.py` in a VM (Linux
+6.1.0-57-amd64, QEMU TCG, cgroup_no_v1=all): 9 passed as root and 9 as a uid 65534 in a delegated cgroup (memory of
+many processes, tmpfs and memfd pages OOM-stopped at memory.max, pids.max, detached CPU seconds, removal, sweep).
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ def account(result: RunResult, usage: CgroupUsage) -> RunResult:
         reason = StopReason.MEMORY_LIMIT
     return dataclasses.replace(result, stop_reason=reason, cpu_s=max(result.cpu_s, usage.cpu_s or 0.0),
                                memory_peak_bytes=usage.memory_peak_bytes)
+
+
+class InTheWay(OSError):
+    """The kernel's EBUSY on subtree_control, its message naming the processes left in the trainer's cgroup."""
 
 
 class RunCgroup:
@@ -260,25 +269,40 @@ class SandboxCgroups:
             if not set(wanted) <= set(step.read_text().split()):
                 self._enable(base, wanted)
         except OSError as e:
-            self._give_up(f"{e.filename or step}: {_name(e.errno)}")
+            self._give_up(f"{e.filename or step}: {_name(e.errno)}" + (f" ({e.strerror})" if isinstance(e, InTheWay)
+                                                                      else ""))
             return
         self._base, self._pids = base, "pids" in wanted
 
     def _enable(self, base: Path, wanted: list[str]) -> None:
-        """Write the controllers into `base`'s subtree_control, first moving this process into `base`/trainer where
-        `base` lists it (a non-root cgroup with processes may not enable controllers; the root cgroup, which has no
-        cgroup.type, may). Where that fails, this process is moved back and the error raised."""
-        moved = False
-        if (base / "cgroup.type").exists() and str(self._pid) in (base / "cgroup.procs").read_text().split():
-            self._mkdir(base / LEAF, exist_ok=True)
-            self._write(base / LEAF / "cgroup.procs", str(self._pid))
-            moved = True
+        """Write the controllers into `base`'s subtree_control, first moving this process and every process it
+        started that `base` lists into `base`/trainer (a non-root cgroup with processes may not enable controllers;
+        the root cgroup, which has no cgroup.type, may). Where that fails, they are moved back and the error raised;
+        an EBUSY names the processes left in `base` (not started by this one: not ours to move)."""
+        moved: list[int] = []
+        if (base / "cgroup.type").exists():
+            ours = _descendants(self._pid, _listed(base / "cgroup.procs"))
+            if ours:
+                self._mkdir(base / LEAF, exist_ok=True)
+            for pid in ours:
+                try:
+                    self._write(base / LEAF / "cgroup.procs", str(pid))
+                    moved.append(pid)
+                except ProcessLookupError:  # a child that exited meanwhile
+                    continue
+                except OSError:
+                    if pid == self._pid:
+                        raise
         try:
             self._write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in wanted))
-        except OSError:
-            if moved:  # best effort: leave this process where it was found
+        except OSError as e:
+            for pid in moved:  # best effort: leave them where they were found
                 with contextlib.suppress(OSError):
-                    self._write(base / "cgroup.procs", str(self._pid))
+                    self._write(base / "cgroup.procs", str(pid))
+            others = [p for p in _listed(base / "cgroup.procs") if p not in moved]
+            if e.errno == errnos.EBUSY and others:
+                raise InTheWay(e.errno, f"pids {' '.join(map(str, others[:8]))} left in it (not started by this "
+                               "process, or not movable): start the trainer alone in its scope", e.filename) from e
             raise
 
     def _make(self, limits: Limits, tmpfs_bytes: int) -> RunCgroup | None:
@@ -343,6 +367,33 @@ def _name(code: int | None) -> str:
     if code is None:
         return "unknown error"
     return f"{errnos.errorcode.get(code, str(code))} ({os.strerror(code)})"
+
+
+def _listed(path: Path) -> list[int]:
+    """The pids a cgroup.procs lists ([] where it cannot be read)."""
+    return [int(p) for p in (_read(path) or "").split() if p.isdigit()]
+
+
+def _descendants(root: int, pids: list[int]) -> list[int]:
+    """`root` (first, where listed) and those of `pids` that descend from it (its children, theirs...), by /proc's
+    parent pids: the processes this one may move along with itself."""
+
+    def descends(pid: int) -> bool:
+        seen = set()
+        while pid > 1 and pid not in seen:
+            seen.add(pid)
+            pid = _parent(pid)
+            if pid == root:
+                return True
+        return False
+
+    return [root] * (root in pids) + [p for p in pids if p != root and descends(p)]
+
+
+def _parent(pid: int) -> int:
+    """The parent pid of a process from /proc (0 where it is gone)."""
+    fields = (_read(Path(f"/proc/{pid}/stat")) or "").rpartition(")")[2].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
 
 
 def _read(path: Path) -> str | None:
