@@ -375,6 +375,8 @@ class VLLMEngine:
             num_gpus = 1 if torch.cuda.is_available() else 0
         # Ray's default for a num_cpus=0 actor is 1 thread; on a CPU its threads sleep when they wait (host/threads.py)
         threads = {"OMP_NUM_THREADS": str(cfg.threads())} if num_gpus else cpu_thread_env(cfg.threads())
+        # AsyncLLM spawns its engine-core process whatever this says (its in-process client is sync-only); the flag
+        # stays for vLLM's other readers of it (its seed handling)
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **threads}
         actor_cls = ray.remote(num_cpus=0, num_gpus=num_gpus, runtime_env={"env_vars": env})(VLLMWorker)
         self._start = lambda: actor_cls.options(**(actor_options or {})).remote(cfg, self.model_path)
