@@ -136,6 +136,17 @@ class WeightSyncExtension:
                 storages[storage.data_ptr()] = storage.nbytes()
         return sum(release_pages(ptr, nbytes) for ptr, nbytes in storages.items())
 
+    def exempt_heap_from_exit_collections(self) -> None:
+        """Just before the engine core is told to stop: its teardown unfreezes the whole heap and collects it, and
+        the interpreter's exit collects it again. On a 2-core CPU host those two scans took ~5 CPU-s, so vLLM's
+        process manager gave up at its 5 s grace and SIGKILLed the core in the middle of them, on every shutdown.
+        The process is exiting and the OS takes its memory back: freezing the heap (and keeping it frozen) leaves
+        the teardown itself (distributed groups, executor, scheduler) as it is and makes the exit immediate."""
+        import gc
+
+        gc.freeze()
+        gc.unfreeze = lambda: None  # vLLM's teardown calls it; this process only exits after
+
 
 def checkpoint_weight_names(model_path: str, tied_embeddings: bool) -> set[str] | None:
     """Names a weight update may use, read from the safetensors headers (None for hub ids: unknown).
@@ -323,10 +334,17 @@ class VLLMWorker:
         await self.engine.check_health()
         return True
 
-    def shutdown(self) -> None:
-        """Stop the engine core process before the actor goes away; remove this actor's adapter folders."""
+    async def shutdown(self) -> list[int | None]:
+        """Stop the engine core process before the actor goes away; remove this actor's adapter folders. Returns
+        each engine core's exit code: negative is the signal vLLM had to kill it with, past its grace."""
         try:
+            try:  # best effort: a dead or stuck core is stopped the plain way
+                await asyncio.wait_for(self.engine.collective_rpc("exempt_heap_from_exit_collections"), 10)
+            except Exception:
+                pass
             self.engine.shutdown()
+            manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
+            return [process.exitcode for process in getattr(manager, "processes", [])]
         finally:
             self.adapter_folders.remove_all()
 
@@ -382,6 +400,7 @@ class VLLMEngine:
         self._start = lambda: actor_cls.options(**(actor_options or {})).remote(cfg, self.model_path)
         self.actor_resources = dict((actor_options or {}).get("resources") or {})
         self.actor = self._start()
+        self.core_exit_codes: list[int | None] = []  # set by shutdown(): negative = killed by that signal
         self.node_id = ray.get(self.actor.ready.remote())  # startup errors surface here, not on the first generate
 
     async def restart(self) -> None:
@@ -481,7 +500,7 @@ class VLLMEngine:
         if not ray.is_initialized():
             return
         try:
-            ray.get(self.actor.shutdown.remote(), timeout=60)
+            self.core_exit_codes = ray.get(self.actor.shutdown.remote(), timeout=60)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             pass
         finally:
