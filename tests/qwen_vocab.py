@@ -40,6 +40,7 @@ def _bare_backend_json() -> str:
 
     import tokenizers
     import transformers
+    from filelock import FileLock
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from skyrl_stepwise.models.prepare import cache_root
@@ -52,11 +53,14 @@ def _bare_backend_json() -> str:
     cached = cache_root() / "test_tokenizers" / f"qwen-{key}.json"
     if cached.exists():
         return cached.read_text()
-    text = TikTokenConverter(vocab_file=str(vocab_path), pattern=_PATTERN).converted().to_str()
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")  # two workers may write it at once
-    partial.write_text(text)
-    os.replace(partial, cached)
+    with FileLock(cached.with_name(f".{cached.name}.lock")):  # two workers starting cold convert it once
+        if cached.exists():
+            return cached.read_text()
+        text = TikTokenConverter(vocab_file=str(vocab_path), pattern=_PATTERN).converted().to_str()
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        partial.write_text(text)
+        os.replace(partial, cached)
     return text
 
 

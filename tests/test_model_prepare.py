@@ -37,7 +37,34 @@ def test_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path, monkey
         prepare_model(tmp_path)
     models = tmp_path / "models"
     assert not (models / MODEL_NAME).exists()
-    assert list(models.iterdir()) == []  # the temp dir is cleaned up too
+    # the temp dir is cleaned up too; only the (empty) lock file that serialises builds may stay
+    assert [p.name for p in models.iterdir()] in ([], [f".{MODEL_NAME}.lock"])
+
+
+def test_processes_that_start_cold_together_convert_once(tmp_path, monkeypatch):
+    """Two test workers (or a retriever beside a trainer) starting on an empty cache: one converts, the other waits
+    for its lock and takes the finished folder instead of converting the same model again at the same time."""
+    import threading
+
+    builds = []
+
+    def slow_convert(gguf, out_dir):
+        builds.append(threading.get_ident())
+        time.sleep(0.5)  # long enough that the second caller arrives while the first is converting
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+        (out_dir / prepare._DONE_MARKER).write_text("done")
+
+    monkeypatch.setattr(prepare, "convert", slow_convert)
+    monkeypatch.setattr(prepare, "gguf_path", lambda: tmp_path / "model.gguf")
+    results = []
+    callers = [threading.Thread(target=lambda: results.append(prepare_model(tmp_path))) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert len(builds) == 1, builds
+    assert results == [tmp_path / "models" / MODEL_NAME] * 2
+    assert (results[0] / "model.safetensors").read_bytes() == b"weights"
 
 
 @pytest.mark.integration

@@ -203,15 +203,31 @@ def build_embedded_search_r1(out_dir: str | Path | None = None, seed: int = 0, n
     Reused when a finished build with the same version, seed and parameters is already there; otherwise
     everything is written to a temp dir next to `out_dir` and swapped in, so readers never see a partial build.
     """
+    from filelock import FileLock
+
     root = Path(out_dir).expanduser() if out_dir is not None else default_dir()
     params = {"n_validation_generated": n_validation_generated}
     wanted = {"build_version": BUILD_VERSION, "seed": seed, "params": params}
+    reused = None if force else _reusable(root, wanted)
+    if reused is not None:
+        return reused
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(root.parent / f".{root.name}.lock"):  # one build at a time; the others take it
+        reused = None if force else _reusable(root, wanted)
+        return reused if reused is not None else _build(root, seed, n_validation_generated, wanted)
+
+
+def _reusable(root: Path, wanted: dict) -> EmbeddedDataset | None:
+    """The finished build under `root` if it has the wanted version, seed and parameters."""
     manifest_path = root / "manifest.json"
-    if manifest_path.is_file() and not force:
+    if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if {k: manifest.get(k) for k in wanted} == wanted:
             return _paths(root, manifest)
+    return None
 
+
+def _build(root: Path, seed: int, n_validation_generated: int, wanted: dict) -> EmbeddedDataset:
     articles = load_articles()
     fanout = fanout_questions(articles)
     generated = description_questions(articles)
@@ -228,7 +244,6 @@ def build_embedded_search_r1(out_dir: str | Path | None = None, seed: int = 0, n
                                    "sha256": _sha256(package_file(name, rel))}
                             for name, rel in ((WIKI_DIST, WIKI_FILE), (FANOUT_DIST, FANOUT_FILE))}}
 
-    root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
     old = None
     try:

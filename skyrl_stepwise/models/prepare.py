@@ -110,14 +110,23 @@ def _stop_ids(tokenizer, template: ChosenTemplate) -> int | list[int]:
 
 def _atomic_build(target: Path, build: Callable[[Path], None]) -> Path:
     """Run `build(tmp)` in a temp dir next to `target` and rename it, so an interrupted prepare never leaves a
-    folder that looks complete; a concurrent prepare that finished first wins."""
+    folder that looks complete. One process builds at a time (a lock file next to it): the others wait and take
+    its folder, where before every process that started cold (two test workers, a retriever beside a trainer)
+    converted the same model again at the same time."""
+    from filelock import FileLock
+
     target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / f".{target.name}.lock"):
+        if (target / _DONE_MARKER).is_file():
+            return target
+        return _build_into(target, build)
+
+
+def _build_into(target: Path, build: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared like any HF cache
-        if (target / _DONE_MARKER).is_file():
-            return target
         if target.exists():  # a leftover without the marker: incomplete, replace it
             shutil.rmtree(target)
         tmp.rename(target)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from filelock import FileLock
 from tqdm.auto import tqdm
 
 Document = dict[str, str]  # {"id", "contents"}; contents = '"' + title + '"\n' + text
@@ -277,8 +278,15 @@ def load_or_build(corpus_path: str | Path, index_dir: str | Path, kind: str = "b
     cls = _CLASSES[kind]
     if (target / _DONE).is_file():
         return cls.load(target, docs, backend=backend)
-
     target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / f".{target.name}.lock"):  # one build at a time; the others load it
+        if (target / _DONE).is_file():
+            return cls.load(target, docs, backend=backend)
+        return _build_index(cls, kind, docs, corpus_path, target, show_progress, backend)
+
+
+def _build_index(cls, kind: str, docs, corpus_path, target: Path, show_progress: bool, backend):
+    """Build into a temp dir next to `target` and rename it: a reader never sees a half-written index."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         t0 = time.perf_counter()
@@ -290,11 +298,7 @@ def load_or_build(corpus_path: str | Path, index_dir: str | Path, kind: str = "b
         tmp.chmod(0o755)
         if target.exists():  # leftover without the marker: incomplete, replace it
             shutil.rmtree(target)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / _DONE).is_file():  # a concurrent start won the race; fine if it finished
-                raise
+        tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return retriever
