@@ -40,7 +40,7 @@ def _bare_backend_json() -> str:
 
     import tokenizers
     import transformers
-    from filelock import FileLock
+    from skyrl_stepwise.host.build_lock import build_lock
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     from skyrl_stepwise.models.prepare import cache_root
@@ -54,7 +54,7 @@ def _bare_backend_json() -> str:
     if cached.exists():
         return cached.read_text()
     cached.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(cached.with_name(f".{cached.name}.lock")):  # two workers starting cold convert it once
+    with build_lock(cached):  # two workers starting cold convert it once
         if cached.exists():
             return cached.read_text()
         text = TikTokenConverter(vocab_file=str(vocab_path), pattern=_PATTERN).converted().to_str()

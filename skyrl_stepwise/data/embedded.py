@@ -203,7 +203,7 @@ def build_embedded_search_r1(out_dir: str | Path | None = None, seed: int = 0, n
     Reused when a finished build with the same version, seed and parameters is already there; otherwise
     everything is written to a temp dir next to `out_dir` and swapped in, so readers never see a partial build.
     """
-    from filelock import FileLock
+    from skyrl_stepwise.host.build_lock import build_lock
 
     root = Path(out_dir).expanduser() if out_dir is not None else default_dir()
     params = {"n_validation_generated": n_validation_generated}
@@ -212,7 +212,7 @@ def build_embedded_search_r1(out_dir: str | Path | None = None, seed: int = 0, n
     if reused is not None:
         return reused
     root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(root.parent / f".{root.name}.lock"):  # one build at a time; the others take it
+    with build_lock(root):  # one build at a time; the others take it
         reused = None if force else _reusable(root, wanted)
         return reused if reused is not None else _build(root, seed, n_validation_generated, wanted)
 

@@ -110,13 +110,13 @@ def _stop_ids(tokenizer, template: ChosenTemplate) -> int | list[int]:
 
 def _atomic_build(target: Path, build: Callable[[Path], None]) -> Path:
     """Run `build(tmp)` in a temp dir next to `target` and rename it, so an interrupted prepare never leaves a
-    folder that looks complete. One process builds at a time (a lock file next to it): the others wait and take
+    folder that looks complete. One process builds at a time (host/build_lock.py): the others wait and take
     its folder, where before every process that started cold (two test workers, a retriever beside a trainer)
     converted the same model again at the same time."""
-    from filelock import FileLock
+    from skyrl_stepwise.host.build_lock import build_lock
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(target.parent / f".{target.name}.lock"):
+    with build_lock(target):
         if (target / _DONE_MARKER).is_file():
             return target
         return _build_into(target, build)

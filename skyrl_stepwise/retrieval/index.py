@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from filelock import FileLock
 from tqdm.auto import tqdm
+
+from skyrl_stepwise.host.build_lock import build_lock
 
 Document = dict[str, str]  # {"id", "contents"}; contents = '"' + title + '"\n' + text
 RETRIEVERS = ("bm25", "dense")
@@ -279,7 +280,7 @@ def load_or_build(corpus_path: str | Path, index_dir: str | Path, kind: str = "b
     if (target / _DONE).is_file():
         return cls.load(target, docs, backend=backend)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(target.parent / f".{target.name}.lock"):  # one build at a time; the others load it
+    with build_lock(target):  # one build at a time; the others load it
         if (target / _DONE).is_file():
             return cls.load(target, docs, backend=backend)
         return _build_index(cls, kind, docs, corpus_path, target, show_progress, backend)
