@@ -53,7 +53,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.policy.worker_group import PolicyGroup, ReferenceOnPolicyRanks
 
     owns_ray = not ray.is_initialized()  # a caller's Ray (e.g. a test session) is left running
-    engine = policy = reference = tracker = placement_group = agents = weight_sync = policy_start = None
+    engine = policy = reference = tracker = placement_group = agents = weight_sync = None
     try:
         start = time.perf_counter()
         ensure_ray()
@@ -66,18 +66,6 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         if layout.mode == "none":  # a CPU cluster: each node the engines or policy ranks may land on, its own view
             for line in check_cluster_memory(cfg):
                 logger.info(f"resource plan, {line}")
-        use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
-
-        def start_policy() -> tuple[PolicyGroup, str]:
-            began = time.perf_counter()
-            with starting(f"the policy ranks ({cfg.trainer.fsdp.world_size} FSDP2)"):
-                return PolicyGroup(cfg.trainer, with_reference=use_kl, actor_options=role_options(
-                    placement_group, layout.policy, cfg.placement.policy_resources)), _since(began)
-
-        if not cfg.sft.enabled and layout.mode != "colocated":
-            # the ranks import and load while the engine does (~12 s of a 2-core host's start-up): they share no
-            # device with it, so nothing they do changes what it measures. The SFT warm start must come first.
-            policy_start = asyncio.get_running_loop().run_in_executor(None, start_policy)
         with starting(f"the {cfg.engine.backend} engine"):
             engine = create_engine(cfg.engine, role_options(placement_group, layout.engines,
                                                                 cfg.placement.engine_resources))
@@ -107,12 +95,15 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
                     sft_model, cfg, logger.info,
                     role_options(placement_group, layout.policy, cfg.placement.policy_resources),
                     Path(cfg.logging.output_dir) / "sft_metrics.jsonl"))
-        policy, took = await policy_start if policy_start is not None else start_policy()
-        policy_start = None
+        start = time.perf_counter()
+        use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
+        with starting(f"the policy ranks ({cfg.trainer.fsdp.world_size} FSDP2)"):
+            policy = PolicyGroup(cfg.trainer, with_reference=use_kl, actor_options=role_options(
+                placement_group, layout.policy, cfg.placement.policy_resources))
         reference = ReferenceOnPolicyRanks(policy) if use_kl else None
         hold_sigterm()
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
-                    f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {took}")
+                    f"FSDP2 rank(s) ({fsdp_backend(cfg.trainer.fsdp)}) in {_since(start)}")
         engine_nodes = [getattr(e, "node_id", None) for e in engines_of(engine)]
         if None not in engine_nodes:  # Ray actors (vLLM): say where each role landed
             logger.info(describe_nodes({"policy rank": policy.node_ids, "engine": engine_nodes}))
@@ -160,9 +151,6 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
             tracker = None
         raise
     finally:
-        if policy_start is not None:  # the engine failed while the ranks started: they are stopped below too
-            with contextlib.suppress(BaseException):
-                policy = (await policy_start)[0]
         if tracker is not None:
             _report(cfg, tracker, None)
         if agents is not None:
