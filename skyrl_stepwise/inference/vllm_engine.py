@@ -23,6 +23,9 @@ from skyrl_stepwise.inference.config import EngineConfig
 from skyrl_stepwise.inference.weights import pack_weights
 from skyrl_stepwise.models.prepare import resolve_model_path
 
+# How long vLLM waits for a SIGTERMed engine core to finish its own teardown before it SIGKILLs it (its default: 5 s).
+CORE_EXIT_GRACE_S = 30.0
+
 
 def ensure_ray() -> None:
     """Join the cluster named by RAY_ADDRESS (multi-node runs), else start a small local Ray.
@@ -342,7 +345,10 @@ class VLLMWorker:
                 await asyncio.wait_for(self.engine.collective_rpc("exempt_heap_from_exit_collections"), 10)
             except Exception:
                 pass
-            self.engine.shutdown()
+            # vLLM SIGTERMs the core, waits `timeout` (5 s by default) and then SIGKILLs it. Quiet, the core's
+            # teardown takes ~0.8 s, but on a 2-core host with a training job beside it CI saw it pass 5 s. A
+            # longer grace costs nothing when the core is quick: the wait ends as soon as it exits.
+            self.engine.shutdown(timeout=CORE_EXIT_GRACE_S)
             manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
             return [process.exitcode for process in getattr(manager, "processes", [])]
         finally:
