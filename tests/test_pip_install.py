@@ -31,6 +31,13 @@ download.find-links='/download-only'
 """
 
 
+class Done:
+    """What subprocess.run returns, as far as pip_install.py reads it."""
+
+    def __init__(self, returncode, stdout=""):
+        self.returncode, self.stdout = returncode, stdout
+
+
 def test_each_key_takes_the_setting_pip_itself_uses():
     settings = _script().pip_settings(LISTED)
     assert settings == {
@@ -62,10 +69,6 @@ def test_without_uv_pip_installs_and_says_so(monkeypatch, capsys):
     script = _script()
     ran = []
 
-    class Done:
-        def __init__(self, returncode, stdout=""):
-            self.returncode, self.stdout = returncode, stdout
-
     def run(command, **kwargs):
         ran.append(command)
         return Done(0, LISTED) if command[-2:] == ["config", "list"] else Done(0)
@@ -80,10 +83,6 @@ def test_without_uv_pip_installs_and_says_so(monkeypatch, capsys):
 def test_a_failed_uv_install_falls_back_to_pip_with_pips_exit_code(monkeypatch, capsys):
     script = _script()
     ran = []
-
-    class Done:
-        def __init__(self, returncode, stdout=""):
-            self.returncode, self.stdout = returncode, stdout
 
     def run(command, **kwargs):
         ran.append((command, kwargs.get("env", {}).get("SSL_CERT_FILE")))
