@@ -31,7 +31,7 @@ def pip_settings(pip_config_list: str) -> dict[str, list[str]]:
     for line in pip_config_list.splitlines():
         name, sep, value = line.partition("=")
         section, _, key = name.rpartition(".")
-        if sep and section in PRECEDENCE and (key in FLAGS or key == "cert"):
+        if sep and section in PRECEDENCE and (key in FLAGS or key in ("cert", "no-index")):
             found.setdefault(key, {})[section] = shlex.split(value)[0] if value.strip() else ""
     return {key: by_section[next(s for s in PRECEDENCE if s in by_section)].split()
             for key, by_section in found.items()}
@@ -43,6 +43,8 @@ def uv_command(settings: dict[str, list[str]], args: list[str]) -> list[str]:
                "--index-strategy", "unsafe-best-match"]  # pip picks the best version across all indexes
     for key, entries in settings.items():
         command += [part for entry in entries for part in (FLAGS[key], entry)] if key in FLAGS else []
+    if settings.get("no-index", ["false"])[0].lower() in ("1", "true", "yes", "on"):  # a machine offline but for
+        command.append("--no-index")  # its find-links: uv must not look further than pip would
     return command + args
 
 

@@ -63,6 +63,9 @@ def test_uv_gets_them_as_flags_with_pips_best_match_across_indexes():
         assert pair in pairs, pair
     assert "/elsewhere" not in command and "/download-only" not in command and "--cert" not in command
     assert "--compile-bytecode" in command  # as pip: the tests' first imports do not compile the packages
+    assert "--no-index" not in command
+    offline = script.pip_settings("global.find-links='/opt/wheels'\nglobal.no-index='true'\n")
+    assert script.uv_command(offline, ["x"])[-4:] == ["--find-links", "/opt/wheels", "--no-index", "x"]
 
 
 def test_without_uv_pip_installs_and_says_so(monkeypatch, capsys):
