@@ -24,7 +24,7 @@ from skyrl_stepwise.inference.weights import pack_weights
 from skyrl_stepwise.models.prepare import resolve_model_path
 
 # How long vLLM waits for a SIGTERMed engine core to finish its own teardown before it SIGKILLs it (its default: 5 s).
-CORE_EXIT_GRACE_S = 30.0
+CORE_EXIT_GRACE_S = 10.0
 
 
 def ensure_ray() -> None:
@@ -345,12 +345,16 @@ class VLLMWorker:
                 await asyncio.wait_for(self.engine.collective_rpc("exempt_heap_from_exit_collections"), 10)
             except Exception:
                 pass
-            # vLLM SIGTERMs the core, waits `timeout` (5 s by default) and then SIGKILLs it. Quiet, the core's
-            # teardown takes ~0.8 s, but on a 2-core host with a training job beside it CI saw it pass 5 s. A
-            # longer grace costs nothing when the core is quick: the wait ends as soon as it exits.
+            # vLLM SIGTERMs the core, waits `timeout` and then SIGKILLs it, without reaping it. Quiet, the core's
+            # teardown takes ~0.8 s; on a loaded 2-core CI host it passed vLLM's default 5 s, and once (a cold CI run)
+            # it was still there 30 s after the SIGTERM: stuck, not slow. 10 s covers a slow teardown and bounds what
+            # a stuck one costs; the reap below makes a killed core's exit code read as its signal (negative).
             self.engine.shutdown(timeout=CORE_EXIT_GRACE_S)
             manager = getattr(getattr(self.engine.engine_core, "resources", None), "engine_manager", None)
-            return [process.exitcode for process in getattr(manager, "processes", [])]
+            processes = getattr(manager, "processes", [])
+            for process in processes:
+                process.join(5)
+            return [process.exitcode for process in processes]
         finally:
             self.adapter_folders.remove_all()
 
