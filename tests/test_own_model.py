@@ -13,7 +13,7 @@ from skyrl_stepwise.chat import TemplateRenderer
 from skyrl_stepwise.chat.adaptation import describe_chat_adaptation
 from skyrl_stepwise.models import prepare
 from skyrl_stepwise.models.chat_templates import MissingChatTemplate, TEMPLATE_DIR, choose_chat_template
-from skyrl_stepwise.models.gguf_meta import read_gguf_info
+from skyrl_stepwise.models.gguf_meta import gguf_parsed_once, read_gguf_info
 from skyrl_stepwise.models.prepare import prepare_gguf, resolve_model_path
 
 
@@ -55,6 +55,22 @@ def test_a_conversion_parses_the_gguf_once(tmp_path):
     with gguf_parsed_once():
         assert gguf.GGUFReader(path) is gguf.GGUFReader(path)
     assert gguf.GGUFReader is original and gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_a_conversion_builds_gguf_s_tensor_name_map_once_per_architecture():
+    """transformers builds gguf's tensor name map again for every submodule it maps (397 times for SmolLM2, ~5 s of
+    its conversion): within gguf_parsed_once one (architecture, layer count) is one build, the same map gguf gives."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        shared = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is shared
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not shared
+    assert gguf.get_tensor_name_map is original
+    plain = original(gguf.MODEL_ARCH.LLAMA, 30)
+    assert plain is not shared and plain.mapping == shared.mapping
+    assert shared.get_name("model.layers.29.self_attn.q_proj") == "blk.29.attn_q"
 
 
 def test_the_shared_parse_reads_every_field_and_tensor_as_gguf_does_through_a_plain_array(tmp_path):

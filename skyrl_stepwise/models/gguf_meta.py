@@ -77,7 +77,9 @@ def gguf_parsed_once() -> Iterator[None]:
     """Within it, every `gguf.GGUFReader` of one file is a single parse, shared by our header read and the reads
     transformers makes for one conversion (tokenizer, config, weights); and transformers' metadata-only decode of
     the file (`load_gguf_checkpoint(..., return_tensors=False)`, called for the tokenizer's and each config's load)
-    is done once and handed out as copies.
+    is done once and handed out as copies; and gguf's tensor name map of one (architecture, layer count) is built
+    once, where transformers builds it again for every submodule of the model it maps (SmolLM2: 397 builds; its
+    conversion 18.7 s -> 13.8 s on a quiet 2-core AVX2 EPYC, the same bytes written; the map is only read).
 
     Why: parsing a file's metadata walks every vocabulary entry through numpy memmap views, and transformers then
     decodes every entry again in Python on each call: Gemma 3's 262k tokens took ~30 s (quiet machine) to ~110 s
@@ -91,6 +93,7 @@ def gguf_parsed_once() -> Iterator[None]:
     from transformers.models.auto import tokenization_auto
 
     original_reader = gguf.GGUFReader
+    original_name_map = gguf.get_tensor_name_map
     readers: dict[tuple[str, str], object] = {}
 
     def shared_reader(path, mode="r"):
@@ -112,12 +115,14 @@ def gguf_parsed_once() -> Iterator[None]:
         return copy.deepcopy(metadata[key])  # callers pop and rename keys in what they get
 
     gguf.GGUFReader = shared_reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
     for caller in callers:
         caller.load_gguf_checkpoint = metadata_once
     try:
         yield
     finally:
         gguf.GGUFReader = original_reader
+        gguf.get_tensor_name_map = original_name_map
         for caller, original_load in zip(callers, original_loads):
             caller.load_gguf_checkpoint = original_load
 
