@@ -120,7 +120,8 @@ def test_a_conversion_decodes_the_gguf_metadata_once_and_hands_out_copies(tmp_pa
 
     def counting_load(path, return_tensors=False, **kwargs):
         decodes.append(return_tensors)
-        return {"config": {"model_type": "gemma3"}, "tokenizer": {"tokens": ["a", "b"]}}
+        return {"config": {"model_type": "gemma3"},
+                "tokenizer": {"tokens": ["a", "b"], "merges": [["a", "b"]], "scores": (0.5, None)}}
 
     for module in (configuration_utils, tokenization_auto):
         monkeypatch.setattr(module, "load_gguf_checkpoint", counting_load)
@@ -128,8 +129,11 @@ def test_a_conversion_decodes_the_gguf_metadata_once_and_hands_out_copies(tmp_pa
     with gguf_parsed_once():
         first = configuration_utils.load_gguf_checkpoint(path, return_tensors=False)
         first["config"].pop("model_type")
+        first["tokenizer"]["tokens"].append("c")
+        first["tokenizer"]["merges"][0][1] = "x"
         second = tokenization_auto.load_gguf_checkpoint(path)
         assert second["config"] == {"model_type": "gemma3"} and decodes == [False]
+        assert second["tokenizer"] == {"tokens": ["a", "b"], "merges": [["a", "b"]], "scores": (0.5, None)}
         configuration_utils.load_gguf_checkpoint(path, return_tensors=True)
         assert decodes == [False, True]
     assert configuration_utils.load_gguf_checkpoint is counting_load

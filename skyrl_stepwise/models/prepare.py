@@ -74,6 +74,7 @@ def convert_gguf(info: GGUFInfo, template: ChosenTemplate, out_dir: Path, name: 
     generation config that stops where the template closes a turn; the caller has already chosen the template,
     so nothing here can fail for want of one after writing."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.initialization import no_init_weights
 
     gguf = info.path
     kwargs = dict(gguf_file=gguf.name)
@@ -83,8 +84,10 @@ def convert_gguf(info: GGUFInfo, template: ChosenTemplate, out_dir: Path, name: 
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # save_pretrained refuses GGUF-quantized configs
     config.name_or_path = name or info.name
-    model = AutoModelForCausalLM.from_config(config, dtype=gguf_model.dtype)
+    with no_init_weights():  # every weight is loaded just below (strict): a random init was seconds of a conversion
+        model = AutoModelForCausalLM.from_config(config, dtype=gguf_model.dtype)
     model.load_state_dict(gguf_model.state_dict())
+    model.tie_weights()  # no_init_weights also skips the tying: tied embeddings would be written twice
     if info.add_bos_token is not None:  # the GGUF loader drops it: raw text would be scored without BOS
         tokenizer.add_bos_token = info.add_bos_token
     if info.add_eos_token is not None:
