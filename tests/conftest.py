@@ -124,18 +124,26 @@ FIRST_MODULES = ("test_train_e2e", "test_two_nodes")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the end-to-end training and two-node tests first, while this process holds no model, engine or Ray.
+    """Run the end-to-end training and two-node tests first, while this process holds no model, engine or Ray, then
+    the tests marked `before_any_ray`.
 
-    They start their own Ray, vLLM engine and FSDP ranks in a subprocess; next to the session's vLLM engine and
-    the ablation's workers that is more than the 24 GiB of a CI machine. The two-node test also needs this
-    process out of any Ray: run later, its shutdown would take the session's engine with it.
+    The end-to-end tests start their own Ray, vLLM engine and FSDP ranks in a subprocess; next to the session's vLLM
+    engine and the ablation's workers that is more than the 24 GiB of a CI machine. The two-node test also needs
+    this process out of any Ray: run later, its shutdown would take the session's engine with it. A
+    `before_any_ray` test starts a Ray of its own in this process, and skips where an earlier test left one running
+    (in one cold CI run it did, wherever the schedule put it).
 
     Under `make test`'s two integration workers (pytest-xdist's `load` schedule sends each worker a quarter of its
     share as consecutive tests to start with), these all go to the first worker and run there first, in this order,
-    while the second worker starts on the rest with its own session engine.
+    while the second worker starts on the rest with its own session engine. (`--dist loadgroup` would keep the real
+    session engine's tests on one worker, but with pytest 9.2 and xdist 3.8 it groups nothing: xdist marks a group
+    on `item._nodeid`, which pytest 9 no longer reads.)
     """
     def rank(item) -> int:
         name = item.module.__name__
-        return next((i for i, first in enumerate(FIRST_MODULES) if name.endswith(first)), len(FIRST_MODULES))
+        first = next((i for i, module in enumerate(FIRST_MODULES) if name.endswith(module)), None)
+        if first is not None:
+            return first
+        return len(FIRST_MODULES) + (0 if item.get_closest_marker("before_any_ray") else 1)
 
     items.sort(key=rank)

@@ -85,6 +85,7 @@ class _EngineLike:
 
 
 @pytest.mark.integration
+@pytest.mark.before_any_ray  # a session Ray left by an earlier test would make it skip (tests/conftest.py)
 def test_a_ray_actor_that_dies_in_its_creation_task_is_named_with_its_own_error(tmp_path):
     """Through Ray as the run starts it (its workers' output routed into run.log): ActorDiedError on the driver,
     the component's ValueError in the message."""
