@@ -55,6 +55,24 @@ def test_a_wrong_key_or_value_exits_nonzero_naming_it(override, key, tmp_path, c
     assert key in capsys.readouterr().err
 
 
+def test_the_schema_is_stored_once_and_still_refuses_a_misspelt_key_on_every_composition():
+    """register_configs builds the structured schema once per process (~40% of a composition's CPU): the stored node
+    is reused, and each composition still checks its keys against it (Hydra hands out a copy of it)."""
+    from hydra.core.config_store import ConfigStore
+
+    from skyrl_stepwise.run.app_config import load_config
+    from skyrl_stepwise.run.config import register_configs
+
+    register_configs()
+    stored = ConfigStore.instance().repo["run_schema.yaml"]
+    for _ in range(2):
+        assert load_config(["total_steps=3"]).total_steps == 3
+        with pytest.raises(ValueError, match="total_stepz"):
+            load_config(["+total_stepz=3"])
+    register_configs()
+    assert ConfigStore.instance().repo["run_schema.yaml"] is stored
+
+
 @pytest.mark.parametrize("override, key", [("trainer.packing=bogus", "trainer.packing"),
                                            ("+not_a_key=1", "not_a_key"),
                                            ("+generator.n_sample_per_prompt=2", "generator.n_samples_per_prompt?"),
