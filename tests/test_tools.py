@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -746,3 +747,66 @@ async def test_a_tool_that_never_returns_does_not_hang_the_rollout():
             assert result.error_kind == "timeout" and time.perf_counter() - t0 < 0.8
     finally:
         forever.release.set()
+
+
+async def test_idle_tool_loops_cost_no_cpu_and_end_with_their_tool():
+    """Envs bind a fresh tool to each trajectory's sandbox (python_tool, HumanEval, repo fixing), so a process meets
+    hundreds of tool instances. Each got a loop thread beating 50 times a second for the process's life, and the
+    runner kept every tool (and its sandbox) alive: a test worker ended with ~100 such threads at ~11% of a core,
+    idle. Now the heartbeat runs only while a call is in flight, and a loop ends when its tool is collected."""
+    import gc
+
+    from skyrl_stepwise.tools.offloop import OffLoopRunner
+
+    runner = OffLoopRunner()
+    tools = [CalculatorTool() for _ in range(120)]
+    executors = [ToolExecutor({"calculator": tool}, timeout_s=5, runner=runner) for tool in tools]
+    for ex in executors:
+        (result,) = await ex.execute([ToolCallRequest("calculator", {"expression": "2+2"})])
+        assert result.content == "4"
+    threads = [loop.thread for loop in runner.loops.values()]
+    assert len(threads) == 120 and all(t.is_alive() for t in threads)
+    before = os.times()
+    await asyncio.sleep(1.0)
+    after = os.times()
+    # 120 loops beating at 50 Hz kept ~27% of a core busy here (60: 14%, 200: 41%); idle ones sleep
+    assert (after.user + after.system) - (before.user + before.system) < 0.08
+
+    del tools, executors, ex
+    gc.collect()
+    for t in threads:
+        t.join(timeout=5)
+    assert not runner.loops and not any(t.is_alive() for t in threads)
+
+
+async def test_a_tool_found_blocking_is_forgotten_with_it():
+    """The runner knows tools by id; once a blocking tool is gone, a new tool that gets its id must start on a loop
+    of its own, not in the dead tool's thread-per-call mode."""
+    import gc
+
+    from skyrl_stepwise.tools.offloop import OffLoopRunner
+
+    runner = OffLoopRunner(block_s=0.2)
+    blocking = BlockingTool(0.4)
+    ex = ToolExecutor({"block": blocking}, timeout_s=5, runner=runner)
+    (result,) = await ex.execute([ToolCallRequest("block", {})])
+    assert result.content == "woke" and ex.counts["block/blocked_loop"] == 1 and id(blocking) in runner.blocking
+    del blocking, ex
+    gc.collect()
+    assert not runner.blocking and not runner.loops
+
+
+def test_a_tools_finalizer_never_waits_on_the_runners_lock():
+    """A tool can be collected in any thread, e.g. in a new loop's own thread while start() holds the lock and waits
+    for that loop to be ready: a finalizer that took the lock hung a test worker there."""
+    import threading
+
+    from skyrl_stepwise.tools.offloop import OffLoopRunner, ToolLoop
+
+    runner = OffLoopRunner()
+    runner.loops[1] = ToolLoop("gone")
+    with runner._lock:
+        finalizer = threading.Thread(target=runner._forget, args=(1,))
+        finalizer.start()
+        finalizer.join(timeout=5)
+        assert not finalizer.is_alive() and not runner.loops

@@ -16,6 +16,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -25,13 +26,18 @@ BEAT_S = 0.02  # heartbeat period on a tool's loop; a gap much longer than this 
 
 
 class ToolLoop:
-    """An event loop in a daemon thread, dedicated to one tool, with a heartbeat that measures stalls."""
+    """An event loop in a daemon thread, dedicated to one tool, with a heartbeat that measures stalls.
+
+    The heartbeat runs only while a call is in flight: an idle loop sleeps in its selector and costs nothing. (It
+    used to beat 50 times a second for the process's life, for every tool instance ever called: envs that bind a
+    fresh tool to each trajectory's sandbox left hundreds of such threads behind, ~0.3% of a core each.)"""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.loop = asyncio.new_event_loop()
         self._last_beat = time.monotonic()
         self._worst_gap = 0.0
+        self._in_flight = 0  # calls running on the loop; touched only from the loop's thread
         self._lock = threading.Lock()
         ready = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True, name=f"tool-loop-{name}")
@@ -41,28 +47,53 @@ class ToolLoop:
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(ready.set)
-        self.loop.call_soon(self._beat)
         self.loop.run_forever()
+        self.loop.close()
 
-    def _beat(self) -> None:
-        now = time.monotonic()
+    def _record_gap(self, now: float) -> None:
         with self._lock:
             self._worst_gap = max(self._worst_gap, now - self._last_beat - BEAT_S)
             self._last_beat = now
-        self.loop.call_later(BEAT_S, self._beat)
+
+    def _beat(self) -> None:
+        self._record_gap(time.monotonic())
+        if self._in_flight:
+            self.loop.call_later(BEAT_S, self._beat)
+
+    async def _tracked(self, make_call: Callable[[], Any]) -> Any:
+        """One call on this loop, with the heartbeat running while it is in flight; the stretch since the last
+        beat is recorded when it ends, before its caller can ask (take_stall_s)."""
+        if self._in_flight == 0:
+            with self._lock:
+                self._last_beat = time.monotonic()
+            self.loop.call_later(BEAT_S, self._beat)
+        self._in_flight += 1
+        try:
+            return await _as_coroutine(make_call)
+        finally:
+            self._in_flight -= 1
+            self._record_gap(time.monotonic())
 
     def take_stall_s(self) -> float:
-        """The longest time the loop was held since the last call of this (now included), and reset it: how
-        long a synchronous piece of a tool call kept every other call of this tool waiting."""
+        """The longest time the loop was held since the last call of this, and reset it: how long a synchronous
+        piece of a tool call kept every other call of this tool waiting. A call still holding the loop (its caller
+        timed out) counts up to now."""
         with self._lock:
-            current = time.monotonic() - self._last_beat - BEAT_S
+            current = time.monotonic() - self._last_beat - BEAT_S if self._in_flight else 0.0
             worst, self._worst_gap = max(self._worst_gap, current), 0.0
         return max(worst, 0.0)
 
     def submit(self, make_call: Callable[[], Awaitable[Any]]) -> asyncio.Future:
         """Run the call on this tool's loop; the returned future belongs to the caller's loop (cancelling it
         cancels the call there)."""
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(_as_coroutine(make_call), self.loop))
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._tracked(make_call), self.loop))
+
+    def close(self) -> None:
+        """Stop the loop (from any thread, without waiting): its thread closes it and ends."""
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # already closed
+            pass
 
 
 async def _as_coroutine(make_call: Callable[[], Any]) -> Any:
@@ -103,13 +134,14 @@ def run_in_thread(make_call: Callable[[], Any], name: str) -> asyncio.Future:
 class OffLoopRunner:
     """Where each tool's calls run: its `ToolLoop`, or one thread per call once it has blocked its loop.
 
-    One runner is shared by every executor of a process (tools are shared by every episode), so a tool found
-    blocking stays known as blocking and is warned about once."""
+    One runner is shared by every executor of a process, so a tool found blocking stays known as blocking (and is
+    warned about once) for as long as it lives. A tool's loop ends when the tool is collected: some envs bind a
+    fresh tool to each trajectory's sandbox."""
 
     block_s: float = 1.0  # a call that held its tool's loop this long is blocking (warned, counted)
     loops: dict[int, ToolLoop] = field(default_factory=dict)
     blocking: dict[int, str] = field(default_factory=dict)  # id(tool) -> name
-    _tools: dict[int, Any] = field(default_factory=dict)  # keeps ids valid while the runner knows a tool
+    _tools: dict[int, Any] = field(default_factory=dict)  # tools without weak references, kept (ids stay valid)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self, tool: Any, name: str, arguments: dict[str, Any]) -> asyncio.Future:
@@ -119,9 +151,27 @@ class OffLoopRunner:
             return run_in_thread(lambda: tool.call(arguments), name)
         with self._lock:
             if key not in self.loops:
-                self.loops[key], self._tools[key] = ToolLoop(name), tool
+                self.loops[key] = ToolLoop(name)
+                self._forget_when_collected(tool, key)
             tool_loop = self.loops[key]
         return tool_loop.submit(lambda: tool.call(arguments))
+
+    def _forget_when_collected(self, tool: Any, key: int) -> None:
+        """A tool's loop lives as long as the tool: envs bind a fresh tool to each trajectory's sandbox, and the
+        runner once kept every one (and its sandbox) alive, each with its thread. A tool that takes no weak
+        reference is kept, so its id cannot be reused by another tool while the runner knows it."""
+        try:
+            weakref.finalize(tool, self._forget, key).atexit = False
+        except TypeError:
+            self._tools[key] = tool
+
+    def _forget(self, key: int) -> None:
+        """The tool's finalizer. It runs in whichever thread collected the tool, maybe one that start() is waiting
+        on while it holds the lock (a new loop's own thread): so no lock here; each pop is atomic."""
+        tool_loop = self.loops.pop(key, None)
+        self.blocking.pop(key, None)
+        if tool_loop is not None:
+            tool_loop.close()
 
     def check_blocked(self, tool: Any, name: str, block_s: float | None = None) -> float | None:
         """After a call (answered or timed out): the seconds it held its tool's loop when that is a block, else
