@@ -810,3 +810,32 @@ def test_a_tools_finalizer_never_waits_on_the_runners_lock():
         finalizer.start()
         finalizer.join(timeout=5)
         assert not finalizer.is_alive() and not runner.loops
+
+
+async def test_many_short_calls_keep_one_heartbeat():
+    """Calls that start and end between two beats must not each start a heartbeat of their own: beats would pile up
+    under a steady stream of short calls, each one waking the loop 50 times a second."""
+    from skyrl_stepwise.tools.offloop import BEAT_S, OffLoopRunner
+
+    runner = OffLoopRunner()
+    tool = CalculatorTool()
+    ex = ToolExecutor({"calculator": tool}, timeout_s=5, runner=runner)
+    beats = 0
+    tool_loop = None
+    t0 = time.perf_counter()
+    for i in range(200):
+        (result,) = await ex.execute([ToolCallRequest("calculator", {"expression": f"{i}+1"})])
+        assert result.content == str(i + 1)
+        if tool_loop is None:
+            tool_loop = runner.loops[id(tool)]
+            counted = tool_loop._beat
+
+            def counting_beat():
+                nonlocal beats
+                beats += 1
+                counted()
+            tool_loop._beat = counting_beat
+    elapsed = time.perf_counter() - t0
+    await asyncio.sleep(3 * BEAT_S)
+    # one heartbeat chain beats about elapsed / BEAT_S times; a chain per call would beat far more
+    assert beats <= elapsed / BEAT_S + 3, (beats, elapsed)

@@ -38,6 +38,7 @@ class ToolLoop:
         self._last_beat = time.monotonic()
         self._worst_gap = 0.0
         self._in_flight = 0  # calls running on the loop; touched only from the loop's thread
+        self._next_beat: asyncio.TimerHandle | None = None  # the one pending beat while calls run (loop's thread)
         self._lock = threading.Lock()
         ready = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True, name=f"tool-loop-{name}")
@@ -57,16 +58,15 @@ class ToolLoop:
 
     def _beat(self) -> None:
         self._record_gap(time.monotonic())
-        if self._in_flight:
-            self.loop.call_later(BEAT_S, self._beat)
+        self._next_beat = self.loop.call_later(BEAT_S, self._beat) if self._in_flight else None
 
     async def _tracked(self, make_call: Callable[[], Any]) -> Any:
         """One call on this loop, with the heartbeat running while it is in flight; the stretch since the last
         beat is recorded when it ends, before its caller can ask (take_stall_s)."""
-        if self._in_flight == 0:
+        if self._next_beat is None:  # one heartbeat, however many calls start and end between two beats
             with self._lock:
                 self._last_beat = time.monotonic()
-            self.loop.call_later(BEAT_S, self._beat)
+            self._next_beat = self.loop.call_later(BEAT_S, self._beat)
         self._in_flight += 1
         try:
             return await _as_coroutine(make_call)
