@@ -49,20 +49,27 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE OMP_WAIT_POLICY=PASSIVE $(BIN)/python -
 RESULTS := .test-results
 # The fast suite shares nothing (no port, Ray, /dev/shm or cache dir of its own), so it runs on every core.
 FAST_WORKERS ?= auto
-# The integration part alone keeps ~1.2 of 2 cores busy (waiting on subprocess start-ups, Ray, engines), so two
-# workers, each with its own session engine, Ray and retriever (measured: at most 22 of 24 GiB used, with another
-# training run beside them). INTEGRATION_WORKERS=0 runs the part in one process.
+# The integration part keeps ~1.2 of 2 cores busy (waiting on subprocess start-ups, Ray, engines), so two workers,
+# each with its own session engine, Ray and retriever (measured: at most 22 of 24 GiB used, with another training
+# run beside them). INTEGRATION_WORKERS=0 runs the part in one process. `worksteal`: a worker that runs out takes
+# half of what the other has left, so the two end together (with `load` one ended ~80 s before the other).
 INTEGRATION_WORKERS ?= 2
+# Under `make test` the fast part runs beside the integration part on one xdist worker (one torch thread:
+# tests/conftest.py), filling what the integration part leaves of the 2 cores.
+FAST_BESIDE_WORKERS ?= 1
 
-# Two parts, both always run: the fast unit tests on every core, then the integration tests (real SmolLM2, vLLM,
-# Ray, the retrieval server) on two workers, each sharing its session's engine and tokenizer across its tests.
+# Two parts, both always run, side by side: the integration tests (real SmolLM2, vLLM, Ray, the retrieval server)
+# on two workers, each sharing its session's engine and tokenizer across its tests, and beside them the fast unit
+# tests, which fill the cores the integration part leaves idle; the fast part's output is printed when both are done.
 # The budget: 20 min on a 2-core CPU without bf16, alarm at 25 (docs/development.md).
 test: install
 	@mkdir -p $(RESULTS)
-	$(PYTEST) -n $(FAST_WORKERS) -m "not integration and not own_model and not slow" --junitxml=$(RESULTS)/fast.xml tests; \
-	fast=$$?; \
-	$(PYTEST) -n $(INTEGRATION_WORKERS) -m "integration and not own_model and not slow" --durations=10 --junitxml=$(RESULTS)/integration.xml tests; \
+	@echo "fast part: running beside the integration part (its output: $(RESULTS)/fast.log, shown at the end)"
+	$(PYTEST) -n $(FAST_BESIDE_WORKERS) -m "not integration and not own_model and not slow" --junitxml=$(RESULTS)/fast.xml tests > $(RESULTS)/fast.log 2>&1 & fast=$$!; \
+	$(PYTEST) -n $(INTEGRATION_WORKERS) --dist worksteal -m "integration and not own_model and not slow" --durations=10 --junitxml=$(RESULTS)/integration.xml tests; \
 	integration=$$?; \
+	wait $$fast; fast=$$?; \
+	echo "--- fast part ($(RESULTS)/fast.log) ---"; cat $(RESULTS)/fast.log; \
 	test $$fast = 0 && test $$integration = 0
 
 # The fast suite alone (about 2 min on 2 cores): before every commit.

@@ -133,9 +133,10 @@ def pytest_collection_modifyitems(config, items):
     `before_any_ray` test starts a Ray of its own in this process, and skips where an earlier test left one running
     (in one cold CI run it did, wherever the schedule put it).
 
-    Under `make test`'s two integration workers (pytest-xdist's `load` schedule sends each worker a quarter of its
-    share as consecutive tests to start with), these all go to the first worker and run there first, in this order,
-    while the second worker starts on the rest with its own session engine. (`--dist loadgroup` would keep the real
+    Under `make test`'s two integration workers (pytest-xdist's `worksteal` schedule gives each worker half of the
+    tests as consecutive ones to start with, and a worker that runs out takes the tail of the other's), these all go
+    to the first worker and run there first, in this order, while the second worker starts on the rest with its own
+    session engine. (`--dist loadgroup` would keep the real
     session engine's tests on one worker, but with pytest 9.2 and xdist 3.8 it groups nothing: xdist marks a group
     on `item._nodeid`, which pytest 9 no longer reads.)
     """
