@@ -84,6 +84,21 @@ class _EngineLike:
         return True
 
 
+def _descendants() -> list:
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:  # ended since it was listed
+        return []
+
+
 @pytest.mark.integration
 @pytest.mark.before_any_ray  # a session Ray left by an earlier test would make it skip (tests/conftest.py)
 def test_a_ray_actor_that_dies_in_its_creation_task_is_named_with_its_own_error(tmp_path):
@@ -103,6 +118,8 @@ def test_a_ray_actor_that_dies_in_its_creation_task_is_named_with_its_own_error(
                 actor = ray.remote(num_cpus=0)(_EngineLike).options(
                     runtime_env={"env_vars": {"PYTHONPATH": tests_dir}}).remote()
                 ray.get(actor.ready.remote())
+            # the run's Ray prestarts no workers: each of ours has a runtime env of its own, so none would be used
+            assert not [p for p in _descendants() if " ".join(_cmdline(p)).startswith("ray::IDLE")]
         finally:
             ray.shutdown()
     message = str(failed.value)

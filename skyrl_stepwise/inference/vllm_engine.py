@@ -30,7 +30,9 @@ CORE_EXIT_GRACE_S = 10.0
 def ensure_ray() -> None:
     """Join the cluster named by RAY_ADDRESS (multi-node runs), else start a small local Ray.
 
-    The local one has few prestarted workers and no dashboard, which is what a 2-core box can afford;
+    The local one prestarts no workers and has no dashboard, which is what a 2-core box can afford (Ray prestarts a
+    worker per CPU for tasks without a runtime env of their own: every actor of ours has one, so they were never used,
+    each ~1.5 CPU-s to start and ~1% of a core idle);
     a cluster brings its own resources, so nothing is capped there. Inside a run (host.logs.run_logging)
     the workers' output goes to the run's run.log and only their warnings and errors reach the console. The local
     one is tied to this process's life (host/lifeline.py): Ray's own fate sharing ends the GCS and the raylet with
@@ -53,7 +55,7 @@ def ensure_ray() -> None:
         # address="local": a new Ray of our own even where one was started on this machine (`ray start`, a test's
         # Cluster), which a plain ray.init() would join and then refuse num_cpus for
         ray.init(address="local", num_cpus=min(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
-                 **options)
+                 _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False}, **options)
     if options:
         adopt_library_loggers()  # again: ray.init resets the `ray` logger
 
