@@ -136,9 +136,8 @@ def pytest_collection_modifyitems(config, items):
     Under `make test`'s two integration workers (pytest-xdist's `worksteal` schedule gives each worker half of the
     tests as consecutive ones to start with, and a worker that runs out takes the tail of the other's), these all go
     to the first worker and run there first, in this order, while the second worker starts on the rest with its own
-    session engine. (`--dist loadgroup` would keep the real
-    session engine's tests on one worker, but with pytest 9.2 and xdist 3.8 it groups nothing: xdist marks a group
-    on `item._nodeid`, which pytest 9 no longer reads.)
+    session engine. (`--dist loadgroup` would keep the real session engine's tests on one worker, but with pytest 9.2
+    and xdist 3.8 it groups nothing: xdist marks a group on `item._nodeid`, which pytest 9 no longer reads.)
     """
     def rank(item) -> int:
         name = item.module.__name__
