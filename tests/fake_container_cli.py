@@ -49,17 +49,37 @@ def container(cid: str) -> dict | None:
 
 
 def kill_all(cid: str) -> None:
-    """SIGKILL every process of container `cid` but this one and its parent (kill -1's caller)."""
+    """SIGKILL every process of container `cid` but this one and its parent (kill -1's caller), and return once
+    they are gone. A SIGKILLed process dies when it next runs: on a saturated 2-core host (`make test` keeps both
+    cores busy) one stayed runnable, still listed, after the sweeps had returned, and a test that looked at once
+    found it (`status='running'`)."""
+    import time
+
     import psutil
 
     spare = {os.getpid(), os.getppid()}
+    killed = []
     for _ in range(3):
         for proc in psutil.process_iter():
             try:
                 if proc.pid not in spare and proc.environ().get("FAKE_CONTAINER") == cid:
                     proc.kill()
+                    killed.append(proc)
             except (psutil.Error, OSError):
                 continue
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(proc) for proc in killed):
+        time.sleep(0.01)
+
+
+def _alive(proc) -> bool:
+    """Still running (a zombie holds nothing: it waits for its parent to read its exit status)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # gone
+        return False
 
 
 def fail(message: str, code: int = 1) -> None:
