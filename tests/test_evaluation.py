@@ -169,13 +169,13 @@ def test_an_eval_score_is_called_em_only_where_the_env_scores_exact_match(tmp_pa
 
 def test_the_base_model_eval_can_use_the_first_prompts_of_the_fixed_subset(monkeypatch):
     """data.max_base_eval_prompts: the base model's eval takes the first N prompts of the same fixed subset (the later
-    stages every prompt), and a negative value is refused naming the key."""
+    stages every prompt; 0: none), and a negative value is refused naming the key."""
     import asyncio
 
     from skyrl_stepwise.cli.train import EvalStages, load_config
 
     cfg = load_config(["experiment=search_r1_tiny", "logging.output_dir=/tmp/unused"])
-    assert cfg.data.max_eval_prompts == 128 and cfg.data.max_base_eval_prompts == 32
+    assert cfg.data.max_eval_prompts == 128 and cfg.data.max_base_eval_prompts == 0  # the main job skips it
     seen = []
 
     async def fake_evaluate(generator, rows, stage, rollout_log):
@@ -185,6 +185,7 @@ def test_the_base_model_eval_can_use_the_first_prompts_of_the_fixed_subset(monke
     monkeypatch.setattr("skyrl_stepwise.loop.loop.evaluate_prompts", fake_evaluate)
     stages = EvalStages(cfg, None, list(range(10)))
     stages.add = lambda result: None
+    asyncio.run(stages.run("before SFT", limit=0))  # 0: no eval of the base model at all
     asyncio.run(stages.run("before SFT", limit=3))
     asyncio.run(stages.run("after SFT"))
     assert seen == [("before SFT", [0, 1, 2]), ("after SFT", list(range(10)))]

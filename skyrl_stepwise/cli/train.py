@@ -87,6 +87,9 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         evals = EvalStages(cfg, eval_generator, eval_subset(val_rows, cfg.data.max_eval_prompts, cfg.data.seed),
                            rollout_log)
         if cfg.sft.enabled:  # the warm start: base model -> eval -> SFT (cached) -> the policy starts from it
+            if cfg.data.max_base_eval_prompts == 0:
+                logger.info("eval before SFT: skipped (data.max_base_eval_prompts=0; a number evaluates the base "
+                            "model on that many of the same prompts first)")
             await evals.run("before SFT", limit=cfg.data.max_base_eval_prompts)
             if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
                 await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
