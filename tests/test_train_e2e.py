@@ -310,6 +310,7 @@ def main_job(tmp_path_factory, tiny_smollm2) -> MainJob:
     command = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", "total_steps=1",
                f"model_path={tiny_smollm2}", "sft.max_rows=2", "sft.batch_size=2",
                f"sft.seed={time.time_ns() % 1_000_000_007}", "data.max_eval_prompts=3", "data.train_batch_size=1",
+               "data.max_base_eval_prompts=3",  # the recipe skips the base model's eval; this job keeps every stage
                "generator.n_samples_per_prompt=2", "generator.max_turns=1", "generator.sampling.max_generate_length=24",
                "trainer.ckpt_interval=1", f"logging.output_dir={out}", "logging.wandb_mode=disabled",
                # the reference inside the policy's Ray ranks; every step trains (no dynamic sampling), so it scores
