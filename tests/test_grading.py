@@ -11,8 +11,8 @@ import pytest
 
 from sandbox_helpers import require_sandbox
 from skyrl_stepwise.envs import grading
-from skyrl_stepwise.envs.grading import (Call, CallsRun, Case, Outcome, Raises, grade_cases, grade_check,
-                                         parse_results, same, stray_modules)
+from skyrl_stepwise.envs.grading import (Call, CallsRun, Case, GradingError, Outcome, Raises, grade_cases,
+                                         grade_check, parse_results, same, stray_modules)
 from skyrl_stepwise.envs.grading_harness import NotPlain, decode, encode
 from skyrl_stepwise.envs.humaneval import pasted_only
 from skyrl_stepwise.sandbox import RunResult, StopReason
@@ -114,6 +114,38 @@ def test_a_check_runs_on_the_host_against_the_replayed_calls(monkeypatch):
     seen.clear()
     monkeypatch.setattr(grading, "run_calls", _fake_sandbox(lambda x: Outcome("bad", detail="m.Equal"), seen))
     assert grade_check({}, "solution", "square", CHECK, prelude).passed == (False,)
+
+
+def test_a_test_that_fails_before_consulting_the_answer_is_a_grading_error_not_a_verdict(monkeypatch, caplog):
+    """A pass that raised before the candidate's first call ran only the task's code: no answer can earn or lose
+    anything there. A passing fault (here: the host out of memory once) is run again and grades as usual; one that
+    stays (a broken task) raises GradingError naming the cause, so the trajectory fails instead of scoring 0. After
+    the answer's first result any exception is a verdict (an answer must not dodge its 0 by crashing the test)."""
+    seen: list = []
+    prelude = "def helper(x):\n    return x * x\n\ndef square(x):\n    '''the stub'''\n"
+    monkeypatch.setattr(grading, "run_calls", _fake_sandbox(lambda x: Outcome("value", x * x), seen))
+    real_compiled, faults = grading._compiled, [MemoryError()]
+
+    def compiled_failing_once(source, name, probing):
+        if faults:
+            raise faults.pop()
+        return real_compiled(source, name, probing)
+
+    monkeypatch.setattr(grading, "_compiled", compiled_failing_once)
+    with caplog.at_level("WARNING", logger=grading.__name__):
+        assert grade_check({}, "solution", "square", CHECK, prelude).passed == (True,)
+    assert "MemoryError" in caplog.text and "running the pass again" in caplog.text and len(seen) == 2
+
+    broken = "def check(candidate):\n    assert nowhere_defined\n    assert candidate(2) == 4\n"
+    seen.clear()
+    with pytest.raises(GradingError, match=r"raised before calling the answer: NameError.*twice"):
+        grade_check({}, "solution", "square", broken, prelude)
+    assert seen == []  # no sandbox run: nothing was asked of the answer
+    # after the first call, an exception is the answer's doing (a wrong value the test trips on): a verdict
+    trips = "def check(candidate):\n    assert candidate(2)[0] == 4\n"
+    assert grade_check({}, "solution", "square", trips, prelude).passed == (False,)
+    exhausts = "def check(candidate):\n    assert candidate(2) == 4\n    raise MemoryError\n"
+    assert grade_check({}, "solution", "square", exhausts, prelude).passed == (False,)
 
 
 def test_stray_modules_and_pasted_answers_are_named():

@@ -298,6 +298,7 @@ class _Replay:
 
     def __init__(self, known: dict[str, Outcome], pending: dict[str, tuple[tuple, dict]]) -> None:
         self.known, self.pending, self.calls = known, pending, 0
+        self.consulted = 0  # the answer's outcomes met by the test (a value, its exception, a bad or missing one)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -313,6 +314,7 @@ class _Replay:
         if outcome is None:
             self.pending.setdefault(key, (decode(encode(list(args))), decode(encode(kwargs))))
             return _Probe()
+        self.consulted += 1
         if outcome.kind == "value":
             return decode(encode(outcome.value))  # a fresh copy each time: the test may mutate it
         if outcome.kind == "raised":
@@ -358,19 +360,54 @@ def _compiled(source: str, name: str, probing: bool):
     return compile(tree, name, "exec")
 
 
+class GradingError(RuntimeError):
+    """The host's own pass of a test failed where the answer cannot have caused it, twice in a row: it raised
+    before any result of the answer's reached it or any call was asked of it: only the task's code had run (a
+    MemoryError there too). That is a broken task or a sick host, never a verdict: the env's step raises it, so the
+    trajectory fails by cause and is never trained (generator/agent_loop.py), instead of paying a 0 nobody earned.
+    After the answer's first result, any exception is a verdict: an answer must not dodge its 0 by making the
+    host's test fail."""
+
+
+class _HostFault(Exception):
+    """A pass of the test failed on the host's side (see GradingError); `grade_check` runs the pass once more."""
+
+
 def _pass(check_source: str, prelude: str, replay: _Replay, entry: str, function: str, probing: bool) -> bool:
     """One pass of the test on the host against the replay (the function's own name in the prelude is the replay
     too: a test may call it by name); True when `check(candidate)` finished. A probing pass skips the assertions'
-    verdicts, to find every call at once."""
+    verdicts, to find every call at once. _HostFault where the failure cannot be the answer's."""
     namespace: dict[str, Any] = {"__name__": "__grading_check__", "__builtins__": _test_builtins(0)}
     try:
         exec(_compiled(prelude, "<task prelude>", False), namespace)  # noqa: S102 - the task's code, not the model's
         namespace[function.rsplit(".", 1)[-1]] = replay
         exec(_compiled(check_source, "<task test>", probing), namespace)  # noqa: S102
         namespace[entry](replay)
-    except (Exception, _Abort):
+    except (Exception, _Abort) as e:
+        if not replay.consulted and not replay.pending:  # nothing of the answer's met yet, nothing asked of it
+            raise _HostFault(e) from e
         return False
     return True
+
+
+def _host_pass(check_source: str, prelude: str, known: dict[str, Outcome], pending: dict[str, tuple[tuple, dict]],
+               entry: str, function: str, probing: bool) -> bool:
+    """`_pass`, run once more where the host failed it (the pass is deterministic: a second failure is the task's
+    or the host's for good); GradingError, naming the cause, where it fails again."""
+    try:
+        return _pass(check_source, prelude, _Replay(known, pending), entry, function, probing)
+    except _HostFault as fault:
+        logger.warning(f"grading: the task's test {_fault(fault)} on the host; running the pass again")
+    pending.clear()
+    try:
+        return _pass(check_source, prelude, _Replay(known, pending), entry, function, probing)
+    except _HostFault as fault:
+        raise GradingError(f"the task's test {_fault(fault)} on the host, twice (a broken task or a sick host, "
+                           "not a verdict)") from fault.__cause__
+
+
+def _fault(fault: _HostFault) -> str:
+    return f"raised before calling the answer: {fault.__cause__!r}"
 
 
 def grade_check(files: Mapping[str, str | bytes], module: str, function: str, check_source: str, prelude: str = "",
@@ -386,9 +423,9 @@ def grade_check(files: Mapping[str, str | bytes], module: str, function: str, ch
     stop = None
     for _ in range(MAX_ROUNDS):
         pending: dict[str, tuple[tuple, dict]] = {}
-        _pass(check_source, prelude, _Replay(known, pending), entry, function, probing=True)
+        _host_pass(check_source, prelude, known, pending, entry, function, probing=True)
         if not pending:
-            finished = _pass(check_source, prelude, _Replay(known, pending), entry, function, probing=False)
+            finished = _host_pass(check_source, prelude, known, pending, entry, function, probing=False)
             return Grade((finished and not pending,), tuple(tamper), stop)
         run = run_calls(files, [Call(module, function, tuple(a), k) for a, k in pending.values()], limits, metrics)
         known.update(zip(pending, run.outcomes))
