@@ -77,6 +77,26 @@ async def test_dynamic_sampling_draws_until_enough_groups_have_signal_and_trains
     assert _groups(batch) == ["mixed1", "mixed3"] and metrics["dynamic_sampling/draws"] == 2.0
 
 
+async def test_draws_generated_at_once_train_exactly_what_one_after_another_trains(tokenizer, tmp_path):
+    one_by_one = _trainer(tokenizer, tmp_path, dynamic=True)
+    at_once = _trainer(tokenizer, tmp_path / "at_once", dynamic=True)
+    at_once.cfg.trainer.algorithm.draws_at_once = 3  # all 3 draws in one go; the step needs only the first 2
+    requested = []
+    script = at_once.engine.engines[0].script
+    at_once.engine.engines[0].script = lambda prompt, session, index: requested.append(session) or script(
+        prompt, session, index)
+    for step in (0, 1):
+        one_by_one.step = at_once.step = step
+        output, batch, metrics, prompts = await one_by_one.sample()
+        output_3, batch_3, metrics_3, prompts_3 = await at_once.sample()
+        assert prompts_3 == prompts and len(output_3) == len(output) == 8
+        assert batch_3.instance_ids == batch.instance_ids and batch_3.response_ids == batch.response_ids
+        assert batch_3.advantages == batch.advantages
+        assert metrics_3 == {**metrics, "dynamic_sampling/draws_not_needed": 1.0}
+    # the third draw of each step was generated (with the first two), then not trained
+    assert {s.split("/")[0] for s in requested} == {"train0", "train0.1", "train0.2", "train1", "train1.1", "train1.2"}
+
+
 async def test_dynamic_sampling_out_of_draws_trains_the_groups_it_found(tokenizer, tmp_path):
     trainer = _trainer(tokenizer, tmp_path, dynamic=True)
     trainer.cfg.trainer.algorithm.max_sample_batches = 1
@@ -99,6 +119,8 @@ def test_max_sample_batches_is_validated():
 
     with pytest.raises(ValueError, match="trainer.algorithm.max_sample_batches must be >= 1, got 0"):
         AlgorithmConfig(max_sample_batches=0).validate()
+    with pytest.raises(ValueError, match="trainer.algorithm.draws_at_once must be >= 1, got 0"):
+        AlgorithmConfig(draws_at_once=0).validate()
 
 
 def test_the_report_says_what_dynamic_sampling_generated_to_find_its_groups():

@@ -301,11 +301,15 @@ class RLTrainer:
         signal_of: dict[str, bool] = {}
         credit_metrics: dict[str, float] = {}
         step = self.step if step is None else step
+        at_once = algo.draws_at_once if algo.dynamic_sampling else 1
+        generated: dict[int, GeneratorOutput] = {}  # draw -> its rollouts (draws_at_once > 1: some ahead of use)
         for draw in range(draws):
             rows = self.loader.batch(step * draws + draw)
             prompts += [row.instance_id for row in rows]
-            tag = f"train{step}" if draw == 0 else f"train{step}.{draw}"
-            output = await self.generator.generate(*expand(rows, cfg.generator.n_samples_per_prompt, tag))
+            if draw not in generated:
+                ahead = range(draw, min(draw + at_once, draws))
+                generated.update(zip(ahead, await self._generate_draws(step, draws, ahead)))
+            output = generated.pop(draw)
             outputs.append(output)
             if len(output) == 0:
                 continue
@@ -331,9 +335,26 @@ class RLTrainer:
             metrics.update({"dynamic_sampling/draws": float(len(outputs)),
                             "dynamic_sampling/generated_groups": float(len(signal_of)),
                             "dynamic_sampling/generated_signal_frac": generated_signal / max(len(signal_of), 1)})
+            if at_once > 1:  # generated together with the draws used, then not needed: never trained
+                metrics["dynamic_sampling/draws_not_needed"] = float(len(generated))
         if batch is not None and len(batch) == 0:
             batch = None
         return GeneratorOutput.concat(outputs), batch, metrics, prompts
+
+    async def _generate_draws(self, step: int, draws: int, which: range) -> list[GeneratorOutput]:
+        """The rollouts of these draws of the step, generated together (trainer.algorithm.draws_at_once); one
+        failing cancels the others."""
+        n = self.cfg.generator.n_samples_per_prompt
+        tasks = [asyncio.ensure_future(self.generator.generate(*expand(
+            self.loader.batch(step * draws + draw), n, f"train{step}" if draw == 0 else f"train{step}.{draw}")))
+            for draw in which]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     async def train_step(self) -> dict[str, float]:
         """One RL step, top to bottom: rollouts, advantages, reference and old logprobs, the mini-batch updates,
