@@ -133,6 +133,10 @@ def test_the_report_says_what_dynamic_sampling_generated_to_find_its_groups():
         "2 of 2 RL steps had non-zero advantages; 2 had reward variance in at least half of their prompt groups. "
         "Dynamic sampling kept only groups with variance: 3 prompt batches drawn for 2 steps, 8 of 12 generated "
         "groups (67%) had variance.")
+    history[1]["dynamic_sampling/draws_not_needed"] = 1.0  # draws_at_once=2: its second draw was not needed
+    assert learning_summary(history).endswith(
+        "8 of 12 generated groups (67%) had variance. Draws generated with those and not needed (draws_at_once), "
+        "never trained: 1.")
 
 
 def test_dynamic_sampling_with_one_sample_per_prompt_is_refused_at_startup():

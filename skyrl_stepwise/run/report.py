@@ -413,6 +413,9 @@ def learning_summary(history: list[dict]) -> str | None:
         summary += (f" Dynamic sampling kept only groups with variance: {sum(r['dynamic_sampling/draws'] for r in draws):.0f}"
                     f" prompt batches drawn for {len(draws)} steps, {signal:.0f} of {generated:.0f} generated groups "
                     f"({signal / max(generated, 1):.0%}) had variance.")
+        unused = sum(r.get("dynamic_sampling/draws_not_needed", 0.0) for r in draws)
+        if unused:  # trainer.algorithm.draws_at_once: generated with the draws used, never trained
+            summary += f" Draws generated with those and not needed (draws_at_once), never trained: {unused:.0f}."
     return summary
 
 
