@@ -33,6 +33,7 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
     from skyrl_stepwise.envs.builtin import build_env_registry
     from skyrl_stepwise.envs.openenv_local import stop_local_servers
     from skyrl_stepwise.generator import StepwiseGenerator
+    from skyrl_stepwise.inference import create_engine
     from skyrl_stepwise.inference.vllm_engine import ensure_ray
     from skyrl_stepwise.inference.recovery import engines_of
     from skyrl_stepwise.run.placement import (cluster_gpus, create_placement_group, describe_nodes, plan_run_layout,
@@ -65,17 +66,12 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         if layout.mode == "none":  # a CPU cluster: each node the engines or policy ranks may land on, its own view
             for line in check_cluster_memory(cfg):
                 logger.info(f"resource plan, {line}")
-        engine_options = role_options(placement_group, layout.engines, cfg.placement.engine_resources)
-        policy_options = role_options(placement_group, layout.policy, cfg.placement.policy_resources)
-        warm_start = lambda: sft_model(cfg, logger.info, policy_options,  # noqa: E731
-                                       Path(cfg.logging.output_dir) / "sft_metrics.jsonl")
-        warm_started = None
-        if engine_beside_sft(cfg, layout.mode):
-            logger.info("starting the engine beside the SFT warm start (no eval before it; CPU layout)")
-            engine, warm_started = await _beside_sft(lambda: _start_engine(cfg, engine_options, start), warm_start)
-        else:
-            engine = _start_engine(cfg, engine_options, start)
+        with starting(f"the {cfg.engine.backend} engine"):
+            engine = create_engine(cfg.engine, role_options(placement_group, layout.engines,
+                                                                cfg.placement.engine_resources))
         hold_sigterm()
+        logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
+                    f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
         eval_generator = StepwiseGenerator(tokenizer, engine, registry, eval_config(cfg.generator))
         logger.info(describe_chat_adaptation(eval_generator.loop.renderer))
         rollout_log = RolloutLog(cfg.logging.output_dir, eval_generator.loop.renderer, cfg.logging.num_rollout_samples,
@@ -95,16 +91,18 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
                 logger.info("eval before SFT: skipped (data.max_base_eval_prompts=0; a number evaluates the base "
                             "model on that many of the same prompts first)")
             await evals.run("before SFT", limit=cfg.data.max_base_eval_prompts)
-            if warm_started is None:  # not trained beside the engine's start already
-                if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
-                    await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
-                with starting("the SFT warm start", "failed"):
-                    warm_started = await asyncio.to_thread(warm_start)
-            cfg.trainer.model_path = str(warm_started)
+            if cfg.engine.release_kv_during_update and hasattr(engine, "release_memory"):
+                await engine.release_memory()  # the engine idles through SFT: its KV pages serve the trainer
+            with starting("the SFT warm start", "failed"):
+                cfg.trainer.model_path = str(await asyncio.to_thread(
+                    sft_model, cfg, logger.info,
+                    role_options(placement_group, layout.policy, cfg.placement.policy_resources),
+                    Path(cfg.logging.output_dir) / "sft_metrics.jsonl"))
         start = time.perf_counter()
         use_kl = cfg.trainer.algorithm.use_kl_loss  # the reference lives in the policy's ranks
         with starting(f"the policy ranks ({cfg.trainer.fsdp.world_size} FSDP2)"):
-            policy = PolicyGroup(cfg.trainer, with_reference=use_kl, actor_options=policy_options)
+            policy = PolicyGroup(cfg.trainer, with_reference=use_kl, actor_options=role_options(
+                placement_group, layout.policy, cfg.placement.policy_resources))
         reference = ReferenceOnPolicyRanks(policy) if use_kl else None
         hold_sigterm()
         logger.info(f"workers up: policy{' + reference' if reference else ''} on {cfg.trainer.fsdp.world_size} "
@@ -171,54 +169,6 @@ async def _run(cfg, train_rows, val_rows, record: dict | None = None) -> dict:
         stop_local_servers()  # OpenEnv servers the run started (openenv:local://...)
         if owns_ray:
             ray.shutdown()
-
-
-def engine_beside_sft(cfg, layout_mode: str) -> bool:
-    """Whether the engine starts while the SFT warm start trains, instead of before it.
-
-    Why: nothing before the SFT needs the engine when no eval of the base model comes first, and the engine's
-    start-up (Ray actor, vLLM import, KV cache, warm-up: 40-60 s on a 2-core no-bf16 host) is mostly one core of
-    Python that the SFT's two-core matmuls can share. Only on CPU layouts: on a GPU, vLLM sizes its KV cache from the
-    memory it finds free at start-up, which an SFT allocating beside it on the same GPU would make wrong.
-    """
-    return bool(cfg.sft.enabled and cfg.data.max_base_eval_prompts == 0 and layout_mode == "none")
-
-
-def _start_engine(cfg, engine_options, start: float):
-    """The run's engine(s), up and answering, with the line that says so."""
-    from skyrl_stepwise.inference import create_engine
-
-    with starting(f"the {cfg.engine.backend} engine"):
-        engine = create_engine(cfg.engine, engine_options)
-    logger.info(f"engines up: {cfg.engine.num_engines} x {cfg.engine.backend} ({cfg.engine.dtype}, "
-                f"max_model_len {cfg.engine.max_model_len}) in {_since(start)}")
-    return engine
-
-
-async def _beside_sft(start_engine, warm_start):
-    """Start the engine and run the SFT warm start at once (each in a thread); returns (engine, SFT model folder).
-
-    A failure surfaces when it happens, not after the other finished: a failed engine start raises at once (the
-    SFT's Ray actor goes with the run's Ray); a failed SFT waits for the engine to be up and shuts it down, so no
-    engine outlives the run that started it.
-    """
-    engine_task = asyncio.ensure_future(asyncio.to_thread(start_engine))
-    sft_task = asyncio.ensure_future(asyncio.to_thread(_starting_sft, warm_start))
-    try:
-        done, _ = await asyncio.wait({engine_task, sft_task}, return_when=asyncio.FIRST_EXCEPTION)
-        for task in done:
-            task.result()
-        return await engine_task, await sft_task
-    except BaseException:
-        if not engine_task.done() or (not engine_task.cancelled() and engine_task.exception() is None):
-            with contextlib.suppress(Exception):  # its own failure is not the one to report
-                getattr(await engine_task, "shutdown", lambda: None)()
-        raise
-
-
-def _starting_sft(warm_start):
-    with starting("the SFT warm start", "failed"):
-        return warm_start()
 
 
 class EvalStages:
