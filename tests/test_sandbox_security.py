@@ -301,7 +301,9 @@ def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
                                    [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])})
     try:
         assert trainer.stdout.readline() == "go\n"
-        deadline = time.monotonic() + 10
+        # 60 s: the first run of a process builds its sandbox (limits, seccomp, the working dir); on CI the fast part
+        # shares 2 cores with the integration part, and 10 s once passed before both sleeps were up
+        deadline = time.monotonic() + 60
         while len(processes_with(marker)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(processes_with(marker)) >= 2, "the sandboxed processes never started"
