@@ -140,3 +140,14 @@ def test_load_conversations_needs_the_column(tmp_path):
         load_conversations(path)
     with pytest.raises(FileNotFoundError, match="nope.parquet"):
         load_conversations(tmp_path / "nope.parquet")
+
+
+def test_cut_passages_get_their_own_cache_key(embedded):
+    """Demonstrations show the env's observations byte for byte, so a cut changes the file; whole passages keep
+    the key they had before the knob existed (their cached demonstrations and warm starts stay valid)."""
+    from skyrl_stepwise.data.demonstrations import cache_key
+
+    whole = cache_key(embedded, 48, SearchEnvConfig())
+    assert cache_key(embedded, 48, SearchEnvConfig(max_doc_words=0)) == whole
+    assert len({whole, cache_key(embedded, 48, SearchEnvConfig(max_doc_words=40)),
+                cache_key(embedded, 48, SearchEnvConfig(max_doc_words=30))}) == 3

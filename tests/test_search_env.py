@@ -13,7 +13,7 @@ from skyrl_stepwise.envs.base import EnvRegistry
 from skyrl_stepwise.envs.rewards import em_check, last_answer, normalize_answer, subem_check
 from skyrl_stepwise.envs.search import (INVALID_ACTION, SearchEnv, SearchEnvConfig, intermediate_retrieval_reward,
                                         parse_action, register_search_env)
-from skyrl_stepwise.retrieval.index import load_or_build
+from skyrl_stepwise.retrieval.index import load_or_build, truncate_words
 from skyrl_stepwise.retrieval.server import BackgroundServer, create_app
 from test_retrieval_server import small_corpus
 
@@ -135,6 +135,37 @@ async def test_missing_ground_truth_names_the_key():
 def test_bad_template_is_rejected_at_config_time():
     with pytest.raises(ValueError, match="doc_template"):
         SearchEnvConfig(doc_template="Doc {idx}: {text}")
+    with pytest.raises(ValueError, match="max_doc_words must be >= 0"):
+        SearchEnvConfig(max_doc_words=-1)
+
+
+def test_truncate_words_marks_the_cut_and_leaves_short_texts_alone():
+    assert truncate_words("one two  three", 0) == "one two  three"  # 0 = whole passage, spacing kept
+    assert truncate_words("one two  three", 3) == "one two  three"  # not longer than the cap: untouched
+    assert truncate_words("one two\nthree four", 2) == "one two ..."
+
+
+async def test_max_doc_words_cuts_each_passage_in_the_observation(retriever):
+    """Same search, whole vs cut passages: titles and Doc numbering kept, each text its first N words + " ..."."""
+    from skyrl_stepwise.data.demonstrations import InProcessRetrievalClient
+
+    client = InProcessRetrievalClient(retriever)
+    texts = {}
+    for words in (0, 4):
+        env = SearchEnv(SearchEnvConfig(max_doc_words=words), client)
+        await env.reset(PROMPT, {**EXTRAS, "max_turns": 3})
+        (obs,) = (await env.step("<search> largest continent by land area </search>")).observations
+        texts[words] = obs["content"]
+    whole = [line for line in texts[0].strip().removeprefix("<information>").splitlines() if line.startswith("Doc ")]
+    cut = [line for line in texts[4].strip().removeprefix("<information>").splitlines() if line.startswith("Doc ")]
+    assert len(whole) == len(cut) == 3
+    for full_line, cut_line in zip(whole, cut):
+        head, _, body = full_line.partition(") ")
+        assert cut_line.startswith(head + ") ")  # "Doc i(Title: ...)" unchanged
+        words = body.removesuffix("</information>").split()
+        expected = " ".join(words[:4]) + (" ..." if len(words) > 4 else "")
+        assert cut_line.removeprefix(head + ") ").removesuffix("</information>") == expected
+    assert len(texts[4]) < len(texts[0])
 
 
 @pytest.mark.integration

@@ -131,7 +131,8 @@ def doc_title(doc: Document) -> str:
 
 def observation_text(docs: list[Document], cfg: SearchEnvConfig) -> str:
     """What `SearchEnv.step` returns for a successful search, from the same templates and formatter."""
-    return cfg.observation_template.format(results=format_documents(docs, cfg.doc_template).strip())
+    documents = format_documents(docs, cfg.doc_template, cfg.max_doc_words).strip()
+    return cfg.observation_template.format(results=documents)
 
 
 # ------------------------------------------------------------------------------------------- episodes
@@ -218,6 +219,8 @@ def cache_key(ds: EmbeddedDataset, max_rows: int | None, cfg: SearchEnvConfig) -
               "validation_sha256": hashlib.sha256(ds.validation.read_bytes()).hexdigest(),
               "corpus": corpus_digest(ds.corpus), "retriever": "bm25",
               "bm25s": importlib.metadata.version("bm25s"), "pyarrow": importlib.metadata.version("pyarrow")}
+    if cfg.max_doc_words:  # only when set: whole passages keep the key (and the cached files) they had before it
+        inputs["max_doc_words"] = cfg.max_doc_words
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 

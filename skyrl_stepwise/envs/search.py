@@ -49,6 +49,8 @@ class SearchEnvConfig(RetrieverEndpointConfig):
     max_turns: int = 4  # used only when the generator does not pass extras["max_turns"]
     observation_template: str = "\n\n<information>{results}</information>\n\n"  # a search's observation
     doc_template: str = "Doc {index}(Title: {title}) {text}\n"  # each document in {results}
+    # each document's text cut to its first N words, " ..." marking the cut (0 = whole passages, as Search-R1)
+    max_doc_words: int = 0
     # the observation when a search fails (retriever_down=observe, or an error the retries do not cover)
     failure_template: str = "\n\n<information>Search failed: {error}</information>\n\n"
     # the observation for a turn with neither <search> nor <answer>
@@ -70,6 +72,8 @@ class SearchEnvConfig(RetrieverEndpointConfig):
             except (KeyError, IndexError, ValueError) as e:
                 raise ValueError(f"SearchEnvConfig.{name} {template!r} must only use the fields "
                                  f"{sorted(fields)}: {e!r}") from None
+        if self.max_doc_words < 0:
+            raise ValueError(f"SearchEnvConfig.max_doc_words must be >= 0 (0 = whole passages), got {self.max_doc_words}")
         if self.topk < 1:
             raise ValueError(f"SearchEnvConfig.topk must be >= 1, got {self.topk}")
         if self.intermediate_reward < 0:
@@ -139,7 +143,7 @@ class SearchEnv:
             t0 = time.perf_counter()
             try:
                 docs = (await self.client.search([action[1]], self.cfg.topk))[0]
-                documents = format_documents(docs, self.cfg.doc_template).strip()
+                documents = format_documents(docs, self.cfg.doc_template, self.cfg.max_doc_words).strip()
                 text = self.cfg.observation_template.format(results=documents)
                 reward = intermediate_retrieval_reward(documents, self.targets, self.cfg.intermediate_reward, self,
                                                        metrics)

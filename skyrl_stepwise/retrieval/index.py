@@ -78,13 +78,25 @@ def split_contents(contents: str) -> tuple[str, str]:
     return title, text
 
 
-def format_documents(docs: list[Document], template: str) -> str:
-    """Search-R1's `_passages2string`: title = first line of contents (quotes kept), text = the rest."""
+def format_documents(docs: list[Document], template: str, max_words: int = 0) -> str:
+    """Search-R1's `_passages2string`: title = first line of contents (quotes kept), text = the rest.
+
+    `max_words` > 0 keeps each text's first `max_words` words and marks the cut with " ...": observations are most
+    of the tokens a small-model search job forwards, and the passage that matches usually does so in its opening.
+    """
     parts = []
     for i, doc in enumerate(docs, 1):
         title, text = split_contents(doc["contents"])
-        parts.append(template.format(index=i, title=title, text=text))
+        parts.append(template.format(index=i, title=title, text=truncate_words(text, max_words)))
     return "".join(parts)
+
+
+def truncate_words(text: str, max_words: int) -> str:
+    """`text` unchanged when it has at most `max_words` words (or max_words is 0), else its first words + " ..."."""
+    if max_words <= 0:
+        return text
+    words = text.split()
+    return text if len(words) <= max_words else " ".join(words[:max_words]) + " ..."
 
 
 def corpus_digest(path: str | Path) -> str:
