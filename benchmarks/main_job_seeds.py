@@ -205,17 +205,29 @@ def table(rows: list[SeedRow]) -> str:
                       "Host: " + "; ".join(sorted({r.host for r in rows}))])
 
 
+def precision(host: str) -> str:
+    """The host kind a row ran on, from its host column: a CPU with native bf16 runs the engines and the trainer in
+    bfloat16, one without falls back to float32. The same overrides are a different arm on each (other numerics,
+    other minutes), so rows of the two kinds never share a section, a summary or a skipped seed."""
+    return "no native bf16 (float32)" if "no native bf16" in host else "native bf16"
+
+
+def arm_name(overrides: list[str], host: str) -> str:
+    """One sweep arm: its overrides and the host kind it ran on."""
+    return f"`{' '.join(sorted(overrides)) or '(no overrides)'}`, {precision(host)}"
+
+
 def arms(rows: list[SeedRow]) -> dict[str, list[SeedRow]]:
-    """The rows by their overrides (one sweep arm each), in the order the arms were first run."""
+    """The rows by arm (overrides and host kind), in the order the arms were first run."""
     groups: dict[str, list[SeedRow]] = {}
     for r in rows:
-        groups.setdefault(" ".join(sorted(r.overrides)), []).append(r)
+        groups.setdefault(arm_name(r.overrides, r.host), []).append(r)
     return groups
 
 
 def report(rows: list[SeedRow]) -> str:
     """The whole results file as markdown: one section per arm."""
-    sections = [f"## `{name or '(no overrides)'}`\n\n{table(arm)}" for name, arm in arms(rows).items()]
+    sections = [f"## {name}\n\n{table(arm)}" for name, arm in arms(rows).items()]
     return "\n\n".join(["# The main job over seeds (benchmarks/main_job_seeds.py)",
                          "`experiment=search_r1_tiny` per seed; RL - SFT paired over the same eval prompts; "
                          "written after every seed.", *sections])
@@ -249,14 +261,15 @@ def save(out: Path, rows: list[SeedRow]) -> None:
 
 
 def upsert(rows: list[SeedRow], row: SeedRow) -> list[SeedRow]:
-    """The rows with `row` in place of any earlier row of the same seed and overrides."""
-    key = (row.seed, sorted(row.overrides))
-    return [r for r in rows if (r.seed, sorted(r.overrides)) != key] + [row]
+    """The rows with `row` in place of any earlier row of the same seed and arm (overrides and host kind)."""
+    key = (row.seed, arm_name(row.overrides, row.host))
+    return [r for r in rows if (r.seed, arm_name(r.overrides, r.host)) != key] + [row]
 
 
-def done_seeds(rows: list[SeedRow], overrides: list[str]) -> set[int]:
-    """Seeds with a finished row for these overrides (a failed row is run again)."""
-    return {r.seed for r in rows if sorted(r.overrides) == sorted(overrides) and r.status == "ok"}
+def done_seeds(rows: list[SeedRow], overrides: list[str], host: str) -> set[int]:
+    """Seeds with a finished row for these overrides on this host kind (a failed row is run again)."""
+    arm = arm_name(overrides, host)
+    return {r.seed for r in rows if arm_name(r.overrides, r.host) == arm and r.status == "ok"}
 
 
 def host() -> str:
@@ -335,16 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args, overrides = parser.parse_args(argv[:split]), argv[split + 1:]
     out, path = Path(args.out), Path(args.out) / f"{RESULTS}.json"
-    rows = load_rows(path)
-    skip = set() if args.rerun else done_seeds(rows, overrides)
+    rows, here = load_rows(path), host()
+    skip = set() if args.rerun else done_seeds(rows, overrides, here)
     failed = 0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         if seed in skip:
-            print(f"seed {seed}: already in {path} with these overrides (--rerun to redo it)")
+            print(f"seed {seed}: already in {path} with these overrides on a host with {precision(here)} "
+                  "(--rerun to redo it)")
             continue
         run_dir = Path(args.runs) / overrides_key(overrides) / f"seed_{seed}"
         rc, wall, loads = run_seed(seed, overrides, run_dir, args.keep_ckpts)
-        row = seed_row(run_dir, seed, overrides, wall, rc, f"{host()}, {load_line(loads)}")
+        row = seed_row(run_dir, seed, overrides, wall, rc, f"{here}, {load_line(loads)}")
         rows = upsert(rows, row)
         save(out, rows)
         print(f"seed {seed}: {row.status}, RL - SFT {_f(row.gain, '+.3f')} [{_f(row.gain_low, '+.3f')}, "
@@ -356,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
     if rows:  # also when every seed was skipped: the file then renders with this version of the table
         save(out, rows)
-    mine = [r for r in rows if sorted(r.overrides) == sorted(overrides)]
+    mine = arms(rows).get(arm_name(overrides, here), [])
     if mine:
         print(table(mine))
     print(f"table: {out / (RESULTS + '.md')}, {path}")

@@ -137,12 +137,43 @@ def test_the_table_is_written_per_seed_and_a_rerun_skips_the_seeds_already_done(
         (1, (), "ok"), (1, ("total_steps=2",), "ok"), (2, ("total_steps=2",), "failed (exit 1)"),
         (3, ("total_steps=2",), "ok")]
     text = (out / "main_job_seeds.md").read_text()
-    assert "## `total_steps=2`" in text and "## `(no overrides)`" in text
+    assert "## `total_steps=2`, no native bf16 (float32)" in text and "## `(no overrides)`, no native bf16" in text
     assert "resolved (paired 95% low end > 0) in 2 of 2 seeds; median gain +0.250 EM; 1 seed(s) failed" in text
     assert f"{HOST}, load mean 2.0, max 3.0 (2 samples)" in text  # the load beside the runs, not at one instant
     calls.clear()
     assert seeds.main(["--seeds", "1", "--rerun", *common]) == 0
     assert calls == [(1, ())] and len(seeds.load_rows(out / "main_job_seeds.json")) == 4  # replaced, not added
+
+
+def test_a_host_of_the_other_kind_runs_the_seeds_again_as_its_own_arm(tmp_path, monkeypatch):
+    """The same overrides on a CPU with native bf16 (bfloat16 engines) and on one without (float32) are two arms:
+    a seed done on one kind is run again on the other, its row is added beside the first, never in its place, and
+    each kind gets its own section and summary."""
+    seeds = _module()
+    calls = []
+
+    def fake_run(seed, overrides, run_dir, keep_ckpts):
+        calls.append(seed)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _run_dir(run_dir, [0] * 32, [0] * 24 + [1] * 8 if seed == 1 else [0] * 32)
+        return 0, 60.0, [1.0]
+
+    monkeypatch.setattr(seeds, "run_seed", fake_run)
+    common = ["--out", str(tmp_path / "table"), "--runs", str(tmp_path / "runs"), "--seeds", "2"]
+    monkeypatch.setattr(seeds, "host", lambda: HOST)
+    assert seeds.main(common) == 0 and calls == [1, 2]
+    bf16 = "Test CPU, 2 cores, native bf16"
+    monkeypatch.setattr(seeds, "host", lambda: bf16)
+    calls.clear()
+    assert seeds.main(common) == 0 and calls == [1, 2]  # not skipped: done on the other kind only
+    calls.clear()
+    assert seeds.main(common) == 0 and calls == []  # done on this kind now
+    rows = seeds.load_rows(tmp_path / "table" / "main_job_seeds.json")
+    assert sorted((r.seed, seeds.precision(r.host)) for r in rows) == [
+        (1, "native bf16"), (1, "no native bf16 (float32)"), (2, "native bf16"), (2, "no native bf16 (float32)")]
+    text = (tmp_path / "table" / "main_job_seeds.md").read_text()
+    assert "## `(no overrides)`, no native bf16 (float32)" in text and "## `(no overrides)`, native bf16" in text
+    assert text.count("resolved (paired 95% low end > 0) in 1 of 2 seeds") == 2
 
 
 def test_each_seed_has_its_own_cached_warm_start_and_a_rerun_finds_it():
