@@ -87,6 +87,8 @@ def test_the_recipe_composes_with_the_generated_data(tmp_path, monkeypatch):
                        "data.val_path=python_tool:validation:6:0"])
     assert cfg.environment.env_classes == {"python_tool": "skyrl_stepwise.envs.python_tool:PythonToolEnv"}
     assert cfg.sft.enabled and cfg.sft.data.startswith("python_tool:demos:") and not cfg.data.shuffle
+    # float32 on every host: in bfloat16 its RL did not move the greedy policy (docs/python-tool.md)
+    assert cfg.engine.dtype == "float32" and not cfg.trainer.fsdp.mixed_precision
     train, val = _datasets(cfg)
     assert (len(train), len(val)) == (12, 6) and not {r.instance_id for r in train} & {r.instance_id for r in val}
     assert train[0].reward_spec["answer"] == task_rows(TaskSpec("train", 12, 0))[0]["reward_spec"]["answer"]
