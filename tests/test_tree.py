@@ -318,7 +318,12 @@ def test_tree_equals_separate_forwards_and_rows_on_smollm2(model_path, tokenizer
     for loss, metrics, grads in (tree, checkpointed):
         assert loss == pytest.approx(loss_r, rel=1e-5)
         for k in m_r:
-            assert metrics[k] == pytest.approx(m_r[k], rel=1e-5, abs=1e-9), k
+            # ppo_kl and kl_loss are means of per-token logprob differences, near 0: held to the logprobs' own
+            # absolute tolerance (1e-5, above), not to 1e-5 of their small value. On an AVX-512 CPU (other fp32
+            # kernels, other summation order) ppo_kl 0.0119873 moved by 2.2e-7 (1.9e-5 relative) between rows and tree
+            # while every logprob stayed within 1e-5; every other metric keeps 1e-5 relative
+            diff_of_logprobs = k in ("policy/ppo_kl", "policy/kl_loss")
+            assert metrics[k] == pytest.approx(m_r[k], rel=1e-5, abs=1e-5 if diff_of_logprobs else 1e-9), k
         assert grads.keys() == grads_r.keys()
         whole, worst = _grad_errors(grads, grads_r)
         assert whole < 1e-5 and worst[0] < 1e-4, (whole, worst)
