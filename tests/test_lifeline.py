@@ -193,16 +193,19 @@ def _descendants_once_ray_and_the_retriever_run(trainer: subprocess.Popen, conso
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-def test_a_sigkilled_trainer_leaves_no_retriever_and_no_ray_process_behind(tmp_path, model_path):
+def test_a_sigkilled_trainer_leaves_no_retriever_and_no_ray_process_behind(tmp_path, tiny_smollm2):
     """The issue's case, for real: `skyrl-stepwise train` of the main recipe, killed by SIGKILL once its retriever
     and Ray are up. Before the lifeline the retriever (PPID 1, its port held) and Ray's DashboardAgent and
-    RuntimeEnvAgent were still up minutes later."""
+    RuntimeEnvAgent were still up minutes later. On SmolLM2's tiny twin: the processes are the recipe's, and its
+    resource plan fits beside the other integration tests (with the real model it needs 7.1 GiB before any KV cache,
+    and a CI run on 2 cores once had 6.7 free while the other worker's job ran)."""
     console = tmp_path / "console.log"
     corpus = tmp_path / "corpus.jsonl"  # a small one: no index of the 10,033 embedded summaries to build or load
     corpus.write_text("".join(json.dumps({"id": str(i), "contents": f'"Title {i}"\nPassage {i}.'}) + "\n"
                               for i in range(64)))
     cmd = [sys.executable, "-m", "skyrl_stepwise.cli.train", "experiment=search_r1_tiny", "sft.enabled=false",
-           f"environment.retriever.corpus={corpus}", "engine.dtype=float32", f"logging.output_dir={tmp_path / 'run'}",
+           "model_path=smollm2-tiny", f"environment.retriever.corpus={corpus}", "engine.dtype=float32",
+           f"logging.output_dir={tmp_path / 'run'}",
            "logging.wandb_mode=offline"]
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
