@@ -527,6 +527,40 @@ def test_gradient_checkpointing_is_honoured_on_cpu_and_changes_no_number(tiny_mo
     assert ckpt[:2] == pytest.approx(plain[:2], rel=1e-5) and ckpt[2] == plain[2]
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-mixed-precision"])
+def test_accumulating_unsharded_gathers_once_a_step_and_changes_no_bit(tiny_model_dir, monkeypatch, bf16):
+    """trainer.fsdp.accumulate_unsharded keeps the layers gathered and the gradients whole through a step's micro-
+    batches: one gather and one reduction per step, and the same weights to the bit after two steps, in fp32 and in
+    bf16 mixed precision (forced where the CPU lacks native bf16: emulated, the same arithmetic)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from skyrl_stepwise.policy import fsdp_worker
+
+    monkeypatch.setattr(fsdp_worker, "bf16_supported", lambda device: bf16)
+    gathers = []
+    unshard = FSDPParamGroup.unshard
+    monkeypatch.setattr(FSDPParamGroup, "unshard",
+                        lambda group, *a, **k: (gathers.append(group.is_sharded), unshard(group, *a, **k))[1])
+    results = []
+    for accumulate in (False, True):
+        cfg = _fsdp_cfg(1, tiny_model_dir, tiny_model_dir / "ckpt")
+        cfg.fsdp.mixed_precision, cfg.fsdp.accumulate_unsharded = True, accumulate
+        cfg.algorithm.use_kl_loss, cfg.optim.lr = False, 1e-2
+        worker = fsdp_worker.PolicyWorker(cfg)
+        gathers.clear()
+        steps = [worker.train_step(_fsdp_batch(128)) for _ in range(2)]
+        results.append((sum(gathers), [m["policy/loss"] for m in steps], [m["train/grad_norm"] for m in steps],
+                        worker.weights_checksum()))
+        micro_batches = steps[0]["train/num_micro_batches"]
+        worker.shutdown()
+    (gathered, *plain), (gathered_once, *held) = results
+    assert held == plain  # losses, gradient norms and the weights' checksum, exactly
+    layer_groups = 3  # 2 decoder layers and the root (embeddings, final norm)
+    assert micro_batches >= 2
+    assert gathered >= 2 * micro_batches * layer_groups  # every micro-batch's forward, every step (and backward)
+    assert gathered_once == 2 * layer_groups  # one gather per group per step
+
+
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)
 def test_the_worker_divides_by_trajectories_under_trajectory_mean(tiny_model_dir):
     """On-policy (ratio 1) the policy-gradient loss is minus the weighted mean advantage: token_mean weighs

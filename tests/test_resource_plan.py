@@ -152,3 +152,15 @@ def test_lora_plans_the_frozen_base_and_a_bounded_adapter_not_adamw_on_every_wei
     with pytest.raises(ResourcePlanError) as refused:  # LoRA passes that check and only lacks room for a KV cache
         _plan(lora, host=host, node=BIG_HOST)
     assert "before any KV cache" not in str(refused.value)
+
+
+def test_accumulating_unsharded_plans_each_ranks_whole_gathered_model_and_gradient(model_path, monkeypatch):
+    """trainer.fsdp.accumulate_unsharded keeps every layer gathered and its fp32 gradient whole through a step: the
+    plan counts both on every rank (4 bytes each a parameter), so a host it does not fit is refused at start-up."""
+    held = _recipe(model_path, monkeypatch, native_bf16=True)
+    held.trainer.fsdp.accumulate_unsharded = True
+    plain = _recipe(model_path, monkeypatch, native_bf16=True)
+    plain.trainer.fsdp.accumulate_unsharded = False
+    assert _plan(held).policy - _plan(plain).policy == 8 * SMOLLM2_PARAMS
+    held.trainer.fsdp.world_size = plain.trainer.fsdp.world_size = 2
+    assert _plan(held).policy - _plan(plain).policy == 2 * 8 * SMOLLM2_PARAMS

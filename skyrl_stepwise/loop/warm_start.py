@@ -89,7 +89,7 @@ _GENERATOR_KEYS_NOT_IN_SFT = {"max_turns", "max_input_length", "n_samples_per_pr
 _SFT_KEYS_NOT_IN_KEY = {"enabled", "ckpt_interval", "divergence", "lora", "lora_lr", "agent_demos"}
 _SAMPLING_KEYS_IN_SFT = {"stop"}  # the rest (temperature, lengths, logprobs, seed) only steers a real engine
 _FSDP_KEYS_NOT_IN_SFT = {"offload_during_rollout", "num_threads_per_rank", "reshard_after_forward",
-                         "gradient_checkpointing"}  # where, how fast and in what memory: not what
+                         "gradient_checkpointing", "accumulate_unsharded"}  # where, how fast, in what memory: not what
 
 
 def file_digest(path: Path, memo_path: Path | None = None) -> str:

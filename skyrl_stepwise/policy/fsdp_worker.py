@@ -439,7 +439,9 @@ class PolicyWorker:
         num_tokens = batch.num_loss_tokens()
         denominator = batch.loss_denominator()  # = num_tokens unless trajectory weights are set
         totals: dict[str, float] = defaultdict(float)
-        for idx in mine:
+        for i, idx in enumerate(mine):
+            if self.cfg.fsdp.accumulate_unsharded:
+                self._hold_unsharded(last=i == len(mine) - 1)
             mb = pack_micro_batch(batch, idx, self.cfg.packing).to(self.device)
             if objective == "sft":
                 loss, metrics = sft_micro_batch_loss(self.model, mb, num_tokens)
@@ -449,6 +451,8 @@ class PolicyWorker:
             (loss * self.world_size).backward()
             for k, v in metrics.items():  # `*_max` metrics are maxima (over micro-batches, then ranks)
                 totals[k] = max(totals[k], v) if k.endswith("_max") else totals[k] + v
+        if self.cfg.fsdp.accumulate_unsharded:
+            self.model.set_reshard_after_forward(self.cfg.fsdp.reshard_after_forward)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
@@ -476,6 +480,14 @@ class PolicyWorker:
                     "train/loss_tokens": num_tokens, "train/step_time_s": time.perf_counter() - start})
         release_host_memory(self.device)
         return out
+
+    def _hold_unsharded(self, last: bool) -> None:
+        """Through a step's micro-batches (trainer.fsdp.accumulate_unsharded) keep every layer gathered and sum its
+        gradients whole; the last micro-batch's backward reduces them once and reshards. FSDP2 sums an unsharded
+        gradient in its reduce dtype (fp32), as it sums the sharded one, in the same micro-batch order."""
+        self.model.set_reshard_after_forward(False)
+        self.model.set_requires_gradient_sync(last)
+        self.model.set_reshard_after_backward(last)
 
     def _zero_gradient_step(self, batch: TrainBatch, start: float) -> dict[str, float]:
         """The update of a mini-batch whose gradient is exactly 0 (no_gradient), without the forward and backward

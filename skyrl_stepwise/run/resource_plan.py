@@ -194,8 +194,9 @@ def parameter_count(model_path: str) -> int:
 
 def policy_bytes(cfg, params: int, hf_config) -> int:
     """Every policy rank on this host together: fp32 master weights, gradients and AdamW's two moments (16 bytes
-    a parameter, sharded across the FSDP ranks but all on this host), a reference copy when KL is on, and one
-    micro-batch's activations (its logits in fp32 three times over: logits, log-softmax, their gradient)."""
+    a parameter, sharded across the FSDP ranks but all on this host), a reference copy when KL is on, one
+    micro-batch's activations (its logits in fp32 three times over: logits, log-softmax, their gradient), and with
+    trainer.fsdp.accumulate_unsharded each rank's whole gathered model and gradient."""
     t = cfg.trainer
     state = 16 * params + (4 * params if t.algorithm.use_kl_loss else 0)
     if t.lora.enabled:  # the frozen base in fp32 (it is also the reference) + the adapter's 16 bytes a parameter
@@ -205,7 +206,10 @@ def policy_bytes(cfg, params: int, hf_config) -> int:
     vocab = getattr(hf_config, "vocab_size", 32000)
     tokens = t.micro_batch_tokens
     activations = tokens * (3 * 4 * vocab + (2 if t.fsdp.gradient_checkpointing else 16) * 4 * hidden * layers)
-    return state + activations * t.fsdp.world_size
+    # trainer.fsdp.accumulate_unsharded: each rank holds the whole model gathered and its fp32 gradient through a step
+    trainable = lora_params_bound(params, hf_config, t.lora.rank) if t.lora.enabled else params
+    unsharded = 4 * (params + trainable) if t.fsdp.accumulate_unsharded else 0
+    return state + (activations + unsharded) * t.fsdp.world_size
 
 
 def lora_params_bound(params: int, hf_config, rank: int) -> int:
