@@ -327,6 +327,45 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, tmp: str) -> N
     worker.shutdown()
 
 
+def _accumulation_rank_main(rank: int, world: int, port: int, model_path: str, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from skyrl_stepwise.policy.fsdp_worker import PolicyWorker
+
+    out = {}
+    for accumulate in (False, True):
+        cfg = _fsdp_cfg(world, model_path, os.path.join(tmp, "ckpt"))
+        cfg.fsdp.accumulate_unsharded, cfg.algorithm.use_kl_loss, cfg.optim.lr = accumulate, False, 1e-2
+        worker = PolicyWorker(cfg)
+        metrics = worker.train_step(_fsdp_batch(worker.model.config.vocab_size))
+        full = worker.full_state_dict()
+        out[str(accumulate)] = {"metrics": metrics, "weights": {k: v.flatten()[:64].tolist() for k, v in full.items()}}
+    if rank == 0:
+        with open(os.path.join(tmp, "accumulation.json"), "w") as f:
+            json.dump(out, f)
+    worker.shutdown()
+
+
+@pytest.mark.integration
+def test_accumulating_unsharded_on_two_ranks_with_uneven_micro_batches_gives_the_same_step(tiny_smollm2, tmp_path):
+    """Rank 0 has one micro-batch and an empty filler, rank 1 two: with accumulate_unsharded each rank gathers once
+    and reduces at its last micro-batch, so the collectives still pair up, and the step is the per-micro-batch one
+    (sums over ranks and micro-batches in another order: equal to fp32 rounding)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_accumulation_rank_main, args=(2, port, str(tiny_smollm2), str(tmp_path)), nprocs=2, join=True)
+    r = json.loads((tmp_path / "accumulation.json").read_text())
+    plain, held = r["False"], r["True"]
+    assert plain["metrics"]["train/num_micro_batches"] == held["metrics"]["train/num_micro_batches"] == 4
+    assert held["metrics"]["policy/loss"] == pytest.approx(plain["metrics"]["policy/loss"], rel=1e-6)
+    assert held["metrics"]["train/grad_norm"] == pytest.approx(plain["metrics"]["train/grad_norm"], rel=1e-5)
+    assert held["weights"].keys() == plain["weights"].keys()
+    for name, values in plain["weights"].items():
+        assert held["weights"][name] == pytest.approx(values, abs=1e-6), name
+
+
 @pytest.mark.integration
 def test_fsdp2_two_gloo_ranks_train_step_and_checkpoint(tiny_smollm2, tmp_path):
     """Sharding, the 2-rank step against a 1-process reference, checkpoint and snapshot mechanics: on SmolLM2's tiny
