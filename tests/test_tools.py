@@ -690,12 +690,15 @@ class BlockingTool(Tool):
     def __init__(self, delay: float, name: str = "block"):
         super().__init__({}, schema(name))
         self.delay, self.release = delay, __import__("threading").Event()
+        self.spans: list[tuple[float, float, float]] = []  # (delay, start, end) of each call that woke
 
     async def call(self, arguments):
         if self.delay < 0:
             self.release.wait()  # "forever"
         else:
-            time.sleep(self.delay)  # noqa: ASYNC251 - the point of the test
+            delay, start = self.delay, time.perf_counter()
+            time.sleep(delay)  # noqa: ASYNC251 - the point of the test
+            self.spans.append((delay, start, time.perf_counter()))
         return "woke"
 
 
@@ -729,11 +732,13 @@ async def test_a_blocking_tool_stalls_nothing_its_timeout_holds_and_it_is_named(
     assert blocked[0].error_kind == "timeout" and other[0].content == "4"
     assert ex.counts["block/blocked_loop"] == 1 and ex.counts["block/timeout"] == 1
     assert any("tool 'block' blocked its event loop" in r.getMessage() for r in caplog.records)
-    # later calls each get their own thread: three 0.3 s blocking calls finish together, not one after another
+    # later calls each get their own thread: three 0.3 s blocking calls sleep together, not one after another (all
+    # three had started before the first one woke; a wall-clock bound said the same, and flaked on a loaded box)
     blocking.delay = 0.3
-    t0 = time.perf_counter()
     results = await ex.execute([ToolCallRequest("block", {})] * 3)
-    assert [r.content for r in results] == ["woke"] * 3 and time.perf_counter() - t0 < 0.8
+    assert [r.content for r in results] == ["woke"] * 3
+    spans = [(start, end) for delay, start, end in blocking.spans if delay == 0.3]
+    assert len(spans) == 3 and max(start for start, _ in spans) < min(end for _, end in spans), spans
 
 
 async def test_a_tool_that_never_returns_does_not_hang_the_rollout():
