@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from sandbox_helpers import processes_with, require_sandbox, run_tests_unprivileged, run_unprivileged
@@ -348,6 +349,145 @@ def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
     left = list(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{trainer.pid}-*"))
     assert len(left) == 1
     assert sweep_stale_dirs(Path(tempfile.gettempdir())) == left and not left[0].exists()
+
+
+# A fake bwrap that is caught where bubblewrap's own start-up is racy (containers/bubblewrap#633): it forks a child
+# with bwrap's command line and no parent-death signal, stuck (the real one waits on an eventfd its dead parent never
+# writes), then waits; it carries the parent-death signal the run's set-up gave it, as the real bwrap does.
+_STUCK_BWRAP = ("import os, sys, time\n"
+                "if os.fork() == 0:\n"
+                "    os.execv(sys.executable, [sys.executable, '-S', '-c', 'import time; time.sleep(600)', "
+                "*sys.argv[1:]])\n"
+                "time.sleep(600)\n")
+
+
+@pytest.mark.parametrize("who_sweeps", ["its watchdog", "the next start-up"])
+def test_a_bwrap_child_caught_in_its_start_up_does_not_outlive_a_killed_trainer(who_sweeps):
+    """Seen once on CI: a trainer SIGKILLed while bwrap had cloned its child but not yet let it run left that child
+    (pid 1 of its own namespaces, parent 1) asleep for ever; the parent-death signal it would have set comes later.
+    Forced here with a fake bwrap that leaves such a child. The trainer's watchdog, which outlives it, kills it; where
+    the watchdog died too, the next trainer's start-up sweep does."""
+    import subprocess
+    import sys
+
+    from skyrl_stepwise.sandbox.bwrap import _python_in_sandbox
+
+    marker = f"caught-{secrets.token_hex(6)}"
+    bindir = Path(tempfile.mkdtemp(prefix="skyrl-fake-bwrap-"))  # reachable by a root trainer's sandbox uid
+    os.chmod(bindir, 0o755)
+    fake = bindir / "bwrap"
+    fake.write_text(f"#!{_python_in_sandbox()}\n{_STUCK_BWRAP}")
+    fake.chmod(0o755)
+    script = ("from skyrl_stepwise.sandbox import BwrapSandbox, Limits, bwrap\n"
+              f"bwrap.bwrap_binary = lambda: {str(fake)!r}\n"
+              "sb = BwrapSandbox(limits=Limits(wall_s=120))\nprint('go', flush=True)\n"
+              f"sb.run(\"sh -c 'sleep 300' {marker}\")\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])})
+    try:
+        assert trainer.stdout.readline() == "go\n"
+        deadline = time.monotonic() + 60
+        while len(processes_with(marker)) < 3 and time.monotonic() < deadline:  # the trainer, the fake, its child
+            time.sleep(0.05)
+        assert len(processes_with(marker)) == 3, [p.cmdline() for p in processes_with(marker)]
+        if who_sweeps == "the next start-up":
+            watchdogs = [c for c in psutil.Process(trainer.pid).children() if "disk_watch" in " ".join(c.cmdline())]
+            assert len(watchdogs) == 1
+            watchdogs[0].kill()  # a zombie until the trainer reaps it (never: it dies next): it can sweep nothing
+            deadline = time.monotonic() + 10
+            while watchdogs[0].status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+                time.sleep(0.01)
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + (5 if who_sweeps == "its watchdog" else 1)
+        while processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if who_sweeps == "the next start-up":
+            assert len(processes_with(marker)) == 1  # the stuck child, adopted by another: the leak itself
+            swept = sweep_stale_dirs(Path(tempfile.gettempdir()))
+            assert any(p.name.startswith(f"{DIR_PREFIX}{trainer.pid}-") for p in swept), swept
+            deadline = time.monotonic() + 5
+            while processes_with(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert processes_with(marker) == []
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        for proc in processes_with(marker):
+            proc.kill()
+        sweep_stale_dirs(Path(tempfile.gettempdir()))
+        fake.unlink()
+        bindir.rmdir()
+
+
+def test_a_sandbox_ends_with_its_lifeline_whoever_holds_bwrap(monkeypatch):
+    """bwrap's child sets its parent-death signal only right before it execs the init, and one set after the parent
+    died never fires: a bwrap killed (with its trainer) while its child was still setting up left the command
+    running to its end, with no wall clock. The init watches the run's lifeline instead: here the trainer (this test)
+    and bwrap live, only the lifeline's write end closes, and the sandbox ends with everything in it."""
+    from skyrl_stepwise.sandbox import bwrap as bwrap_module
+
+    ends: list[int] = []
+    real = bwrap_module._lifeline
+
+    def kept_lifeline():
+        read, write = os.pipe()
+        ends.append(write)
+        try:
+            yield read
+        finally:
+            if write in ends:
+                os.close(write)
+
+    import contextlib
+
+    monkeypatch.setattr(bwrap_module, "_lifeline", contextlib.contextmanager(kept_lifeline))
+    assert real is not bwrap_module._lifeline
+    marker = f"lifeline-{secrets.token_hex(6)}"
+    results = []
+    with BwrapSandbox(limits=Limits(wall_s=120.0)) as sb:
+        worker = threading.Thread(target=lambda: results.append(
+            sb.run(f"(setsid sh -c 'sleep 300' {marker} &); sh -c 'sleep 300' {marker}")))
+        worker.start()
+        deadline = time.monotonic() + 60
+        # the command line of bwrap names the marker; the two sleeps inside make three
+        while len(processes_with(marker)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(processes_with(marker)) >= 3, [p.cmdline() for p in processes_with(marker)]
+        os.close(ends.pop())
+        worker.join(10)
+        assert not worker.is_alive()
+        assert results[0].stop_reason is StopReason.KILLED and results[0].wall_s < 60, results
+        assert processes_with(marker) == []
+
+
+def test_a_run_set_up_after_its_trainer_died_kills_itself():
+    """The parent-death signal is set in the child between fork and exec; the kernel never fires one set after the
+    parent died. The child checks its parent once the signal is set: here the parent is gone by then, and the child
+    kills itself instead of exec'ing bwrap unwatched."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys, time\n"
+            "from skyrl_stepwise.sandbox import Limits\n"
+            "from skyrl_stepwise.sandbox.runner import make_preexec\n"
+            "preexec = make_preexec(Limits(), None)\n"
+            "parent = os.getpid()\n"
+            "if os.fork() == 0:\n"
+            "    while os.getppid() == parent:\n"
+            "        time.sleep(0.005)\n"
+            "    print('set-up', flush=True)\n"
+            "    preexec()\n"
+            "    print('would exec bwrap', flush=True)\n"
+            "    os._exit(0)\n"
+            "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])})
+    # the output pipe closes when the orphaned child is gone too
+    assert out.stdout == "set-up\n", out
 
 
 def test_no_capabilities_and_no_nested_user_namespaces(sandbox, bystander):
@@ -796,6 +936,8 @@ LAPTOP_CASE = (
     "test_a_fifo_or_socket_planted_for_the_file_api_is_refused_not_waited_on",
     "test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process",
     "test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds",
+    "test_a_sandbox_ends_with_its_lifeline_whoever_holds_bwrap",
+    "test_a_bwrap_child_caught_in_its_start_up_does_not_outlive_a_killed_trainer",
     # the kernel's working-dir cap and mountinfo without a host path: a tmpfs in a holder's user + mount namespace
     # (workdir_holder.py), the host reading it through /proc/<holder>/root; the file API's confinement through it
     "test_unlinked_but_open_files_count_against_the_working_dirs_cap", "test_mountinfo_shows_no_host_path",
@@ -818,5 +960,5 @@ def test_the_attacks_that_depend_on_privilege_also_hold_for_a_trainer_that_is_no
     out = run_tests_unprivileged(ids)
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    expected = len(ids) + 1  # the stop parametrized twice
+    expected = len(ids) + 2  # the stop and the caught bwrap child, each parametrized twice
     assert summary.startswith(f"{expected} passed") and "skipped" not in summary, summary

@@ -15,6 +15,7 @@ SandboxUnavailable with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -32,6 +33,7 @@ from skyrl_stepwise.sandbox.base import (Limits, RunResult, SandboxMetrics, Sand
 from skyrl_stepwise.sandbox.files import HostWorkdir, copy_in, remove_tree
 from skyrl_stepwise.sandbox.seccomp import filter_bpf, filter_fd
 from skyrl_stepwise.sandbox.caps import CapsReport, cgroup_v2_missing
+from skyrl_stepwise.sandbox.leftovers import DIR_PREFIX, kill_leftovers
 from skyrl_stepwise.sandbox.cgroup import SANDBOX_CGROUPS, SandboxCgroups
 from skyrl_stepwise.sandbox.workdir_fs import mount_allowed, mount_capped, resize, unmount
 from skyrl_stepwise.sandbox import workdir_holder
@@ -42,7 +44,6 @@ WORKDIR_IN_SANDBOX = "/work"
 START_MARKER = b"\x00skyrl-sandbox-started\n"  # first stdout bytes of every run whose sandbox came up
 START_MARKER_PRINTF = "\\000skyrl-sandbox-started\\n"
 _SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-DIR_PREFIX = "skyrl-sandbox-"  # + the owning process's pid: a killed trainer's dirs are swept by the next one
 _UID_BASE = 10_000_000  # sandbox uids (root trainer only): base + 1000 * (pid % 100000) + slot
 _uid_slots = itertools.count()
 _uid_lock = threading.Lock()
@@ -114,23 +115,33 @@ def task_data_dirs() -> list[str]:
     return found
 
 
-# The sandbox's init (pid 1 of its PID namespace, run as `python3 -I -S -c INIT nproc status_fd command`): it caps
-# the processes (RLIMIT_NPROC counts only the sandbox's own uid in its user namespace), prints the start marker,
-# runs the command with /bin/sh as its child (the command is passed as an argument, never pasted into code), and
-# when it ends kills and reaps every process left (daemons included, so their CPU time reaches the run's rusage),
+# The sandbox's init (pid 1 of its PID namespace, run as `python3 -I -S -c INIT nproc status_fd lifeline_fd command`):
+# it caps the processes (RLIMIT_NPROC counts only the sandbox's own uid in its user namespace), prints the start
+# marker, runs the command with /bin/sh as its child (the command is passed as an argument, never pasted into code),
+# and when it ends kills and reaps every process left (daemons included, so their CPU time reaches the run's rusage),
 # then writes the command's raw wait status on `status_fd`, a pipe only the host reads (the command never holds
 # it). bwrap itself reports a signal as exit 128+N, so without this a command's `exit 137` and a SIGKILL would
 # look the same.
+# `lifeline_fd` is the read end of a pipe whose only write end the trainer holds for the run: it reads EOF when the
+# trainer is gone, however it went. The init then kills the whole namespace and exits. Why: bwrap's child sets the
+# parent-death signal only right before it execs this init, and the kernel never fires one set after the parent
+# died: a bwrap killed (with its trainer) while its child was still setting up left a sandbox running its command
+# to the end, with no wall clock (the trainer enforces it). The lifeline holds whatever the order of the deaths.
 INIT = (
-    "import os, sys, resource, signal\n"
-    "n, fd, cmd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]\n"
+    "import os, sys, resource, select, signal\n"
+    "n, fd, life, cmd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
     "resource.setrlimit(resource.RLIMIT_NPROC, (n, n))\n"
+    "wake, woken = os.pipe()\n"
+    "os.set_blocking(woken, False)\n"
+    "signal.set_wakeup_fd(woken)\n"
+    "signal.signal(signal.SIGCHLD, lambda *_: None)\n"
     "os.write(1, b'\\x00skyrl-sandbox-started\\n')\n"
     "pid = os.fork()\n"
     "if pid == 0:\n"
-    "    if fd >= 0:\n"
-    "        os.close(fd)\n"
-    "    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):\n"
+    "    for f in (fd, life):\n"
+    "        if f >= 0:\n"
+    "            os.close(f)\n"
+    "    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD):\n"
     "        signal.signal(s, signal.SIG_DFL)\n"
     "    try:\n"
     "        os.execv('/bin/sh', ['sh', '-c', cmd])\n"
@@ -138,9 +149,17 @@ INIT = (
     "        os._exit(127)\n"
     "status = None\n"
     "while status is None:\n"
-    "    p, st = os.waitpid(-1, 0)\n"
+    "    p, st = os.waitpid(-1, os.WNOHANG)\n"
     "    if p == pid:\n"
     "        status = st\n"
+    "    elif p == 0:\n"
+    "        ready = select.select([wake] + ([life] if life >= 0 else []), [], [])[0]\n"
+    "        if life >= 0 and life in ready:\n"
+    "            try:\n"
+    "                os.kill(-1, signal.SIGKILL)\n"
+    "            finally:\n"
+    "                os._exit(128 + signal.SIGKILL)\n"
+    "        os.read(wake, 4096)\n"
     "try:\n"
     "    os.kill(-1, signal.SIGKILL)\n"
     "except OSError:\n"
@@ -159,9 +178,11 @@ HOSTNAME = "sandbox"
 
 
 def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool, seccomp_fd: int | None = None,
-               status_fd: int | None = None, ids: tuple[int, int] | None = None) -> list[str]:
+               status_fd: int | None = None, ids: tuple[int, int] | None = None,
+               lifeline_fd: int | None = None) -> list[str]:
     """The full command line of one sandboxed run: `seccomp_fd` holds the filter (seccomp.filter_fd), `status_fd`
-    is the write end of the pipe the init reports the command's wait status on (runner.run_process makes both).
+    is the write end of the pipe the init reports the command's wait status on (runner.run_process makes both),
+    `lifeline_fd` the read end of the run's lifeline (INIT: the sandbox ends when the trainer's end closes).
     `ids`: the uid/gid the command runs as inside (bwrap started in a working-dir holder's namespace is uid 0
     there; the sandbox keeps the trainer's ids)."""
     _, path_prefix = _python_dirs()
@@ -180,7 +201,8 @@ def bwrap_argv(workdir: Path, command: str, limits: Limits, network: bool, secco
         "--setenv", "HOME", WORKDIR_IN_SANDBOX, "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
         "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
         "--", _python_in_sandbox(), "-I", "-S", "-c", INIT, str(limits.processes),
-        str(status_fd if status_fd is not None else -1), command,
+        str(status_fd if status_fd is not None else -1), str(lifeline_fd if lifeline_fd is not None else -1),
+        command,
     ]
 
 
@@ -248,8 +270,10 @@ def kernel_disk_cap() -> bool:
 
 def sweep_stale_dirs(root: Path) -> list[Path]:
     """Remove sandbox dirs under `root` left by a process of ours that died without closing them (a SIGKILLed
-    trainer: its processes are gone with it, its directories are not). Only dirs we own whose pid is dead."""
+    trainer: its processes are gone with it, its directories are not). Only dirs we own whose pid is dead. A bwrap
+    child its watchdog could not kill (leftovers.py: the watchdog died too) is killed first."""
     removed = []
+    swept: set[int] = set()
     for path in root.glob(f"{DIR_PREFIX}*-*"):
         pid = path.name[len(DIR_PREFIX):].split("-", 1)[0]
         try:
@@ -257,6 +281,9 @@ def sweep_stale_dirs(root: Path) -> list[Path]:
                 continue
         except OSError:
             continue
+        if int(pid) not in swept:  # long dead: one look is enough
+            swept.add(int(pid))
+            kill_leftovers(int(pid), settle_s=0.0)
         unmount(path / "work")
         _remove_quietly(path)
         removed.append(path)
@@ -289,6 +316,18 @@ def _cleanup(base: Path, holder: WorkdirHolder | None, runs: set[Run], start_loc
         holder.close()
     unmount(base / "work")
     _remove_quietly(base)
+
+
+@contextlib.contextmanager
+def _lifeline():
+    """A run's lifeline (INIT): a pipe whose read end goes to the sandbox's init (runner.run_process closes it here
+    once bwrap started) and whose write end only this process holds (close-on-exec: no other child inherits it)
+    until the run is over, or this process dies, however: then the init reads EOF and ends the sandbox."""
+    read, write = os.pipe()
+    try:
+        yield read
+    finally:
+        os.close(write)
 
 
 def _remove_quietly(path: Path) -> None:
@@ -370,29 +409,33 @@ class BwrapSandbox(HostWorkdir):
                 self._capped_at = limits.workdir_bytes
             seccomp_fd = filter_fd()
             status_read, status_write = os.pipe()
-            ids = (os.getuid(), os.getgid()) if self._holder is not None else None
-            argv = bwrap_argv(self._bind_source, command, limits, self.network, seccomp_fd, status_write, ids)
-            if self._holder is not None:  # bwrap starts in the holder's namespaces, where the tmpfs is mounted
-                argv = [*self._holder.enter_argv(), *argv]
-            # /tmp's and (where the kernel caps it) the working dir's tmpfs pages are charged to the run's cgroup
-            tmpfs_bytes = limits.tmp_bytes + (limits.workdir_bytes if self.kernel_capped else 0)
-            with self._cgroups.for_run(limits, tmpfs_bytes) as cgroup:
-                preexec = make_preexec(limits, self._creds)
-                if cgroup is not None:
-                    preexec = cgroup.joining_first(preexec)
-                try:
-                    result = run_process(argv, data, limits, preexec, self.workdir, self._runs, START_MARKER,
-                                         self._start_lock, lambda: self._closed,
-                                         pass_fds=(seccomp_fd, status_write), status_fd=status_read)
-                except (SandboxClosed, SandboxUnavailable):
-                    if not self._closed:
-                        raise
-                    # close() (another thread: the trajectory ended or failed) took the run before or during its
-                    # start: the run was killed, which is what its caller is told, never a bwrap error of ours
-                    result = RunResult(stdout="", stderr="", exit_code=None, signal=None,
-                                       stop_reason=StopReason.KILLED, wall_s=0.0, cpu_s=0.0, truncated=False)
-                else:
-                    if cgroup is not None:  # before the block ends: the cgroup is read, then removed
-                        result = self._cgroups.account(cgroup, result)
+            with _lifeline() as lifeline_read:
+                ids = (os.getuid(), os.getgid()) if self._holder is not None else None
+                argv = bwrap_argv(self._bind_source, command, limits, self.network, seccomp_fd, status_write, ids,
+                                  lifeline_read)
+                if self._holder is not None:  # bwrap starts in the holder's namespaces, where the tmpfs is mounted
+                    argv = [*self._holder.enter_argv(), *argv]
+                # /tmp's and (where the kernel caps it) the working dir's tmpfs pages are charged to the run's cgroup
+                tmpfs_bytes = limits.tmp_bytes + (limits.workdir_bytes if self.kernel_capped else 0)
+                with self._cgroups.for_run(limits, tmpfs_bytes) as cgroup:
+                    preexec = make_preexec(limits, self._creds)
+                    if cgroup is not None:
+                        preexec = cgroup.joining_first(preexec)
+                    try:
+                        result = run_process(argv, data, limits, preexec, self.workdir, self._runs, START_MARKER,
+                                             self._start_lock, lambda: self._closed,
+                                             pass_fds=(seccomp_fd, status_write, lifeline_read),
+                                             status_fd=status_read)
+                    except (SandboxClosed, SandboxUnavailable):
+                        if not self._closed:
+                            raise
+                        # close() (another thread: the trajectory ended or failed) took the run before or during
+                        # its start: the run was killed, which is what its caller is told, never a bwrap error of
+                        # ours
+                        result = RunResult(stdout="", stderr="", exit_code=None, signal=None,
+                                           stop_reason=StopReason.KILLED, wall_s=0.0, cpu_s=0.0, truncated=False)
+                    else:
+                        if cgroup is not None:  # before the block ends: the cgroup is read, then removed
+                            result = self._cgroups.account(cgroup, result)
         self.metrics.count_run(result.stop_reason, result.wall_s)
         return result

@@ -13,12 +13,14 @@ own (stdlib only, started once per trainer process), which no thread of the trai
 The watchdog SIGKILLs the run's process group once the dir passes its cap. It never kills a group after its "done":
 the run's group leader is reaped only after that reply, so its pid cannot have been reused. A watchdog that does not
 answer within `ACK_TIMEOUT_S` is killed (then it cannot kill anything either) and a new one starts with the next run.
-It exits when the trainer closes its stdin (the trainer died) and ignores SIGINT (Ctrl-C stops the trainer, which
-then closes it). The runner keeps its own in-process check too, and checks the size after every run.
+It exits when the trainer closes its stdin (the trainer died), after killing what the trainer's sandboxes left
+(leftovers.py: a bwrap child caught in its start-up), and ignores SIGINT (Ctrl-C stops the trainer, which then
+closes it). The runner keeps its own in-process check too, and checks the size after every run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from skyrl_stepwise.sandbox.base import SandboxUnavailable
 from skyrl_stepwise.sandbox.files import over_cap
+from skyrl_stepwise.sandbox.leftovers import kill_leftovers
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +99,8 @@ class DiskWatch:
                 # the package's own root first on the path, before the cwd `-c` puts there: a checkout in the cwd
                 # (another version of this package) must not answer for this one
                 [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
-                 "from skyrl_stepwise.sandbox.disk_watch import main; main()", package_root],
+                 "from skyrl_stepwise.sandbox.disk_watch import main; main(int(sys.argv[2]))", package_root,
+                 str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, start_new_session=True, close_fds=True,
                 env=env,
             )
@@ -161,8 +165,9 @@ DISK_WATCH = DiskWatch()
 os.register_at_fork(after_in_child=DISK_WATCH._forget_after_fork)
 
 
-def main() -> None:
-    """The watchdog process: read requests from stdin, scan the watched dirs every POLL_EVERY_S, kill past a cap."""
+def main(trainer_pid: int) -> None:
+    """The watchdog process: read requests from stdin, scan the watched dirs every POLL_EVERY_S, kill past a cap;
+    once `trainer_pid` is gone, kill what its sandboxes left (leftovers.py) and exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.write(1, b"ready\n")
     watched: dict[str, tuple[int, int, Path]] = {}  # token -> (pgid, cap, workdir); dropped once killed
@@ -174,8 +179,9 @@ def main() -> None:
         timeout = max(next_scan - time.monotonic(), 0.0) if watched else None
         if select.select([0], [], [], timeout)[0]:
             chunk = os.read(0, 65536)
-            if not chunk:
-                return  # the trainer is gone
+            if not chunk:  # the trainer is gone
+                _sweep_after(trainer_pid)
+                return
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -203,3 +209,17 @@ def main() -> None:
             took = time.monotonic() - now
             period = max(POLL_EVERY_S, 2 * took)
             next_scan = time.monotonic() + period
+
+
+def _sweep_after(trainer_pid: int, wait_s: float = 5.0) -> None:
+    """Kill what the dead trainer's sandboxes left (leftovers.py), once the kernel has finished its exit: its pipe
+    closes before its children get their parent-death signals, which is when this process is handed to another
+    parent. (A trainer that only closed the pipe, an exec, is waited for `wait_s`.)"""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == trainer_pid and time.monotonic() < deadline:
+        time.sleep(0.005)
+    killed = kill_leftovers(trainer_pid)
+    if killed:
+        with contextlib.suppress(OSError):  # the trainer's stderr may be a pipe nobody reads any more
+            print(f"skyrl_stepwise sandbox watchdog: trainer {trainer_pid} is gone; killed {len(killed)} sandbox "
+                  f"process(es) it left starting (pids {killed})", file=sys.stderr, flush=True)

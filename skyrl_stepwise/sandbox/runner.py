@@ -6,6 +6,9 @@ cannot delay it); this process checks it too, and once more after the run.
 Output is read in chunks and only the first `Limits.output_bytes` are kept; past that the run is killed, so a
 program printing gigabytes costs the reader a few kilobytes of memory. Killing the process group kills bwrap,
 whose sandbox init then dies (`--die-with-parent`) and takes every process of the PID namespace with it.
+A trainer that dies leaves nothing either, whenever it dies: bwrap holds the parent-death signal (make_preexec),
+the sandbox's init the run's lifeline (bwrap.INIT), and a bwrap child caught between bwrap's clone() and its own
+parent-death signal is killed by the trainer's disk watchdog (leftovers.py).
 """
 
 from __future__ import annotations
@@ -63,7 +66,11 @@ def make_preexec(limits: Limits, creds: Credentials | None) -> Callable[[], None
     trainer's may hold secrets: keys are not namespaced by bwrap; the seccomp filter also refuses keyctl), ask the
     kernel to SIGKILL it when the thread that started it dies (so a killed trainer leaves nothing), and set the
     per-process rlimits. RLIMIT_NPROC is set inside the sandbox instead (its init), where it counts only the
-    sandbox's own processes."""
+    sandbox's own processes.
+
+    The kernel never fires a parent-death signal set after the parent died: a trainer killed between the fork and
+    the prctl would leave this child to exec bwrap unwatched. So once the signal is set the child checks that its
+    parent is still the process that made this set-up, and kills itself where it is not."""
     libc = ctypes.CDLL(None, use_errno=True)
     prctl = libc.prctl
     syscall = libc.syscall
@@ -75,6 +82,8 @@ def make_preexec(limits: Limits, creds: Credentials | None) -> Callable[[], None
         (resource.RLIMIT_CORE, (0, 0)),
     ]
 
+    parent = os.getpid()
+
     def preexec() -> None:
         if creds is not None:
             os.setgroups([])
@@ -84,6 +93,8 @@ def make_preexec(limits: Limits, creds: Credentials | None) -> Callable[[], None
             raise OSError(ctypes.get_errno(), "keyctl(KEYCTL_JOIN_SESSION_KEYRING) refused")
         # after the uid change: changing credentials clears the parent-death signal
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # it died before the signal was set: nothing would ever fire
+            os.kill(os.getpid(), signal.SIGKILL)
         for which, value in rlimits:
             resource.setrlimit(which, value)
 
