@@ -490,6 +490,27 @@ def test_a_run_set_up_after_its_trainer_died_kills_itself():
     assert out.stdout == "set-up\n", out
 
 
+def test_the_command_cannot_forge_its_status_or_hold_its_lifeline(sandbox):
+    """The init's pipes (the command's wait status to the host, the lifeline from it) were open to the command
+    through /proc/1/fd/N (the same uid): on a laptop `exit 3` came back as exit 0 after a forged "0" on the status
+    pipe, and a held write end of the lifeline would keep the sandbox alive after its trainer. The init is not
+    dumpable: both are refused, and the run reports the command's own exit code."""
+    code = ("import os\nargv = open('/proc/1/cmdline', 'rb').read().split(b'\\0')\n"
+            "status_fd, lifeline_fd = int(argv[-4]), int(argv[-3])\n"
+            "for name, fd in (('status', status_fd), ('lifeline', lifeline_fd)):\n"
+            "    for mode in ('w', 'r'):\n"
+            "        try:\n"
+            "            with open(f'/proc/1/fd/{fd}', mode) as f:\n"
+            "                f.write('0\\n') if mode == 'w' else None\n"
+            "            print(name, mode, 'opened')\n"
+            "        except OSError as e:\n"
+            "            print(name, mode, 'refused', e.errno)\n")
+    result = sandbox.run("python3 - ; exit 3", stdin=code)
+    assert result.exit_code == 3 and result.stop_reason is StopReason.EXITED, result
+    assert sorted(result.stdout.splitlines()) == [f"{name} {mode} refused 13" for name in ("lifeline", "status")
+                                                  for mode in ("r", "w")], result
+
+
 def test_no_capabilities_and_no_nested_user_namespaces(sandbox, bystander):
     """Kernel attack surface: the sandbox holds no capability and cannot create a user namespace of its own (the
     usual first step of a namespace-based kernel exploit)."""
@@ -937,6 +958,7 @@ LAPTOP_CASE = (
     "test_a_run_the_host_stops_reports_the_cpu_seconds_of_every_process",
     "test_a_detached_cpu_burner_is_counted_in_the_runs_cpu_seconds",
     "test_a_sandbox_ends_with_its_lifeline_whoever_holds_bwrap",
+    "test_the_command_cannot_forge_its_status_or_hold_its_lifeline",
     "test_a_bwrap_child_caught_in_its_start_up_does_not_outlive_a_killed_trainer",
     # the kernel's working-dir cap and mountinfo without a host path: a tmpfs in a holder's user + mount namespace
     # (workdir_holder.py), the host reading it through /proc/<holder>/root; the file API's confinement through it

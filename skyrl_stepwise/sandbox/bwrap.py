@@ -127,8 +127,13 @@ def task_data_dirs() -> list[str]:
 # parent-death signal only right before it execs this init, and the kernel never fires one set after the parent
 # died: a bwrap killed (with its trainer) while its child was still setting up left a sandbox running its command
 # to the end, with no wall clock (the trainer enforces it). The lifeline holds whatever the order of the deaths.
+# The init first makes itself not dumpable (prctl PR_SET_DUMPABLE 0): else the command, the same uid, could open
+# /proc/1/fd/N and write its own "wait status" on the status pipe (a laptop's sandbox reported `exit 3` as 0) or hold
+# a write end of the lifeline open. Its child is dumpable again once it execs the command.
 INIT = (
-    "import os, sys, resource, select, signal\n"
+    "import ctypes, os, sys, resource, select, signal\n"
+    "if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:\n"
+    "    os._exit(126)\n"
     "n, fd, life, cmd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]\n"
     "resource.setrlimit(resource.RLIMIT_NPROC, (n, n))\n"
     "wake, woken = os.pipe()\n"
