@@ -373,14 +373,16 @@ def test_a_bwrap_child_caught_in_its_start_up_does_not_outlive_a_killed_trainer(
     from skyrl_stepwise.sandbox.bwrap import _python_in_sandbox
 
     marker = f"caught-{secrets.token_hex(6)}"
-    bindir = Path(tempfile.mkdtemp(prefix="skyrl-fake-bwrap-"))  # reachable by a root trainer's sandbox uid
+    # reachable by a root trainer's sandbox uid; the trainer's sandbox dir lives there too, out of the way of other
+    # tests' sweeps of the system temp dir (running beside this one, they would sweep what this test asserts on)
+    bindir = Path(tempfile.mkdtemp(prefix="skyrl-fake-bwrap-"))
     os.chmod(bindir, 0o755)
     fake = bindir / "bwrap"
     fake.write_text(f"#!{_python_in_sandbox()}\n{_STUCK_BWRAP}")
     fake.chmod(0o755)
-    script = ("from skyrl_stepwise.sandbox import BwrapSandbox, Limits, bwrap\n"
+    script = ("from pathlib import Path\nfrom skyrl_stepwise.sandbox import BwrapSandbox, Limits, bwrap\n"
               f"bwrap.bwrap_binary = lambda: {str(fake)!r}\n"
-              "sb = BwrapSandbox(limits=Limits(wall_s=120))\nprint('go', flush=True)\n"
+              f"sb = BwrapSandbox(limits=Limits(wall_s=120), root=Path({str(bindir)!r}))\nprint('go', flush=True)\n"
               f"sb.run(\"sh -c 'sleep 300' {marker}\")\n")
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -405,8 +407,8 @@ def test_a_bwrap_child_caught_in_its_start_up_does_not_outlive_a_killed_trainer(
             time.sleep(0.05)
         if who_sweeps == "the next start-up":
             assert len(processes_with(marker)) == 1  # the stuck child, adopted by another: the leak itself
-            swept = sweep_stale_dirs(Path(tempfile.gettempdir()))
-            assert any(p.name.startswith(f"{DIR_PREFIX}{trainer.pid}-") for p in swept), swept
+            swept = sweep_stale_dirs(bindir)
+            assert [p.name.startswith(f"{DIR_PREFIX}{trainer.pid}-") for p in swept] == [True], swept
             deadline = time.monotonic() + 5
             while processes_with(marker) and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -417,9 +419,26 @@ def test_a_bwrap_child_caught_in_its_start_up_does_not_outlive_a_killed_trainer(
             trainer.wait()
         for proc in processes_with(marker):
             proc.kill()
-        sweep_stale_dirs(Path(tempfile.gettempdir()))
+        sweep_stale_dirs(bindir)
         fake.unlink()
         bindir.rmdir()
+
+
+def test_the_sweep_knows_every_bwrap_command_line_of_ours_and_nothing_else(tmp_path):
+    """The watchdog and the start-up sweep find a dead trainer's leftovers by their command line alone: each form a
+    run's bwrap takes (root's, a holder's behind nsenter) names its trainer's pid; other command lines name none."""
+    from skyrl_stepwise.sandbox.bwrap import bwrap_argv
+    from skyrl_stepwise.sandbox.leftovers import owner_pid_of
+
+    work = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}4242-", dir=tmp_path)) / "work"
+    argv = bwrap_argv(work, "sleep 1", FAST, False, 3, 4, None, 5)
+    assert owner_pid_of(argv) == 4242
+    assert owner_pid_of(["/usr/bin/nsenter", "--target=7", "--user", "--mount", "--", *argv]) == 4242
+    assert owner_pid_of(bwrap_argv(work, "true", FAST, True, None, None, (1000, 1000), None)) == 4242
+    other = Path(tempfile.mkdtemp(prefix="skyrl-unpriv-", dir=tmp_path)) / "work"
+    assert owner_pid_of(bwrap_argv(other, "true", FAST, False)) is None  # not a sandbox dir
+    assert owner_pid_of([a for a in argv if a != "--die-with-parent"]) is None  # not our command line
+    assert owner_pid_of(["python3", "-c", f"print('--bind {work} /work --die-with-parent')"]) is None
 
 
 def test_a_sandbox_ends_with_its_lifeline_whoever_holds_bwrap(monkeypatch):

@@ -277,22 +277,20 @@ def sweep_stale_dirs(root: Path) -> list[Path]:
     """Remove sandbox dirs under `root` left by a process of ours that died without closing them (a SIGKILLed
     trainer: its processes are gone with it, its directories are not). Only dirs we own whose pid is dead. A bwrap
     child its watchdog could not kill (leftovers.py: the watchdog died too) is killed first."""
-    removed = []
-    swept: set[int] = set()
+    stale: dict[Path, int] = {}
     for path in root.glob(f"{DIR_PREFIX}*-*"):
         pid = path.name[len(DIR_PREFIX):].split("-", 1)[0]
         try:
-            if not pid.isdigit() or path.stat().st_uid != os.geteuid() or pid_alive(int(pid)):
-                continue
+            if pid.isdigit() and path.stat().st_uid == os.geteuid() and not pid_alive(int(pid)):
+                stale[path] = int(pid)
         except OSError:
             continue
-        if int(pid) not in swept:  # long dead: one look is enough
-            swept.add(int(pid))
-            kill_leftovers(int(pid), settle_s=0.0)
+    if stale:
+        kill_leftovers(set(stale.values()), settle_s=0.0)  # long dead: one look is enough
+    for path in stale:
         unmount(path / "work")
         _remove_quietly(path)
-        removed.append(path)
-    return removed
+    return list(stale)
 
 
 def _check_traversable(base: Path) -> None:

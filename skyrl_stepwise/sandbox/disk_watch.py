@@ -218,7 +218,7 @@ def _sweep_after(trainer_pid: int, wait_s: float = 5.0) -> None:
     deadline = time.monotonic() + wait_s
     while os.getppid() == trainer_pid and time.monotonic() < deadline:
         time.sleep(0.005)
-    killed = kill_leftovers(trainer_pid)
+    killed = kill_leftovers({trainer_pid})
     if killed:
         with contextlib.suppress(OSError):  # the trainer's stderr may be a pipe nobody reads any more
             print(f"skyrl_stepwise sandbox watchdog: trainer {trainer_pid} is gone; killed {len(killed)} sandbox "

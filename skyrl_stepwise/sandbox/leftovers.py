@@ -23,24 +23,23 @@ DIR_PREFIX = "skyrl-sandbox-"  # + the owning process's pid + "-": a sandbox's d
 _RESCAN_EVERY_S = 0.02
 
 
-def owner_prefix(owner_pid: int) -> str:
-    """The name prefix of every sandbox dir that process `owner_pid` made."""
-    return f"{DIR_PREFIX}{owner_pid}-"
-
-
-def is_sandbox_argv(argv: list[str], owner_pid: int) -> bool:
-    """Whether `argv` is a bwrap command line of ours (bwrap.bwrap_argv, possibly behind a holder's `nsenter`) that
-    binds a working dir of a sandbox made by `owner_pid`."""
+def owner_pid_of(argv: list[str]) -> int | None:
+    """The pid of the process whose sandbox `argv` runs, where `argv` is a bwrap command line of ours
+    (bwrap.bwrap_argv, possibly behind a holder's `nsenter`): read from the dir bound as its working dir."""
     if "--die-with-parent" not in argv:
-        return False
-    prefix = owner_prefix(owner_pid)
-    return any(arg == "--bind" and Path(argv[i + 1]).parent.name.startswith(prefix)
-               for i, arg in enumerate(argv[:-1]))
+        return None
+    for i, arg in enumerate(argv[:-1]):
+        name = Path(argv[i + 1]).parent.name
+        if arg == "--bind" and name.startswith(DIR_PREFIX):
+            pid = name[len(DIR_PREFIX):].split("-", 1)[0]
+            if pid.isdigit():
+                return int(pid)
+    return None
 
 
-def leftover_pids(owner_pid: int) -> list[int]:
-    """Live processes (any uid this process may read) whose command line is a sandbox command line of
-    `owner_pid`'s (a zombie's is empty: it holds nothing)."""
+def leftover_pids(owners: set[int]) -> list[int]:
+    """Live processes (any uid this process may read) whose command line is a sandbox command line of one of
+    `owners` (a zombie's is empty: it holds nothing)."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -49,21 +48,20 @@ def leftover_pids(owner_pid: int) -> list[int]:
             raw = Path(entry.path, "cmdline").read_bytes()
         except OSError:
             continue
-        argv = [os.fsdecode(a) for a in raw.split(b"\0")[:-1]]
-        if is_sandbox_argv(argv, owner_pid):
+        if owner_pid_of([os.fsdecode(a) for a in raw.split(b"\0")[:-1]]) in owners:
             found.append(int(entry.name))
     return found
 
 
-def kill_leftovers(owner_pid: int, settle_s: float = 0.2, timeout_s: float = 5.0) -> list[int]:
-    """SIGKILL every leftover of `owner_pid`'s sandboxes, again until none was seen for `settle_s` (a bwrap dying
-    with a clone() in flight may still add one) or `timeout_s` passed; the pids killed. Killing a leftover child,
-    pid 1 of its PID namespace, ends the namespace and everything in it."""
+def kill_leftovers(owners: set[int], settle_s: float = 0.2, timeout_s: float = 5.0) -> list[int]:
+    """SIGKILL every leftover of the sandboxes of `owners` (dead processes), again until none was seen for
+    `settle_s` (a bwrap dying with a clone() in flight may still add one) or `timeout_s` passed; the pids killed.
+    Killing a leftover child, pid 1 of its PID namespace, ends the namespace and everything in it."""
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
     quiet_since = None
     while True:
-        found = leftover_pids(owner_pid)
+        found = leftover_pids(owners)
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)
