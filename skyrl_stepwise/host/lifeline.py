@@ -23,7 +23,9 @@ So the tie is a lifeline, carried two ways:
   never hit, and exits. A child forked without exec (whose environment block is the parent's, unmarked) watches the
   same pipe from a thread and exits at its EOF.
 
-A process that clears its environment (the bwrap sandbox, which has its own `--die-with-parent`) is not marked.
+A process that clears its environment (the bwrap sandbox) is not marked: the sandbox has its own ties, which hold
+in a library user's process too, where no lifeline is armed (`--die-with-parent`, its init's lifeline pipe, and
+its disk watchdog's sweep: sandbox/leftovers.py).
 Processes on other nodes of a Ray cluster are not ours to stop: Ray ends a dead driver's job there.
 
 The same file tells whether a process is still the one that was meant (`ProcessIdentity`: pid namespace, pid and
