@@ -287,7 +287,7 @@ def test_a_close_racing_a_run_that_is_starting_kills_it_or_never_starts_it(metri
     assert processes_with(marker) == [] and not sb.workdir.exists()
 
 
-def _trainer_with_a_running_sandbox(tmp_path: Path, attempt: int):
+def _trainer_with_a_running_sandbox(tmp_path: Path, attempt: int, root: Path):
     """A trainer process whose sandbox runs two `sleep`s (one in its own session), once both are up; else None,
     after its thread stacks (faulthandler, on SIGUSR1) went into a warning and the trainer was killed and swept."""
     import subprocess
@@ -295,9 +295,9 @@ def _trainer_with_a_running_sandbox(tmp_path: Path, attempt: int):
     import warnings
 
     marker = f"orphan-{secrets.token_hex(6)}"
-    script = ("import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1)\n"
+    script = ("import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1)\nfrom pathlib import Path\n"
               "from skyrl_stepwise.sandbox import BwrapSandbox, Limits\n"
-              "sb = BwrapSandbox(limits=Limits(wall_s=120))\nprint('go', flush=True)\n"
+              f"sb = BwrapSandbox(limits=Limits(wall_s=120), root=Path({str(root)!r}))\nprint('go', flush=True)\n"
               f"sb.run(\"(setsid sh -c 'sleep 300' {marker} &); sh -c 'sleep 300' {marker}\")\n")
     err = tmp_path / f"trainer-{attempt}.err"
     with open(err, "w") as stderr:
@@ -315,7 +315,7 @@ def _trainer_with_a_running_sandbox(tmp_path: Path, attempt: int):
     time.sleep(2)
     trainer.kill()
     trainer.wait()
-    sweep_stale_dirs(Path(tempfile.gettempdir()))
+    sweep_stale_dirs(root)
     warnings.warn(f"attempt {attempt}: no sandboxed process up 60 s after the trainer printed 'go' (twice on CI, "
                   f"with the integration part beside it); the trainer's threads:\n{err.read_text()[-4000:]}")
     return None
@@ -326,9 +326,13 @@ def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
     bwrap's --die-with-parent takes the sandbox's PID namespace. What is asserted is what outlives the kill; a
     sandbox whose processes were not up within 60 s (seen twice on CI under load, never alone) is retried, twice at
     most, with the stuck trainer's stacks in a warning, and three such starts fail the test."""
+    # the trainer's sandbox dir in a root of this test's own (reachable by a root trainer's sandbox uid): other tests'
+    # sweeps of the system temp dir, running beside this one, cannot take the dir it asserts on
+    root = Path(tempfile.mkdtemp(prefix="skyrl-killed-trainer-"))
+    os.chmod(root, 0o755)
     started = None
     for attempt in range(1, 4):
-        started = _trainer_with_a_running_sandbox(tmp_path, attempt)
+        started = _trainer_with_a_running_sandbox(tmp_path, attempt, root)
         if started is not None:
             break
     assert started is not None, "the sandboxed processes never started, in 3 attempts (their stacks: the warnings)"
@@ -346,9 +350,10 @@ def test_a_killed_trainer_leaves_no_sandbox_process(tmp_path):
         time.sleep(0.05)
     assert processes_with(holders) == []
     # its directory outlived it; the next process's start-up check sweeps it
-    left = list(Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}{trainer.pid}-*"))
+    left = list(root.glob(f"{DIR_PREFIX}{trainer.pid}-*"))
     assert len(left) == 1
-    assert sweep_stale_dirs(Path(tempfile.gettempdir())) == left and not left[0].exists()
+    assert sweep_stale_dirs(root) == left and not left[0].exists()
+    root.rmdir()
 
 
 # A fake bwrap that is caught where bubblewrap's own start-up is racy (containers/bubblewrap#633): it forks a child
