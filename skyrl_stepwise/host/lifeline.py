@@ -140,6 +140,10 @@ def arm() -> str:
         _armed[os.getpid()] = _Lifeline(token, read_end, write_end)
         inherited = os.environ.get(LIFELINE_ENV)
         os.environ[LIFELINE_ENV] = f"{inherited}:{token}" if inherited else token
+        # Ray's agents set their process title with setproctitle, which overwrites the memory /proc/<pid>/environ
+        # shows (padding the title over it): their mark was gone, and a SIGKILLed trainer left DashboardAgent and
+        # RuntimeEnvAgent up (the keeper stopped only the retriever). SPT_NOENV keeps setproctitle off the environment.
+        os.environ["SPT_NOENV"] = "1"
         return token
 
 
