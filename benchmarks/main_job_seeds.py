@@ -80,6 +80,17 @@ class SeedRow:
     sft_cached: bool | None = None
     sft_trained_s: float | None = None  # what the warm start's own steps took when it was trained
     rl_steps: list[RLStep] = dataclasses.field(default_factory=list)
+    # the RL steps the job was configured for on its host (a recipe's host_without_bf16 may change them there);
+    # None in rows written before it was recorded: read from the final eval's stage then
+    total_steps: int | None = None
+
+    @property
+    def steps(self) -> int:
+        """The RL steps of this row's arm."""
+        if self.total_steps is not None:
+            return self.total_steps
+        match = re.search(r"step (\d+)", self.rl_stage)
+        return int(match.group(1)) if match else len(self.rl_steps)
 
     @property
     def other_s(self) -> float:
@@ -212,16 +223,17 @@ def precision(host: str) -> str:
     return "no native bf16 (float32)" if "no native bf16" in host else "native bf16"
 
 
-def arm_name(overrides: list[str], host: str) -> str:
-    """One sweep arm: its overrides and the host kind it ran on."""
-    return f"`{' '.join(sorted(overrides)) or '(no overrides)'}`, {precision(host)}"
+def arm_name(overrides: list[str], host: str, steps: int) -> str:
+    """One sweep arm: its overrides, the host kind it ran on and the RL steps the job ran there (the recipe's count
+    can follow the host kind: rows of 6 steps are no answer for a host that now runs 5)."""
+    return f"`{' '.join(sorted(overrides)) or '(no overrides)'}`, {precision(host)}, {steps} RL steps"
 
 
 def arms(rows: list[SeedRow]) -> dict[str, list[SeedRow]]:
     """The rows by arm (overrides and host kind), in the order the arms were first run."""
     groups: dict[str, list[SeedRow]] = {}
     for r in rows:
-        groups.setdefault(arm_name(r.overrides, r.host), []).append(r)
+        groups.setdefault(arm_name(r.overrides, r.host, r.steps), []).append(r)
     return groups
 
 
@@ -262,14 +274,21 @@ def save(out: Path, rows: list[SeedRow]) -> None:
 
 def upsert(rows: list[SeedRow], row: SeedRow) -> list[SeedRow]:
     """The rows with `row` in place of any earlier row of the same seed and arm (overrides and host kind)."""
-    key = (row.seed, arm_name(row.overrides, row.host))
-    return [r for r in rows if (r.seed, arm_name(r.overrides, r.host)) != key] + [row]
+    key = (row.seed, arm_name(row.overrides, row.host, row.steps))
+    return [r for r in rows if (r.seed, arm_name(r.overrides, r.host, r.steps)) != key] + [row]
 
 
-def done_seeds(rows: list[SeedRow], overrides: list[str], host: str) -> set[int]:
-    """Seeds with a finished row for these overrides on this host kind (a failed row is run again)."""
-    arm = arm_name(overrides, host)
-    return {r.seed for r in rows if arm_name(r.overrides, r.host) == arm and r.status == "ok"}
+def done_seeds(rows: list[SeedRow], overrides: list[str], host: str, steps: int) -> set[int]:
+    """Seeds with a finished row for these overrides and RL steps on this host kind (a failed row is run again)."""
+    arm = arm_name(overrides, host, steps)
+    return {r.seed for r in rows if arm_name(r.overrides, r.host, r.steps) == arm and r.status == "ok"}
+
+
+def job_steps(overrides: list[str]) -> int:
+    """The RL steps the main job runs with these overrides on this host, resolved as the job resolves its config."""
+    from skyrl_stepwise.run.app_config import load_config
+
+    return load_config(main_job_overrides(0, overrides)).total_steps
 
 
 def host() -> str:
@@ -348,17 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args, overrides = parser.parse_args(argv[:split]), argv[split + 1:]
     out, path = Path(args.out), Path(args.out) / f"{RESULTS}.json"
-    rows, here = load_rows(path), host()
-    skip = set() if args.rerun else done_seeds(rows, overrides, here)
+    rows, here, steps = load_rows(path), host(), job_steps(overrides)
+    skip = set() if args.rerun else done_seeds(rows, overrides, here, steps)
     failed = 0
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         if seed in skip:
-            print(f"seed {seed}: already in {path} with these overrides on a host with {precision(here)} "
-                  "(--rerun to redo it)")
+            print(f"seed {seed}: already in {path} with these overrides and {steps} RL steps on a host with "
+                  f"{precision(here)} (--rerun to redo it)")
             continue
         run_dir = Path(args.runs) / overrides_key(overrides) / f"seed_{seed}"
         rc, wall, loads = run_seed(seed, overrides, run_dir, args.keep_ckpts)
         row = seed_row(run_dir, seed, overrides, wall, rc, f"{here}, {load_line(loads)}")
+        row.total_steps = steps
         rows = upsert(rows, row)
         save(out, rows)
         print(f"seed {seed}: {row.status}, RL - SFT {_f(row.gain, '+.3f')} [{_f(row.gain_low, '+.3f')}, "
@@ -370,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
     if rows:  # also when every seed was skipped: the file then renders with this version of the table
         save(out, rows)
-    mine = arms(rows).get(arm_name(overrides, here), [])
+    mine = arms(rows).get(arm_name(overrides, here, steps), [])
     if mine:
         print(table(mine))
     print(f"table: {out / (RESULTS + '.md')}, {path}")

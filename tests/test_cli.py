@@ -11,6 +11,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -132,7 +133,8 @@ def test_help_quotes_the_main_recipes_figures_and_names_the_lora_keys(train_help
     text = train_help
     recipes = text.index("== Recipes")
     entry = text[text.index("experiment=search_r1_tiny ", recipes):text.index("experiment=search_r1_tools_tiny")]
-    assert f"{recipe['total_steps']} RL steps" in entry, entry
+    assert f"{recipe['total_steps']} RL steps ({recipe['host_without_bf16']['total_steps']} without native bf16)" \
+        in entry, entry
     assert f"evals on {recipe['data']['max_eval_prompts']} prompts" in entry, entry
     for key in ("trainer.lora.enabled", "trainer.lora.sync", "trainer.lora.lr", "trainer.lora.rank",
                 "trainer.lora.alpha", "trainer.lora.target_modules", "sft.lora"):
@@ -343,6 +345,40 @@ def test_bf16_recipes_run_float32_on_cpus_that_would_emulate_bf16(native, monkey
         assert cfg.fit_precision_to_host() == ["engine.dtype=bfloat16 -> float32",
                                                "trainer.fsdp.mixed_precision=true -> false"]
         assert cfg.fit_precision_to_host() == []  # already float32: nothing to change
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_recipe_changes_its_host_without_bf16_keys_there_and_the_command_line_wins(native, monkeypatch, caplog):
+    """search_r1_tiny runs 5 RL steps where the host falls back to float32 (its budget there), 6 elsewhere; a key the
+    user gives keeps the user's value, and a dependent key (ckpt_interval: ${total_steps}) follows."""
+    import skyrl_stepwise.host.hardware as hardware
+    from skyrl_stepwise.cli.train import load_config
+
+    monkeypatch.setattr(hardware, "cpu_bf16_is_native", lambda: native)
+    monkeypatch.setattr("skyrl_stepwise.run.config._has_cuda", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="skyrl_stepwise.app"):
+        cfg = load_config(["experiment=search_r1_tiny"])
+    assert (cfg.total_steps, cfg.trainer.ckpt_interval) == ((6, 6) if native else (5, 5))
+    assert ("host_without_bf16: total_steps=6 -> 5" in caplog.text) is not native
+    given = load_config(["experiment=search_r1_tiny", "total_steps=6", "+host_without_bf16.trainer.optim.lr=2e-5"])
+    assert given.total_steps == 6
+    assert given.trainer.optim.lr == (1e-5 if native else 2e-5)  # nested or dotted, the same key
+
+
+@pytest.mark.parametrize("change, message", [
+    ("+host_without_bf16.total_step=5", "host_without_bf16.total_step: no config key 'total_step' (did you mean "
+                                        "total_steps?)"),
+    ("+host_without_bf16.trainer.optim.lrr=1", "did you mean trainer.optim.lr?"),
+    ("+host_without_bf16.trainer={}", "'trainer' is a section"),
+])
+def test_a_bad_host_without_bf16_key_fails_on_every_host(change, message, monkeypatch):
+    """Checked where the host has native bf16 too: a recipe's typo must not wait for the slow host to surface."""
+    import skyrl_stepwise.host.hardware as hardware
+    from skyrl_stepwise.cli.train import load_config
+
+    monkeypatch.setattr(hardware, "cpu_bf16_is_native", lambda: True)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(["experiment=search_r1_tiny", change])
 
 
 @pytest.mark.integration  # slow for the fast suite (> 2 s on a loaded 2-core box)

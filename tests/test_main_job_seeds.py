@@ -120,6 +120,7 @@ def test_the_table_is_written_per_seed_and_a_rerun_skips_the_seeds_already_done(
 
     monkeypatch.setattr(seeds, "run_seed", fake_run)
     monkeypatch.setattr(seeds, "host", lambda: HOST)
+    monkeypatch.setattr(seeds, "job_steps", lambda overrides: 2)
     out, runs = tmp_path / "table", tmp_path / "runs"
     common = ["--out", str(out), "--runs", str(runs)]
     assert seeds.main(["--seeds", "3", *common, "--", "total_steps=2"]) == 1  # stops at the failed seed 2
@@ -137,7 +138,8 @@ def test_the_table_is_written_per_seed_and_a_rerun_skips_the_seeds_already_done(
         (1, (), "ok"), (1, ("total_steps=2",), "ok"), (2, ("total_steps=2",), "failed (exit 1)"),
         (3, ("total_steps=2",), "ok")]
     text = (out / "main_job_seeds.md").read_text()
-    assert "## `total_steps=2`, no native bf16 (float32)" in text and "## `(no overrides)`, no native bf16" in text
+    assert "## `total_steps=2`, no native bf16 (float32), 2 RL steps" in text
+    assert "## `(no overrides)`, no native bf16 (float32), 2 RL steps" in text
     assert "resolved (paired 95% low end > 0) in 2 of 2 seeds; median gain +0.250 EM; 1 seed(s) failed" in text
     assert f"{HOST}, load mean 2.0, max 3.0 (2 samples)" in text  # the load beside the runs, not at one instant
     calls.clear()
@@ -159,6 +161,7 @@ def test_a_host_of_the_other_kind_runs_the_seeds_again_as_its_own_arm(tmp_path, 
         return 0, 60.0, [1.0]
 
     monkeypatch.setattr(seeds, "run_seed", fake_run)
+    monkeypatch.setattr(seeds, "job_steps", lambda overrides: 2)
     common = ["--out", str(tmp_path / "table"), "--runs", str(tmp_path / "runs"), "--seeds", "2"]
     monkeypatch.setattr(seeds, "host", lambda: HOST)
     assert seeds.main(common) == 0 and calls == [1, 2]
@@ -172,8 +175,52 @@ def test_a_host_of_the_other_kind_runs_the_seeds_again_as_its_own_arm(tmp_path, 
     assert sorted((r.seed, seeds.precision(r.host)) for r in rows) == [
         (1, "native bf16"), (1, "no native bf16 (float32)"), (2, "native bf16"), (2, "no native bf16 (float32)")]
     text = (tmp_path / "table" / "main_job_seeds.md").read_text()
-    assert "## `(no overrides)`, no native bf16 (float32)" in text and "## `(no overrides)`, native bf16" in text
+    assert "## `(no overrides)`, no native bf16 (float32), 2 RL steps" in text
+    assert "## `(no overrides)`, native bf16, 2 RL steps" in text
     assert text.count("resolved (paired 95% low end > 0) in 1 of 2 seeds") == 2
+
+
+def test_rows_of_another_step_count_are_another_arm(tmp_path, monkeypatch):
+    """The recipe's RL steps can follow the host kind (host_without_bf16): where the job now runs 5 steps, seeds
+    done with 6 are run again as their own arm, and rows written before the count was recorded take it from the
+    final eval's stage."""
+    seeds = _module()
+    calls = []
+
+    def fake_run(seed, overrides, run_dir, keep_ckpts):
+        calls.append(seed)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _run_dir(run_dir, [0] * 32, [0] * 24 + [1] * 8)
+        return 0, 60.0, [1.0]
+
+    monkeypatch.setattr(seeds, "run_seed", fake_run)
+    monkeypatch.setattr(seeds, "host", lambda: HOST)
+    common = ["--out", str(tmp_path / "table"), "--runs", str(tmp_path / "runs"), "--seeds", "1"]
+    monkeypatch.setattr(seeds, "job_steps", lambda overrides: 6)
+    assert seeds.main(common) == 0 and calls == [1]
+    saved = tmp_path / "table" / "main_job_seeds.json"
+    payload = json.loads(saved.read_text())
+    del payload["rows"][0]["total_steps"]  # an older row: its final eval is "after RL (step 2)"
+    saved.write_text(json.dumps(payload))
+    assert seeds.load_rows(saved)[0].steps == 2
+    monkeypatch.setattr(seeds, "job_steps", lambda overrides: 5)
+    calls.clear()
+    assert seeds.main(common) == 0 and calls == [1]  # not skipped: that row is another step count
+    calls.clear()
+    assert seeds.main(common) == 0 and calls == []
+    assert sorted(r.steps for r in seeds.load_rows(saved)) == [2, 5]
+
+
+def test_the_benchmark_plans_the_steps_the_job_will_run(monkeypatch):
+    """job_steps resolves the main job's config as the job does: 5 RL steps where the host has no native bf16, 6
+    where it has, and what the overrides say either way."""
+    import skyrl_stepwise.host.hardware as hardware
+
+    seeds = _module()
+    monkeypatch.setattr("skyrl_stepwise.run.config._has_cuda", lambda: False)
+    for native, steps in ((True, 6), (False, 5)):
+        monkeypatch.setattr(hardware, "cpu_bf16_is_native", lambda native=native: native)
+        assert seeds.job_steps([]) == steps and seeds.job_steps(["total_steps=3"]) == 3
 
 
 def test_each_seed_has_its_own_cached_warm_start_and_a_rerun_finds_it():

@@ -62,16 +62,32 @@ def validated_config(composed, in_hydra_job: bool = True):
     return cfg
 
 
-def to_run_config(composed, in_hydra_job: bool = True):
+def to_run_config(composed, in_hydra_job: bool = True, command_line: list[str] | None = None):
     """A composed DictConfig as a validated RunConfig fitted to this host; a bad value or combination fails naming
-    its key (see validated_config)."""
+    its key (see validated_config). `command_line`: the overrides given (a Hydra job's are read from Hydra), whose
+    keys keep their values where a recipe's `host_without_bf16` would change them."""
+    from skyrl_stepwise.run.config import apply_host_without_bf16, command_line_keys, host_without_bf16
+
+    if command_line is None:
+        command_line = _hydra_overrides() if in_hydra_job else []
+    recipe_changes = apply_host_without_bf16(composed, command_line_keys(command_line), host_without_bf16())
     cfg = validated_config(composed, in_hydra_job)
     cfg.environment.tool.tools_path = recipe_file(cfg.environment.tool.tools_path)
     changed = cfg.fit_precision_to_host()
+    if recipe_changes:
+        changed.append(f"and the recipe's host_without_bf16: {', '.join(recipe_changes)} (a key given on the "
+                       "command line keeps its value)")
     if changed:
         logger.warning(f"this CPU has no native bf16 (AVX512-BF16/AMX; bf16 matmuls would be emulated, 3-80x "
                        f"slower): {', '.join(changed)}")
     return cfg
+
+
+def _hydra_overrides() -> list[str]:
+    """The command-line overrides of the Hydra job running now ([] outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def recipe_file(path: str | None) -> str | None:
@@ -97,7 +113,7 @@ def load_config(overrides: list[str] | None = None, config_name: str = "config")
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         composed = compose(config_name=config_name, overrides=list(overrides or []))
-    return to_run_config(composed, in_hydra_job=False)
+    return to_run_config(composed, in_hydra_job=False, command_line=list(overrides or []))
 
 
 def _with_run_dir(argv: list[str]) -> list[str]:

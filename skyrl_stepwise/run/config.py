@@ -8,6 +8,7 @@ by `RunConfig.validate`, each error naming the key path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from skyrl_stepwise.envs.search import SearchEnvConfig
 from skyrl_stepwise.envs.tool import ToolEnvConfig
@@ -128,6 +129,10 @@ class RunConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)  # the agent endpoint (rows naming agents)
+    # what a recipe changes on a CPU host without native bf16, where the run falls back to float32 and every phase
+    # takes 2-3x as long: dotted key -> value (search_r1_tiny: {total_steps: 5}, its time budget there, measured
+    # to learn as much in float32); a key given on the command line keeps the command line's value
+    host_without_bf16: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Every rule that spans sections, with the key path in the message."""
@@ -242,9 +247,7 @@ class RunConfig:
         matmuls than float32, see hardware.py), so the engines and the trainer run float32 there instead: the
         same recipe then takes minutes, not hours, and the engine and trainer still agree on one dtype.
         """
-        from skyrl_stepwise.host.hardware import cpu_bf16_is_native
-
-        if _has_cuda() or cpu_bf16_is_native():
+        if not host_without_bf16():
             return []
         changed = []
         if self.engine.dtype == "bfloat16":
@@ -260,6 +263,69 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def host_without_bf16() -> bool:
+    """A CPU-only host whose CPU emulates bf16 (no AVX512-BF16/AMX): the run goes float32 there."""
+    from skyrl_stepwise.host.hardware import cpu_bf16_is_native
+
+    return not _has_cuda() and not cpu_bf16_is_native()
+
+
+def command_line_keys(overrides: list[str]) -> set[str]:
+    """The config keys a command line sets (`key=v`, `+key=v`, `++key=v`, `~key`), config-group choices included."""
+    return {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides}
+
+
+def apply_host_without_bf16(composed, given: set[str], lacks_bf16: bool) -> list[str]:
+    """Check the recipe's `host_without_bf16` keys on every host (a misspelt one fails here, not only on the
+    slow host), and on a host without native bf16 set them in `composed` (a DictConfig), except the keys the command
+    line gave; returns what changed, for the start-up line."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    missing = object()
+    changes = _dotted(OmegaConf.to_container(composed.host_without_bf16, resolve=True))
+    for key in changes:
+        if key.split(".")[0] == "host_without_bf16":
+            raise ValueError(f"host_without_bf16.{key}: host_without_bf16 cannot change itself")
+        if OmegaConf.select(composed, key, default=missing) is missing:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(composed, parent, default=None) if parent else composed
+            names = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+            close = difflib.get_close_matches(leaf, names, n=1)
+            hint = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+            raise ValueError(f"host_without_bf16.{key}: no config key {key!r}{hint}")
+        if OmegaConf.is_config(OmegaConf.select(composed, key)):
+            raise ValueError(f"host_without_bf16.{key}: {key!r} is a section; give the keys it changes "
+                             f"({key}.<key>: value)")
+    changed = []
+    if not lacks_bf16:
+        return changed
+    for key, value in changes.items():
+        old = OmegaConf.select(composed, key)
+        if key in given or old == value:
+            continue
+        OmegaConf.update(composed, key, value, merge=False)
+        changed.append(f"{key}={_yaml(old)} -> {_yaml(value)}")
+    return changed
+
+
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    """{trainer: {optim: {lr: 1e-4}}} and {trainer.optim.lr: 1e-4} alike as {"trainer.optim.lr": 1e-4}."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _yaml(value) -> str:
+    """A value as a command line writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def unknown_keys(values: dict, schema: type, prefix: str = "") -> list[str]:
