@@ -341,6 +341,13 @@ def _accumulation_rank_main(rank: int, world: int, port: int, model_path: str, t
         metrics = worker.train_step(_fsdp_batch(worker.model.config.vocab_size))
         full = worker.full_state_dict()
         out[str(accumulate)] = {"metrics": metrics, "weights": {k: v.flatten()[:64].tolist() for k, v in full.items()}}
+    # the same step, asked for the logprobs its forward computed for samples 0 (rank 0's) and 3 (rank 1's)
+    batch = _fsdp_batch(worker.model.config.vocab_size)
+    scorer = PolicyWorker(cfg)
+    before = scorer.compute_logprobs(batch)
+    metrics, scores = scorer.train_step_scored(batch, [0, 3])
+    out["scored"] = {"metrics": metrics, "scores": {str(k): v for k, v in scores.items()}, "before": before,
+                     "weights": {k: v.flatten()[:64].tolist() for k, v in scorer.full_state_dict().items()}}
     if rank == 0:
         with open(os.path.join(tmp, "accumulation.json"), "w") as f:
             json.dump(out, f)
@@ -364,6 +371,14 @@ def test_accumulating_unsharded_on_two_ranks_with_uneven_micro_batches_gives_the
     assert held["weights"].keys() == plain["weights"].keys()
     for name, values in plain["weights"].items():
         assert held["weights"][name] == pytest.approx(values, abs=1e-6), name
+    # train_step_scored is that step, and returns what a scoring pass before it gives, gathered from both ranks
+    scored = r["scored"]
+    assert {k: v for k, v in scored["metrics"].items() if k != "train/step_time_s"} == \
+        {k: v for k, v in held["metrics"].items() if k != "train/step_time_s"}
+    assert scored["weights"] == held["weights"]
+    assert sorted(scored["scores"]) == ["0", "3"]
+    for row in ("0", "3"):
+        assert scored["scores"][row] == pytest.approx(scored["before"][int(row)], abs=1e-5), row
 
 
 @pytest.mark.integration

@@ -257,3 +257,40 @@ def test_a_merged_runs_page_shows_its_steps_as_generated_in_a_real_browser(token
                                                         0.004, "agreement/logprob_abs_diff_mean": 0.001}) + "\n")
     check_merged_page(tmp_path, tmp_path, browser, stepwise)
     assert (tmp_path / "viewer_merged.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+async def test_the_view_takes_its_trainer_logprobs_from_the_update_that_scored_them(tokenizer, tmp_path,
+                                                                                   mini_batches):
+    """One on-policy mini-batch: the update's own forward is the scoring pass before the update, so the loop asks
+    the policy for those logprobs with the step (train_step_scored) instead of a second forward of the view samples;
+    with more mini-batches the old-logprob pass scored them already. Either way the view's trainer logprobs are
+    the ones of the pass that ran (a fake policy: -0.25 from the update, -0.5 from a scoring pass)."""
+    from test_rollout_ahead import _trainer
+
+    trainer, _, _ = _trainer(tokenizer, tmp_path, max_staleness=0)
+    calls = []
+
+    class Policy:
+        def call(self, method, *args):
+            calls.append(method)
+            if method == "compute_logprobs":
+                return [[-0.5] * len(ids) for ids in args[0].response_ids]
+            if method in ("train_step", "train_step_scored"):
+                metrics = {"policy/loss": 0.0, "train/real_tokens": 4.0, "train/packed_tokens": 4.0,
+                           "train/padded_batch_tokens": 4.0}
+                if method == "train_step":
+                    return metrics
+                return metrics, {i: [-0.25] * len(args[0].response_ids[i]) for i in args[1]}
+            return None
+
+    trainer.policy, trainer.cfg.total_steps = Policy(), 1
+    trainer.cfg.data.train_batch_size = trainer.loader.batch_size = 2
+    trainer.cfg.trainer.policy_mini_batch_size = 2 // mini_batches
+    trainer.rollout_log = RolloutLog(tmp_path, trainer.generator.loop.renderer, num_samples=4, view_samples=4)
+    await trainer.fit()
+    records = load_token_records(tmp_path)
+    scores = {lp for r in records for s in r["samples"] for lp in s["trainer_logprobs"]}
+    assert records and scores == ({-0.25} if mini_batches == 1 else {-0.5})
+    trained = [c for c in calls if c.startswith("train_step")]
+    assert trained == (["train_step_scored"] if mini_batches == 1 else ["train_step", "train_step"])

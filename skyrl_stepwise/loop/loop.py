@@ -414,16 +414,32 @@ class RLTrainer:
         if len(mini_batches) > 1 and not no_gradient(batch, cfg.trainer.algorithm):
             with timer.phase("old_logprobs"), bar.phase("old logprobs"):
                 batch.old_logprobs = await self._call(self.policy, "compute_logprobs", batch)
-        if self.rollout_log is not None:  # the trainer's view of a few trajectories, before the update changes it
+        # the trainer's view of a few trajectories, under the weights before the update: where the one update's
+        # forward is that scoring pass (on-policy, a gradient to compute, no dropout) it returns their logprobs;
+        # elsewhere they are scored (or taken from the old-logprob pass) first
+        view = self._view_rows(output, batch) if self.rollout_log is not None else None
+        scored_in_update = bool(view) and len(mini_batches) == 1 and batch.old_logprobs is None and \
+            not cfg.trainer.keep_dropout and not no_gradient(batch, cfg.trainer.algorithm)
+        if view is not None and not scored_in_update:
             with timer.phase("view_tokens"):
-                metrics["view/token_bytes"] = float(await self._record_tokens(output, batch))
+                metrics["view/token_bytes"] = float(await self._record_tokens(output, batch, view))
         with timer.phase("train"):
             per_mini_batch = []
             for k, indices in enumerate(mini_batches):
                 with bar.phase(f"update {k + 1}/{len(mini_batches)}"):
-                    per_mini_batch.append(await self._call(self.policy, "train_step", batch.select(indices)))
+                    if scored_in_update:
+                        position = {row: j for j, row in enumerate(indices)}
+                        result, scored = await self._call(self.policy, "train_step_scored", batch.select(indices),
+                                                          [position[row] for row in view.values()])
+                        view_scores = {row: scored[position[row]] for row in view.values()}
+                    else:
+                        result = await self._call(self.policy, "train_step", batch.select(indices))
+                    per_mini_batch.append(result)
             train = combine_train_metrics(per_mini_batch)
         metrics.update(train)
+        if scored_in_update:
+            with timer.phase("view_tokens"):
+                metrics["view/token_bytes"] = float(await self._record_tokens(output, batch, view, view_scores))
 
         # with rollouts ahead, a sync first waits for the batch in progress (timing/weight_sync_s includes it);
         # the probe after it, with the run's own sampling parameters, is timed apart (timing/weight_sync_probe_s)
@@ -459,19 +475,27 @@ class RLTrainer:
                         / max(timer.get("timing/train_s", 0.0), 1e-9)})
         return metrics
 
-    async def _record_tokens(self, output: GeneratorOutput, batch: TrainBatch) -> int:
-        """This step's per-token view samples (loop/rollout_samples.py) with the advantages the loss uses and the
-        trainer's logprobs under the weights that sampled them: the old-logprob pass's when it ran, else one
-        scoring pass over just these samples (its cost: timing/view_tokens_s); returns the bytes written."""
+    def _view_rows(self, output: GeneratorOutput, batch: TrainBatch) -> dict[int, int]:
+        """The output rows of this step's per-token view samples that are trained, each with its row in `batch`."""
         where = batch_rows(output, batch)
-        rows = [r for traj in self.rollout_log.view_rows(output) for r in traj if r in where]
+        return {r: where[r] for traj in self.rollout_log.view_rows(output) for r in traj if r in where}
+
+    async def _record_tokens(self, output: GeneratorOutput, batch: TrainBatch, view: dict[int, int],
+                             scores: dict[int, list[float]] | None = None) -> int:
+        """This step's per-token view samples (loop/rollout_samples.py) with the advantages the loss uses and the
+        trainer's logprobs under the weights that sampled them: `scores` (batch row -> logprobs) when the update's
+        forward gave them, else the old-logprob pass's when it ran, else one scoring pass over just these samples
+        (its cost: timing/view_tokens_s); returns the bytes written."""
+        rows = list(view)
         if not rows:
             return self.rollout_log.record_tokens(output, self.step + 1, "train")
-        if batch.old_logprobs is not None:
-            scored = [batch.old_logprobs[where[r]] for r in rows]
+        if scores is not None:
+            scored = [scores[view[r]] for r in rows]
+        elif batch.old_logprobs is not None:
+            scored = [batch.old_logprobs[view[r]] for r in rows]
         else:
-            scored = await self._call(self.policy, "compute_logprobs", batch.select([where[r] for r in rows]))
-        advantages = {} if batch.advantages is None else {r: batch.advantages[where[r]] for r in rows}
+            scored = await self._call(self.policy, "compute_logprobs", batch.select([view[r] for r in rows]))
+        advantages = {} if batch.advantages is None else {r: batch.advantages[view[r]] for r in rows}
         return self.rollout_log.record_tokens(output, self.step + 1, "train", dict(zip(rows, scored)), advantages)
 
     async def _recover_engines(self) -> bool:

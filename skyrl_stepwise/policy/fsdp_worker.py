@@ -194,13 +194,22 @@ def micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: Algorith
     Without old_logprobs the update is on-policy: the detached current logprobs are the old ones
     (ratio 1), which saves a forward pass when each batch is a single mini-batch.
     """
+    return scored_micro_batch_loss(model, mb, cfg, num_tokens, temperature, top_k, top_p)[:2]
+
+
+def scored_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, cfg: AlgorithmConfig, num_tokens: float,
+                            temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
+                            ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+    """micro_batch_loss, and the row's logprobs under the weights before the update (detached), which its forward
+    computed anyway."""
     if mb.advantages is None:
         raise ValueError("train_step needs TrainBatch.advantages (got None): compute them with compute_advantages")
     logprobs, entropy = forward_logprobs(model, mb, temperature, with_entropy=True, top_k=top_k, top_p=top_p)
     old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-    return policy_loss(logprobs, old, mb.advantages, mb.loss_mask, cfg, num_tokens,
-                       rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
-                       loss_weights=mb.loss_weights)
+    loss, metrics = policy_loss(logprobs, old, mb.advantages, mb.loss_mask, cfg, num_tokens,
+                                rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=entropy,
+                                loss_weights=mb.loss_weights)
+    return loss, metrics, logprobs.detach()
 
 
 def sft_micro_batch_loss(model: torch.nn.Module, mb: PackedMicroBatch, num_tokens: float,
@@ -426,6 +435,19 @@ class PolicyWorker:
         scaled by world_size before backward; the result is exactly the gradient of the global token mean.
         A step whose gradient norm is not finite is skipped (train/skipped_step = 1).
         """
+        return self._train_step(batch, objective, None)[0]
+
+    def train_step_scored(self, batch: TrainBatch, rows: list[int]
+                          ) -> tuple[dict[str, float], dict[int, list[float]]]:
+        """A PPO train_step that also returns the logprobs its forward computed for the samples `rows` of `batch`,
+        under the weights before the update, on every rank: what the viewer shows as the trainer's logprobs, without
+        a second forward of those samples. The loop asks only where that forward is the scoring pass: one
+        on-policy mini-batch with a gradient to compute, dropout off (a zero-gradient step runs no forward and
+        returns no scores)."""
+        return self._train_step(batch, "ppo", set(rows))
+
+    def _train_step(self, batch: TrainBatch, objective: str, rows: set[int] | None
+                    ) -> tuple[dict[str, float], dict[int, list[float]]]:
         if self.optimizer is None:
             raise RuntimeError("train_step called on a PolicyWorker built with trainable=False")
         if objective not in ("ppo", "sft"):
@@ -433,8 +455,9 @@ class PolicyWorker:
         start = time.perf_counter()
         batch.validate()
         if objective == "ppo" and no_gradient(batch, self.cfg.algorithm):
-            return self._zero_gradient_step(batch, start)
+            return self._zero_gradient_step(batch, start), {}
         self.model.train()
+        scored: dict[int, list[float]] = {}
         mine, per_rank = self._micro_batches(batch)
         num_tokens = batch.num_loss_tokens()
         denominator = batch.loss_denominator()  # = num_tokens unless trajectory weights are set
@@ -446,8 +469,11 @@ class PolicyWorker:
             if objective == "sft":
                 loss, metrics = sft_micro_batch_loss(self.model, mb, num_tokens)
             else:
-                loss, metrics = micro_batch_loss(self.model, mb, self.cfg.algorithm, denominator,
-                                                 self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+                loss, metrics, logprobs = scored_micro_batch_loss(
+                    self.model, mb, self.cfg.algorithm, denominator, self.cfg.temperature, self.cfg.top_k,
+                    self.cfg.top_p)
+                if rows:
+                    scored.update((i, lp) for i, lp in zip(idx, mb.split(logprobs)) if i in rows)
             (loss * self.world_size).backward()
             for k, v in metrics.items():  # `*_max` metrics are maxima (over micro-batches, then ranks)
                 totals[k] = max(totals[k], v) if k.endswith("_max") else totals[k] + v
@@ -476,10 +502,14 @@ class PolicyWorker:
             out.update(zip(max_keys, maxed.tolist()))
         out.update(packing_stats(batch, [mb for m in per_rank for mb in m], self.cfg.packing,
                                  self.cfg.micro_batch_tokens))
+        if rows:  # each rank scored the samples of its own micro-batches
+            gathered: list[dict[int, list[float]]] = [None] * self.world_size  # type: ignore[list-item]
+            dist.all_gather_object(gathered, scored)
+            scored = {i: lp for part in gathered for i, lp in part.items()}
         out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped_step": float(skipped),
                     "train/loss_tokens": num_tokens, "train/step_time_s": time.perf_counter() - start})
         release_host_memory(self.device)
-        return out
+        return out, scored
 
     def _hold_unsharded(self, last: bool) -> None:
         """Through a step's micro-batches (trainer.fsdp.accumulate_unsharded) keep every layer gathered and sum its
