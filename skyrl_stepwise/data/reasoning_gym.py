@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyrl_stepwise.envs.reasoning_gym import ENTRY_ENCODING, decode_entry, encode_entry  # noqa: F401
+from skyrl_stepwise.envs.reasoning_gym import ENTRY_ENCODING, decode_entry, encode_entry, score_answer  # noqa: F401
 
 ENV_CLASS = "reasoning_gym"
 # Registered tasks `create_dataset(name, size, seed)` cannot build, with the reason (shown by check_task and --list).
 NEEDS_CONFIG = {"composite": "it mixes other tasks and needs their list in its config (datasets=...), which a task "
                              "name, size and seed cannot give"}
 SPEC_PREFIX = "reasoning_gym:"
+ROWS_CHECKED = "inert1"  # in a cached file's name: files built before the env's scoring gate are built (checked) again
 SYSTEM_PROMPT = ("Solve the task. Think briefly, then give only the final answer inside <answer> and </answer>, "
                  "for example <answer>42</answer>.")
 
@@ -93,6 +94,12 @@ def check_entry(task: str, index: int, entry: dict[str, Any], stored: str) -> No
         raise ValueError(f"reasoning-gym task {task!r}: entry {index} is not kept faithfully (its own answer scores "
                          f"{original} on the generated entry, {kept} on the stored one{differs}), so it cannot be "
                          "trained on")
+    paid, refused = score_answer(task, answer, restored)
+    if paid != original:  # the gate that keeps answers from running as code must pay a right answer in full
+        why = f"its scorer compiles {refused}" if refused else "the env pays it differently"
+        raise ValueError(f"reasoning-gym task {task!r}: entry {index}'s own answer scores {original}, but {paid} as "
+                         f"the env scores it ({why}): the env cannot score this task without running answers as "
+                         "code or underpaying right ones, so it cannot be trained on")
 
 
 def task_rows(spec: TaskSpec, split: str = "train") -> list[dict[str, Any]]:
@@ -129,7 +136,7 @@ def cached_task_file(spec: TaskSpec, cache_dir: str | os.PathLike | None = None)
     from skyrl_stepwise.data.dataset import write_parquet
     from skyrl_stepwise.models.prepare import cache_root
 
-    name = f"{spec.name}-{spec.size}-{spec.seed}.{ENTRY_ENCODING.replace('/', '')}.parquet"
+    name = f"{spec.name}-{spec.size}-{spec.seed}.{ENTRY_ENCODING.replace('/', '')}.{ROWS_CHECKED}.parquet"
     path = cache_root(cache_dir) / "data" / "reasoning_gym" / name
     if not path.is_file():
         write_parquet(task_rows(spec), path)

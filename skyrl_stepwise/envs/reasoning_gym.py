@@ -1,16 +1,30 @@
 """A reasoning-gym row scored by the task's own scorer: one turn, the last `<answer>...</answer>` is the answer.
 
-A missing answer scores what the task's scorer gives `None` (0 for every task): the model produced no answer, a
-real outcome. A scorer that raises is not an outcome: the error propagates and the generator drops the trajectory
+A missing answer pays 0: the model produced no answer, a real outcome. A scorer that raises is not an outcome: the error propagates and the generator drops the trajectory
 (counted), so no made-up reward is trained.
+
+What is paid is what was solved, whatever the answer tries:
+- the scorer runs under envs/inert.py's gate: an answer that would be run as code (several scorers `eval` it or
+  hand it to sympy) is refused before any of it runs and pays 0 (`reasoning_gym_code_refused`);
+- a missing answer pays 0 whatever the scorer gives `None` (countdown and puzzle24 gave 0.01): nothing was solved;
+- where a task's scorer judges an arithmetic answer's value but not which numbers it uses (puzzle24 paid
+  `4*6*1*1` on every puzzle; countdown read the numbers used from the answer's digits, so `(...)*(pi-pi)+...` with
+  the target spelled without digits passed), the answer must be +, -, *, / over exactly the puzzle's numbers
+  (`NUMBERS_CHECKED`) or it pays 0;
+- the partial credit reasoning-gym's default scorer gives an answer that merely contains the expected one
+  (`len(expected) / len(answer)`: "31" earned 0.5 for 3, and "12131" 0.4 whichever of 12, 21, 13, 31 was right, more
+  than a guess) is not paid: with that scorer only the exact answer scores. A task that defines its own scorer keeps
+  its own partial credit.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 from typing import Any, Callable
 
 from skyrl_stepwise.envs.base import Message, StepResult
+from skyrl_stepwise.envs.inert import inert_scoring
 from skyrl_stepwise.envs.rewards import ANSWER_RE
 
 ENTRY_ENCODING = "tagged-json/1"  # reward_spec.entry_encoding: rows without it are from the lossy format
@@ -65,6 +79,61 @@ def _scorer(task: str) -> Callable[[str | None, dict], float]:
     return reasoning_gym.get_score_answer_fn(task)
 
 
+def _contains_credit(scorer: Callable) -> bool:
+    """True where `scorer` is reasoning-gym's default one, whose partial credit pays for containing the answer."""
+    from reasoning_gym.dataset import ProceduralDataset
+
+    return getattr(scorer, "__func__", None) is ProceduralDataset.score_answer
+
+
+_warmed: set[str] = set()
+# tasks whose scorer checks an arithmetic answer's value, not that it uses the puzzle's numbers (entry metadata)
+NUMBERS_CHECKED = frozenset({"puzzle24", "countdown"})
+_ARITHMETIC = (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.UnaryOp, ast.USub, ast.UAdd,
+               ast.Constant)
+
+
+def uses_exactly_the_numbers(answer: str, numbers: list[int]) -> bool:
+    """`answer` is +, -, *, / (and a sign) and parentheses over integer literals that are `numbers`, each used once."""
+    try:
+        tree = ast.parse(answer.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    nodes = list(ast.walk(tree))
+    if not all(isinstance(n, _ARITHMETIC) for n in nodes):
+        return False
+    used = [n.value for n in nodes if isinstance(n, ast.Constant)]
+    return all(type(v) is int for v in used) and sorted(used) == sorted(int(n) for n in numbers)
+
+
+def score_answer(task: str, answer: str | None, entry: dict[str, Any]) -> tuple[float, str | None]:
+    """What `answer` is paid on `entry` of `task`, and why it was refused as code (None: it was not).
+
+    The first call of a task in this process scores the entry's own answer outside the gate, so what the scorer
+    builds once (lazy imports, cached types) is built from trusted text, not while an answer is graded."""
+    scorer = _scorer(task)
+    if task not in _warmed:
+        _warmed.add(task)
+        try:
+            scorer(None if entry.get("answer") is None else str(entry["answer"]), entry)
+        except Exception:  # noqa: BLE001 - the build-time check (data/reasoning_gym.py) names such a task
+            pass
+    with inert_scoring() as gate:
+        try:
+            score = float(scorer(answer, entry))
+        except Exception:
+            if not gate.refused:
+                raise
+            score = 0.0
+    if gate.refused:
+        return 0.0, gate.refused[0]
+    if answer is None or score < 1.0 and _contains_credit(scorer):
+        return 0.0, None
+    if task in NUMBERS_CHECKED and not uses_exactly_the_numbers(answer, entry["metadata"]["numbers"]):
+        return 0.0, None
+    return score, None
+
+
 class ReasoningGymEnv:
     """One question of a reasoning-gym task; the reward is the task scorer's value for the sampled answer."""
 
@@ -93,7 +162,8 @@ class ReasoningGymEnv:
         """Score the last <answer> with the task's scorer; the episode ends after this one turn."""
         answers = ANSWER_RE.findall(action_text)
         answer = answers[-1].strip() if answers else None
-        score = float(_scorer(self.task)(answer, self.entry))
+        score, refused = score_answer(self.task, answer, self.entry)
         return StepResult(observations=[], reward=score, done=True,
                           metrics={"reasoning_gym_answered": float(answer is not None),
-                                   "reasoning_gym_score": score})
+                                   "reasoning_gym_score": score,
+                                   "reasoning_gym_code_refused": float(refused is not None)})
