@@ -319,3 +319,21 @@ async def test_a_dead_retriever_fails_only_the_trajectories_that_searched(tokeni
     assert set(out.trajectory_ids) == {TrajectoryID("q0", 1)}
     assert out.rollout_metrics["generate/failed_trajectories/env_step"] == 1
     assert not any("Search failed" in tokenizer.decode(p) for p in out.prompt_token_ids)
+
+
+async def test_the_retrieval_bonus_needs_the_answer_in_the_passages_as_whole_words():
+    """A plain substring of the formatted observation paid the bonus for retrieving nothing relevant: gold "2" was
+    in "Doc 2", "US" in "business", "Ana" in "banana". The answer must be whole words of the passages themselves."""
+    from skyrl_stepwise.envs.rewards import words_contain
+
+    class Banana:
+        async def search(self, queries, topk):
+            return [[{"contents": '"Banana"\nA banana business grows bananas.'},
+                     {"contents": '"Plantain"\nPlantains are cooked.'}] for _ in queries]
+
+    for gold, paid in (("2", 0.0), ("US", 0.0), ("Ana", 0.0), ("banana", 0.2), ("plantains are", 0.2)):
+        env = SearchEnv(SearchEnvConfig(intermediate_reward=0.2, topk=2), Banana())
+        await env.reset(PROMPT, {"reward_spec": {"ground_truth": {"target": [gold]}}, "max_turns": 3})
+        result = await env.step("<search>banana</search>")
+        assert result.reward == paid and result.metrics["answer_retrieved"] == float(paid > 0), gold
+    assert words_contain("The U.S. economy", ["us"]) and not words_contain("a", ["The"])  # "The" normalises to ""

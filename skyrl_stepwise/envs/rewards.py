@@ -37,6 +37,13 @@ def subem_check(prediction: str, golden_answers: str | Iterable[str]) -> bool:
     return any(normalize_answer(g) in pred for g in _as_list(golden_answers))
 
 
+def words_contain(text: str, golden_answers: str | Iterable[str]) -> bool:
+    """True if a normalized golden answer occurs in the normalized text as a run of whole words (a plain substring
+    finds "us" in "business"); an answer that normalizes to nothing is never found."""
+    words = f" {normalize_answer(text)} "
+    return any(f" {g} " in words for g in map(normalize_answer, _as_list(golden_answers)) if g)
+
+
 def extract_answers(text: str) -> list[str]:
     """Every `<answer>...</answer>` body, stripped, in order."""
     return [m.strip() for m in ANSWER_RE.findall(text)]

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from skyrl_stepwise.envs.base import EnvRegistry, Message, StepResult
-from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check
+from skyrl_stepwise.envs.rewards import exact_match_score, last_answer, subem_check, words_contain
 from skyrl_stepwise.retrieval.client import (RetrievalClient, RetrievalError, RetrievalUnavailable,
                                              RetrieverEndpointConfig)
 from skyrl_stepwise.retrieval.index import format_documents  # noqa: F401  (the demonstrations read it here)
@@ -145,7 +145,9 @@ class SearchEnv:
                 docs = (await self.client.search([action[1]], self.cfg.topk))[0]
                 documents = format_documents(docs, self.cfg.doc_template, self.cfg.max_doc_words).strip()
                 text = self.cfg.observation_template.format(results=documents)
-                reward = intermediate_retrieval_reward(documents, self.targets, self.cfg.intermediate_reward, self,
+                # the passages as the model reads them, without the template's own words ("Doc 2" is no answer 2)
+                passages = format_documents(docs, "{title}\n{text}\n", self.cfg.max_doc_words)
+                reward = intermediate_retrieval_reward(passages, self.targets, self.cfg.intermediate_reward, self,
                                                        metrics)
             except (RetrievalError, httpx.HTTPError) as e:  # a broken answer must not end the episode
                 if isinstance(e, RetrievalUnavailable) and self.cfg.retriever_down == "fail":
@@ -159,8 +161,10 @@ class SearchEnv:
 def intermediate_retrieval_reward(text: str, targets: list[str], bonus: float, episode, metrics: dict[str, float]
                                   ) -> float:
     """Shared by the search and tool envs: pay `bonus` once per episode (`episode.rewarded_retrieval`) when a golden
-    answer appears in retrieved text, so a policy cannot farm it by repeating a search; metrics say what happened."""
-    hit = subem_check(text, targets)
+    answer appears in retrieved text, so a policy cannot farm it by repeating a search; metrics say what happened.
+    The answer must appear as whole words (normalised): a plain substring paid "us" for "business" and "Ana" for
+    "banana", whatever was retrieved."""
+    hit = words_contain(text, targets)
     paid = bonus if hit and bonus > 0 and not episode.rewarded_retrieval else 0.0
     episode.rewarded_retrieval = episode.rewarded_retrieval or paid > 0
     metrics["answer_retrieved"] = float(hit)
