@@ -337,3 +337,13 @@ async def test_the_retrieval_bonus_needs_the_answer_in_the_passages_as_whole_wor
         result = await env.step("<search>banana</search>")
         assert result.reward == paid and result.metrics["answer_retrieved"] == float(paid > 0), gold
     assert words_contain("The U.S. economy", ["us"]) and not words_contain("a", ["The"])  # "The" normalises to ""
+
+
+def test_a_golden_answer_that_normalizes_to_nothing_is_matched_by_nothing():
+    """Search-R1's normalisation drops articles and punctuation: a golden "The The" became "", which an empty answer,
+    "a" or "..." equalled (EM 1.0), and which is inside every prediction (subEM 1.0)."""
+    from skyrl_stepwise.envs.rewards import em_check, subem_check
+
+    for prediction in ("", "a", "...", "the"):
+        assert not em_check(prediction, ["The The"]) and not subem_check(prediction, ["..."])
+    assert em_check("The Who", ["Who", "The The"]) and subem_check("it was the who", ["The The", "who"])

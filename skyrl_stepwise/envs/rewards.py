@@ -26,15 +26,17 @@ def _as_list(golden: str | Iterable[str]) -> list[str]:
 
 
 def em_check(prediction: str, golden_answers: str | Iterable[str]) -> bool:
-    """True if the normalized prediction equals any normalized golden answer (the training reward)."""
+    """True if the normalized prediction equals any normalized golden answer (the training reward). A golden answer
+    that normalizes to nothing ("The The", "...") is no answer: an empty or one-article prediction never matches it."""
     pred = normalize_answer(prediction)
-    return any(pred == normalize_answer(g) for g in _as_list(golden_answers))
+    return any(pred == g for g in map(normalize_answer, _as_list(golden_answers)) if g)
 
 
 def subem_check(prediction: str, golden_answers: str | Iterable[str]) -> bool:
-    """True if a normalized golden answer is inside the normalized prediction (a looser eval metric)."""
+    """True if a normalized golden answer is inside the normalized prediction (a looser eval metric); one that
+    normalizes to nothing is inside every prediction, so it counts as no answer."""
     pred = normalize_answer(prediction)
-    return any(normalize_answer(g) in pred for g in _as_list(golden_answers))
+    return any(g in pred for g in map(normalize_answer, _as_list(golden_answers)) if g)
 
 
 def words_contain(text: str, golden_answers: str | Iterable[str]) -> bool:
