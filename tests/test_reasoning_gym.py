@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import pytest
 
@@ -153,9 +154,11 @@ def test_a_task_whose_entry_is_not_kept_faithfully_is_refused_by_name(monkeypatc
 def test_the_encoding_round_trips_what_entries_hold():
     entry = {"grid": ((1, 2), (3, 4)), "colors": {0: "red", 1: "blue"}, "seen": {(1, 2), (3, 4)},
              "fixed": frozenset({"a"}), "raw": b"\x00\xff", "__rg_type__": "x", "plain": [1.5, None, True, "s"],
-             "nested": [{(1,): [()]}]}
+             "nested": [{(1,): [()]}], "share": Fraction(3, 4)}
     restored = decode_entry(encode_entry(entry))
     assert restored == entry and type(restored["grid"][0]) is tuple and type(restored["fixed"]) is frozenset
+    assert type(restored["share"]) is Fraction
+    task_rows(TaskSpec("gsm_symbolic", 8, 0))  # its entry 7 holds a Fraction: refused before it could be stored
 
 
 async def test_a_row_stored_by_the_lossy_version_asks_for_a_rebuild():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+from fractions import Fraction
 from typing import Any, Callable
 
 from skyrl_stepwise.envs.base import Message, StepResult
@@ -32,7 +33,7 @@ _TAG = "__rg_type__"
 
 
 def _tagged(value: Any, path: str) -> Any:
-    """`value` as plain JSON values, tuples/sets/frozensets/bytes and dicts with non-string keys tagged so
+    """`value` as plain JSON values, tuples/sets/frozensets/bytes/fractions and dicts with non-string keys tagged so
     `decode_entry` gives them back as they were; any other type fails naming where it is (never its repr)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -42,6 +43,8 @@ def _tagged(value: Any, path: str) -> Any:
         return {_TAG: type(value).__name__, "items": [_tagged(v, f"{path}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, bytes):
         return {_TAG: "bytes", "hex": value.hex()}
+    if isinstance(value, Fraction):  # gsm_symbolic's variables
+        return {_TAG: "fraction", "numerator": value.numerator, "denominator": value.denominator}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and _TAG not in value:
             return {k: _tagged(v, f"{path}.{k}") for k, v in value.items()}
@@ -57,6 +60,8 @@ def _untagged(obj: dict) -> Any:
         return obj
     if kind == "bytes":
         return bytes.fromhex(obj["hex"])
+    if kind == "fraction":
+        return Fraction(obj["numerator"], obj["denominator"])
     if kind == "dict":
         return {k: v for k, v in obj["items"]}
     return {"tuple": tuple, "set": set, "frozenset": frozenset}[kind](obj["items"])
