@@ -36,7 +36,7 @@ def _play(row: dict, answer: str):
     ("__import__('os').getpid()", "a call to"), ("().__class__", "Attribute"), ("x[0]", "Subscript"),
     ("len('abc')", "a call to 'len'"), ("sin('__import__(1)')", "a string passed to 'sin'"),
     ("lambda: 1", "Lambda"), ("[c for c in 'ab']", "ListComp"), ("_x", "the name '_x'"), ("x = 1", "statements"),
-    ("9**9**9**9", "an exponent"), ("((x**2)**2)**2", "a power of a power of a power"), ("1 << 10**9", "exponent"),
+    ("9**9**9**9", "an exponent"), ("((9**1000)**1000)**1000", "multiply past"), ("1 << 10**9", "exponent"),
     ("[0] * 10**8", "a repeated sequence"), ("'a' * 10**9", "a repeated sequence"), ("x" * 10_001, "longer than"),
 ])
 def test_only_inert_data_passes(source, why):
@@ -70,12 +70,12 @@ def test_an_answer_that_is_code_pays_nothing_and_changes_nothing(attack):
     row = _row("string_insertion")
     scorer = rg_env._scorer
     result = _play(row, attack)
-    assert result.reward == 0.0 and result.metrics["reasoning_gym_code_refused"] == 1.0
+    assert result.reward == 0.0 and result.metrics["reasoning_gym_refused"] == 1.0
     assert rg_env._scorer is scorer
     later = _row("basic_arithmetic")
     assert _play(later, "banana").reward == 0.0
     right = decode_entry(row["reward_spec"]["entry"])["answer"]
-    assert _play(row, right).reward == 1.0 and _play(row, right).metrics["reasoning_gym_code_refused"] == 0.0
+    assert _play(row, right).reward == 1.0 and _play(row, right).metrics["reasoning_gym_refused"] == 0.0
 
 
 def test_sympy_scored_tasks_refuse_code_and_pay_right_answers(tmp_path):
@@ -86,10 +86,10 @@ def test_sympy_scored_tasks_refuse_code_and_pay_right_answers(tmp_path):
     numbers, target = entry["metadata"]["numbers"], entry["metadata"]["target"]
     attack = f"({'+'.join(map(str, numbers))})*(pi-pi)+len('{'x' * target}')"
     result = _play(row, attack)
-    assert result.reward == 0.0 and result.metrics["reasoning_gym_code_refused"] == 1.0
+    assert result.reward == 0.0 and result.metrics["reasoning_gym_refused"] == 1.0
     assert _play(row, entry["answer"]).reward == 1.0
     slow = _play(row, "9**9**9**9")  # would never finish
-    assert slow.reward == 0.0 and slow.metrics["reasoning_gym_code_refused"] == 1.0
+    assert slow.reward == 0.0 and slow.metrics["reasoning_gym_refused"] == 1.0
 
 
 def test_containing_the_answer_is_not_partial_credit():
@@ -143,3 +143,36 @@ def test_no_answer_pays_nothing_whatever_the_scorer_gives_none(task):
     assert result.reward == 0.0 and result.metrics["reasoning_gym_answered"] == 0.0
     given = rg_env._scorer(task)(None, decode_entry(row["reward_spec"]["entry"]))
     assert given == (0.0 if task == "basic_arithmetic" else 0.01)  # what the scorer alone would have paid
+
+
+def test_math_answers_are_scored_not_refused():
+    """What a wrong or right math answer makes sympy compile is not code: `cos(x)` becomes `cos(Symbol('x'))` (a
+    string inside a wrapper), a many-symbol polynomial makes sympy generate its monomial arithmetic, and a power of
+    a power with small exponents is a polynomial. Each was refused by a first version (a fuzz of 150 expressions)."""
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("intermediate_integration", size=1, seed=0)[0]
+    for answer in ("sin(x) + C", "cos(x)**2 + log(x + 1) + C", "(((x)**11 - ((1)**2)**1))**10 + C"):
+        score, refused = rg_env.score_answer("intermediate_integration", answer, entry)
+        assert refused is None and score == 0.0, answer
+    from sympy.polys.monomials import MonomialOps
+
+    with inert_scoring() as gate:  # 17 generators: a ring no other test builds (sympy caches the generated code)
+        assert MonomialOps(17).mul()((1,) * 17, (2,) * 17) == (3,) * 17
+    assert gate.refused == []
+
+
+def test_a_scoring_that_runs_too_long_is_cut_and_pays_nothing(monkeypatch):
+    """An inert answer can still keep sympy busy: this one held intermediate_integration's simplify for 10 minutes
+    in the trainer's event loop. It is cut at SCORE_TIMEOUT_S (1 s here) and pays 0; the next answer scores."""
+    import time
+
+    import reasoning_gym
+
+    monkeypatch.setattr(rg_env, "SCORE_TIMEOUT_S", 1.0)
+    entry = reasoning_gym.create_dataset("intermediate_integration", size=1, seed=0)[0]
+    slow = "(sin(x)+cos(x)+tan(x)+exp(x))**12 + log(x+1)**7*sqrt(x**3+x+1)**9 + C"
+    start = time.perf_counter()
+    assert rg_env.score_answer("intermediate_integration", slow, entry) == (0.0, "scoring ran past 1.0 s")
+    assert time.perf_counter() - start < 5.0
+    assert rg_env.score_answer("intermediate_integration", entry["answer"], entry) == (1.0, None)

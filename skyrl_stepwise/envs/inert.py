@@ -11,7 +11,7 @@ So while a scorer grades an answer (`inert_scoring`), every source text this pro
 (`eval`, `exec`, `compile`: Python's "compile" audit event, whichever library asks) must be inert data: literals,
 containers, names, arithmetic with a bounded power, and calls only to pure math functions and the wrappers sympy
 writes around numbers and symbols. Anything else (an attribute, a subscript, a call to any other name, a lambda, a
-comprehension, a name starting with `_`, a power of a power) aborts that compile before a byte of it runs
+comprehension, a name starting with `_`, powers of powers past a bound) aborts that compile before a byte of it runs
 (`AnswerIsCode`), and the answer is refused: it pays 0, whatever the scorer does with the error. Modules imported
 from files are not answers and compile as usual. The gate is one audit hook, installed once per process and idle
 outside `inert_scoring`; data/reasoning_gym.py checks at build time that every task's own answers still score the
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 MAX_SOURCE_CHARS = 10_000  # an answer longer than this is not scored as an expression
 MAX_EXPONENT = 1_000  # x**1000 is a polynomial; 10**10**10 is a denial of service
+MAX_GROWTH = 1_000_000  # (x**12)**7 is fine; ((9**1000)**1000)**1000 has a billion digits
 # pure functions of numbers and symbols (sympy's and Python's names), and what sympy's parser wraps literals in
 MATH_CALLS = frozenset({
     "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "sinh", "cosh", "tanh", "asinh",
@@ -89,17 +90,14 @@ def _why_not(node: ast.AST) -> str | None:
             name = child.func.id if isinstance(child.func, ast.Name) else None
             if name not in MATH_CALLS | WRAPPERS or child.keywords:
                 return f"a call to {ast.unparse(child.func)!r}"
-            strings = [a for a in child.args for n in ast.walk(a) if isinstance(n, ast.Constant)
-                       and isinstance(n.value, (str, bytes))]
-            if strings and name not in WRAPPERS:  # sympy functions sympify a string argument: an eval
-                return f"a string passed to {name!r}"
+            if name not in WRAPPERS and any(_bare_string(a) for a in child.args):
+                return f"a string passed to {name!r}"  # sympy functions sympify a string argument: an eval
         if isinstance(child, ast.BinOp) and isinstance(child.op, _GROWING):
-            if any(isinstance(n, ast.BinOp) and isinstance(n.op, _GROWING) and n is not inner
-                   for inner in _growing_in(child.left) for n in ast.walk(inner.left)):
-                return "a power of a power of a power"
             exponent = _number(child.right)
             if exponent is None or abs(exponent) > MAX_EXPONENT:
                 return f"an exponent or shift other than a number up to {MAX_EXPONENT}"
+            if _growth(child) > MAX_GROWTH:
+                return f"powers of powers whose exponents multiply past {MAX_GROWTH}"
         if isinstance(child, ast.BinOp) and isinstance(child.op, ast.Mult) and any(
                 isinstance(side, (ast.List, ast.Tuple, ast.Set)) or
                 isinstance(side, ast.Constant) and isinstance(side.value, (str, bytes))
@@ -108,9 +106,22 @@ def _why_not(node: ast.AST) -> str | None:
     return None
 
 
-def _growing_in(node: ast.AST) -> list[ast.BinOp]:
-    """The powers and shifts inside `node`."""
-    return [n for n in ast.walk(node) if isinstance(n, ast.BinOp) and isinstance(n.op, _GROWING)]
+def _bare_string(node: ast.AST) -> bool:
+    """A string literal in `node` outside the wrappers' own arguments (`Symbol('x')` is a symbol, not a string)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (str, bytes))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in WRAPPERS:
+        return False
+    return any(_bare_string(child) for child in ast.iter_child_nodes(node))
+
+
+def _growth(node: ast.AST) -> float:
+    """The largest product of the exponents along a chain of powers nested in each other's bases in `node` (1
+    without powers): how many digits a tower can reach, which the exponents one by one do not bound."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _GROWING):
+        exponent = _number(node.right)
+        return max(1.0, abs(exponent if exponent is not None else float("inf"))) * _growth(node.left)
+    return max((_growth(child) for child in ast.iter_child_nodes(node)), default=1.0)
 
 
 def _number(node: ast.AST) -> float | None:
@@ -138,11 +149,18 @@ def _number(node: ast.AST) -> float | None:
     return None
 
 
-# the standard library's code generators (a namedtuple's __new__, a dataclass's __init__), compiled from their own
-# text when a type is first made, also while scoring; nothing of an answer reaches them
+# code generators that compile their own text while scoring (the standard library's namedtuple __new__ and dataclass
+# __init__, when a type is first made; sympy's monomial arithmetic for a polynomial ring of N generators, when the
+# answer's expression first has N symbols): nothing of an answer's text reaches them, only counts and names of theirs
 _STDLIB = os.path.dirname(os.__file__)
 _GENERATORS = frozenset(os.path.join(_STDLIB, name) for name in (
     "collections/__init__.py", "dataclasses.py", "typing.py", "enum.py", "string.py"))
+_LIBRARY_GENERATORS = (os.path.join("sympy", "polys", "monomials.py"),)
+
+
+def _generator(caller: str) -> bool:
+    """Whether `caller` (the file of the code that asked for the compile) is one of the code generators above."""
+    return caller in _GENERATORS or caller.endswith(_LIBRARY_GENERATORS) and "site-packages" in caller
 
 
 def _audit(event: str, args: tuple) -> None:
@@ -160,7 +178,7 @@ def _audit(event: str, args: tuple) -> None:
 
 def _check(scoring: _Scoring, args: tuple, caller: str) -> None:
     source, filename = (args + (None, None))[:2]
-    if isinstance(filename, (str, bytes)) and os.path.isfile(filename) or caller in _GENERATORS:
+    if isinstance(filename, (str, bytes)) and os.path.isfile(filename) or _generator(caller):
         return  # a module imported from its file, or a standard type being made, while scoring
     if isinstance(source, ast.AST):
         why = _why_not(source.body[0].value) if isinstance(source, ast.Module) and len(source.body) == 1 and \

@@ -5,7 +5,8 @@ A missing answer pays 0: the model produced no answer, a real outcome. A scorer 
 
 What is paid is what was solved, whatever the answer tries:
 - the scorer runs under envs/inert.py's gate: an answer that would be run as code (several scorers `eval` it or
-  hand it to sympy) is refused before any of it runs and pays 0 (`reasoning_gym_code_refused`);
+  hand it to sympy) is refused before any of it runs and pays 0 (`reasoning_gym_refused`), and so is one whose
+  scoring runs past SCORE_TIMEOUT_S (an inert integral kept sympy's simplify busy for 10 minutes);
 - a missing answer pays 0 whatever the scorer gives `None` (countdown and puzzle24 gave 0.01): nothing was solved;
 - where a task's scorer judges an arithmetic answer's value but not which numbers it uses (puzzle24 paid
   `4*6*1*1` on every puzzle; countdown read the numbers used from the answer's digits, so `(...)*(pi-pi)+...` with
@@ -21,6 +22,9 @@ from __future__ import annotations
 
 import ast
 import json
+import signal
+import threading
+from contextlib import contextmanager
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -92,6 +96,36 @@ def _contains_credit(scorer: Callable) -> bool:
 
 
 _warmed: set[str] = set()
+# the wall-clock limit of one scoring: sympy simplified an inert but adversarial integral answer for 10 minutes in
+# the trainer's event loop; right answers score in milliseconds
+SCORE_TIMEOUT_S = 10.0
+
+
+class _Expired(BaseException):
+    """Raised into a scorer that ran past SCORE_TIMEOUT_S (a BaseException: `except Exception` does not keep it)."""
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Interrupt the block after `seconds`, and every second after that until it ends (a scorer that swallows the
+    first interruption gets the next); yields the record of whether it fired. A SIGALRM timer, so only on the main
+    thread (where the generator's event loop runs envs); elsewhere the block runs unbounded."""
+    fired = {"expired": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield fired
+        return
+
+    def expire(signum, frame):
+        fired["expired"] = True
+        raise _Expired(f"scoring ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    earlier = signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+    try:
+        yield fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, *earlier)
+        signal.signal(signal.SIGALRM, previous)
 # tasks whose scorer checks an arithmetic answer's value, not that it uses the puzzle's numbers (entry metadata)
 NUMBERS_CHECKED = frozenset({"puzzle24", "countdown"})
 _ARITHMETIC = (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.UnaryOp, ast.USub, ast.UAdd,
@@ -112,7 +146,8 @@ def uses_exactly_the_numbers(answer: str, numbers: list[int]) -> bool:
 
 
 def score_answer(task: str, answer: str | None, entry: dict[str, Any]) -> tuple[float, str | None]:
-    """What `answer` is paid on `entry` of `task`, and why it was refused as code (None: it was not).
+    """What `answer` is paid on `entry` of `task`, and why it was refused (None: it was not): code, or a scoring
+    that ran past SCORE_TIMEOUT_S (neither is a solution shown).
 
     The first call of a task in this process scores the entry's own answer outside the gate, so what the scorer
     builds once (lazy imports, cached types) is built from trusted text, not while an answer is graded."""
@@ -123,13 +158,15 @@ def score_answer(task: str, answer: str | None, entry: dict[str, Any]) -> tuple[
             scorer(None if entry.get("answer") is None else str(entry["answer"]), entry)
         except Exception:  # noqa: BLE001 - the build-time check (data/reasoning_gym.py) names such a task
             pass
-    with inert_scoring() as gate:
+    with inert_scoring() as gate, _time_limit(SCORE_TIMEOUT_S) as limit:
         try:
             score = float(scorer(answer, entry))
-        except Exception:
-            if not gate.refused:
+        except (Exception, _Expired):
+            if not gate.refused and not limit["expired"]:
                 raise
             score = 0.0
+    if limit["expired"]:
+        return 0.0, f"scoring ran past {SCORE_TIMEOUT_S} s"
     if gate.refused:
         return 0.0, gate.refused[0]
     if answer is None or score < 1.0 and _contains_credit(scorer):
@@ -171,4 +208,4 @@ class ReasoningGymEnv:
         return StepResult(observations=[], reward=score, done=True,
                           metrics={"reasoning_gym_answered": float(answer is not None),
                                    "reasoning_gym_score": score,
-                                   "reasoning_gym_code_refused": float(refused is not None)})
+                                   "reasoning_gym_refused": float(refused is not None)})
